@@ -1,0 +1,51 @@
+#include "client/row_file.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "client/safetensors_file.h"
+
+namespace mlakv {
+
+absl::StatusOr<RowFile> LoadRowFile(const std::string& path) {
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(path);
+  if (!file.ok()) return file.status();
+  absl::StatusOr<const SafetensorsFile::Tensor*> ckv = file->Get("ckv", {"BF16", "F16"}, 2);
+  if (!ckv.ok()) return ckv.status();
+  absl::StatusOr<const SafetensorsFile::Tensor*> kpe = file->Get("kpe", {"BF16", "F16"}, 2);
+  if (!kpe.ok()) return kpe.status();
+  const auto& c = **ckv;
+  const auto& k = **kpe;
+  if (c.shape[1] != 512 || k.shape[1] != 64 || c.shape[0] != k.shape[0] || c.dtype != k.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": expected ckv [N, 512] and kpe [N, 64] of one dtype, got ckv ",
+                                                   c.dtype, "[", c.shape[0], ", ", c.shape[1], "] and kpe ", k.dtype,
+                                                   "[", k.shape[0], ", ", k.shape[1], "]"));
+  }
+  RowFile rows;
+  rows.dtype = c.dtype == "BF16" ? DType::kBFloat16 : DType::kFloat16;
+  rows.rows = c.shape[0];
+  rows.ckv.resize(c.data.size() / 2);
+  rows.kpe.resize(k.data.size() / 2);
+  std::memcpy(rows.ckv.data(), c.data.data(), c.data.size());
+  std::memcpy(rows.kpe.data(), k.data.data(), k.data.size());
+  for (auto [name, slot] : {std::pair{"ckv_scale", &rows.ckv_scale}, {"kpe_scale", &rows.kpe_scale}}) {
+    if (file->Find(name) == nullptr) continue;
+    absl::StatusOr<float> v = file->GetScalarF32(name);
+    if (!v.ok()) return v.status();
+    *slot = *v;
+  }
+  return rows;
+}
+
+absl::Status WriteQuantizedFile(const std::string& path, const QuantizedRows& rows,
+                                const std::map<std::string, std::string>& metadata) {
+  SafetensorsWriter w;
+  auto bytes = [](const std::vector<uint8_t>& v) { return std::string_view(reinterpret_cast<const char*>(v.data()), v.size()); };
+  if (absl::Status s = w.Add("ckv_packed", "U8", {rows.rows, 256}, bytes(rows.ckv_packed)); !s.ok()) return s;
+  if (absl::Status s = w.Add("ckv_sf", "F8_E4M3", {rows.rows, 32}, bytes(rows.ckv_sf)); !s.ok()) return s;
+  if (absl::Status s = w.Add("kpe", "F8_E4M3", {rows.rows, 64}, bytes(rows.kpe)); !s.ok()) return s;
+  for (const auto& [k, v] : metadata) w.SetMetadata(k, v);
+  return w.Write(path);
+}
+
+}  // namespace mlakv

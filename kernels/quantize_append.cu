@@ -1,0 +1,177 @@
+// The CUDA quantize-append kernel and its launcher.
+//
+// Thread-to-data mapping (one warp per row, the whole row in one pass):
+//   step 1  lane j loads ckv channels 16j..16j+15 (block j) as two 16-byte
+//           loads, and kpe channels 2j, 2j+1 as one 4-byte load; lanes 0..31
+//           together read the row's 1024 + 128 bytes, coalesced.
+//   step 2  lane j computes block j's amax, scale byte and 8 packed bytes with
+//           nothing shared between lanes (a block never spans two lanes).
+//   step 3  lane j stores 8 packed bytes at ckv_cache[entry, 8j..8j+7], its
+//           scale byte at ckv_sf_cache[entry, j] and 2 kpe bytes at
+//           kpe_cache[entry, 2j..2j+1]: per warp, 256 + 32 + 64 contiguous bytes.
+// A warp handles kRowsPerWarp rows per iteration of a grid-stride loop, issuing
+// all their loads before the first use so that enough bytes are in flight.
+// The row's placement (batch -> indptr -> kv_indices) is a chain of three
+// dependent loads; it is issued after the row's own loads so both overlap.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda_check.h"
+#include "kernels/quantize_append.h"
+
+namespace mlakv {
+namespace {
+
+using format::kBlock;
+using format::kCkvBlocks;
+using format::kCkvDim;
+using format::kKpeDim;
+
+constexpr int kWarpSize = 32;
+constexpr int kWarpsPerBlock = 8;
+static_assert(kCkvBlocks == kWarpSize, "one lane per 16-channel ckv block: 512 / 16 must be 32");
+static_assert(kKpeDim == 2 * kWarpSize, "each lane owns two kpe channels: kpe_dim must be 64");
+
+// Raw fp16/bf16 bits of one lane's share of a row.
+struct LaneRow {
+  uint16_t ckv[kBlock];
+  uint16_t kpe[2];
+};
+
+template <bool kVectorized>
+__device__ __forceinline__ void LoadLaneRow(const QuantizeAppendParams& p, int64_t row, int lane, LaneRow& r) {
+  const uint16_t* ckv = static_cast<const uint16_t*>(p.append_ckv) + row * p.ckv_row_stride + lane * kBlock;
+  const uint16_t* kpe = static_cast<const uint16_t*>(p.append_kpe) + row * p.kpe_row_stride + lane * 2;
+  if constexpr (kVectorized) {
+    const uint4 a = __ldg(reinterpret_cast<const uint4*>(ckv));
+    const uint4 b = __ldg(reinterpret_cast<const uint4*>(ckv) + 1);
+    const uint32_t words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      r.ckv[2 * w] = static_cast<uint16_t>(words[w]);
+      r.ckv[2 * w + 1] = static_cast<uint16_t>(words[w] >> 16);
+    }
+    const uint32_t k = __ldg(reinterpret_cast<const unsigned int*>(kpe));
+    r.kpe[0] = static_cast<uint16_t>(k);
+    r.kpe[1] = static_cast<uint16_t>(k >> 16);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kBlock; ++c) r.ckv[c] = __ldg(reinterpret_cast<const unsigned short*>(ckv) + c);
+    r.kpe[0] = __ldg(reinterpret_cast<const unsigned short*>(kpe));
+    r.kpe[1] = __ldg(reinterpret_cast<const unsigned short*>(kpe) + 1);
+  }
+}
+
+template <DType kDType>
+__device__ __forceinline__ float Widen(uint16_t h) {
+  return kDType == DType::kBFloat16 ? format::Bf16BitsToFloat(h) : format::HalfBitsToFloat(h);
+}
+
+template <DType kDType>
+__device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, const format::ScaleConstants& k,
+                                                 int64_t entry, int lane, const LaneRow& r) {
+  float x[kBlock];
+#pragma unroll
+  for (int c = 0; c < kBlock; ++c) x[c] = Widen<kDType>(r.ckv[c]);
+  uint8_t packed[kBlock / 2];
+  const uint8_t sf = format::QuantizeCkvBlock(x, k, packed);
+  uint2 packed_words;
+  packed_words.x = packed[0] | (packed[1] << 8) | (packed[2] << 16) | (static_cast<uint32_t>(packed[3]) << 24);
+  packed_words.y = packed[4] | (packed[5] << 8) | (packed[6] << 16) | (static_cast<uint32_t>(packed[7]) << 24);
+  const uint16_t rope = static_cast<uint16_t>(format::QuantizeKpe(Widen<kDType>(r.kpe[0]), k) |
+                                              (format::QuantizeKpe(Widen<kDType>(r.kpe[1]), k) << 8));
+  // Cache rows are 256 / 32 / 64 bytes, so these stores are 8-, 1- and 2-byte aligned.
+  reinterpret_cast<uint2*>(p.ckv_cache + CkvOffset(entry))[lane] = packed_words;
+  p.ckv_sf_cache[CkvSfOffset(entry) + lane] = sf;
+  reinterpret_cast<uint16_t*>(p.kpe_cache + KpeOffset(entry))[lane] = rope;
+}
+
+template <DType kDType, bool kVectorized, int kRowsPerWarp>
+__global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
+    QuantizeAppendKernel(const QuantizeAppendParams p) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
+  const format::ScaleConstants k = format::MakeScaleConstants(p.ckv_scale, p.kpe_scale);
+
+  for (int64_t first = warp * kRowsPerWarp; first < p.num_rows; first += num_warps * kRowsPerWarp) {
+    LaneRow rows[kRowsPerWarp];
+    int64_t entries[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (first + r < p.num_rows) LoadLaneRow<kVectorized>(p, first + r, lane, rows[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      entries[r] = first + r < p.num_rows
+                       ? CacheEntryOfRow(p, __ldg(p.batch_indices + first + r), __ldg(p.positions + first + r))
+                       : -2;
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      if (entries[r] >= 0) {
+        QuantizeAndStore<kDType>(p, k, entries[r], lane, rows[r]);
+      } else if (entries[r] == -1 && lane == 0 && p.skipped_rows != nullptr) {
+        atomicAdd(p.skipped_rows, 1u);  // out of bounds: skipped, never written (SPEC "Bounds")
+      }
+    }
+  }
+}
+
+template <DType kDType, bool kVectorized>
+cudaError_t Launch(const QuantizeAppendParams& p, cudaStream_t stream) {
+  constexpr int kRowsPerWarp = 2;
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  // Enough blocks to fill every SM (8 resident blocks of 256 threads), and no
+  // more than the rows need: a grid-stride loop covers the rest.
+  const int64_t rows_per_block = static_cast<int64_t>(kWarpsPerBlock) * kRowsPerWarp;
+  const int64_t wanted = (p.num_rows + rows_per_block - 1) / rows_per_block;
+  const int blocks = static_cast<int>(std::min<int64_t>(wanted, static_cast<int64_t>(sms) * 8));
+  QuantizeAppendKernel<kDType, kVectorized, kRowsPerWarp><<<blocks, kWarpSize * kWarpsPerBlock, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+absl::Status QuantizeAppend(const QuantizeAppendParams& p, cudaStream_t stream) {
+  if (p.num_rows == 0) return absl::OkStatus();
+  if (p.page_size <= 0 || p.batch_size < 0 || p.ckv_cache == nullptr || p.ckv_sf_cache == nullptr ||
+      p.kpe_cache == nullptr || p.append_ckv == nullptr || p.append_kpe == nullptr ||
+      p.batch_indices == nullptr || p.positions == nullptr || p.kv_indptr == nullptr) {
+    return absl::InvalidArgumentError("QuantizeAppend: params are incomplete (null pointer or page_size < 1)");
+  }
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: rows must be float16 or bfloat16, got ",
+                                                   DTypeName(p.dtype)));
+  }
+  // 16-byte loads need 16-byte aligned ckv rows and 4-byte aligned kpe pairs;
+  // anything else (an odd row stride, a sliced tensor) takes the scalar path.
+  const auto addr = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); };
+  const bool vectorized = addr(p.append_ckv) % 16 == 0 && (p.ckv_row_stride * 2) % 16 == 0 &&
+                          addr(p.append_kpe) % 4 == 0 && (p.kpe_row_stride * 2) % 4 == 0;
+  cudaError_t err;
+  if (p.dtype == DType::kBFloat16) {
+    err = vectorized ? Launch<DType::kBFloat16, true>(p, stream) : Launch<DType::kBFloat16, false>(p, stream);
+  } else {
+    err = vectorized ? Launch<DType::kFloat16, true>(p, stream) : Launch<DType::kFloat16, false>(p, stream);
+  }
+  return CudaStatus(err, absl::StrCat("QuantizeAppendKernel launch (", p.num_rows, " rows)"));
+}
+
+absl::Status QuantizeAppendCuda(const TensorView& append_ckv, const TensorView& append_kpe,
+                                const TensorView& batch_indices, const TensorView& positions,
+                                const TensorView& ckv_cache, const TensorView& ckv_sf_cache,
+                                const TensorView& kpe_cache, const TensorView& kv_indices,
+                                const TensorView& kv_indptr, const TensorView& kv_last_page_len, double ckv_scale,
+                                double kpe_scale, cudaStream_t stream, unsigned int* skipped_rows) {
+  absl::StatusOr<QuantizeAppendParams> params =
+      MakeQuantizeAppendParams(append_ckv, append_kpe, batch_indices, positions, ckv_cache, ckv_sf_cache, kpe_cache,
+                               kv_indices, kv_indptr, kv_last_page_len, ckv_scale, kpe_scale);
+  if (!params.ok()) return params.status();
+  params->skipped_rows = skipped_rows;
+  return QuantizeAppend(*params, stream);
+}
+
+}  // namespace mlakv
