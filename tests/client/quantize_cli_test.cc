@@ -1,0 +1,154 @@
+// `mlakv quantize` as a user runs it: the real binary on every vector file,
+// its output file compared byte for byte, and its refusals of bad input.
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "client/safetensors_file.h"
+#include "gtest/gtest.h"
+#include "tests/testing/vector_files.h"
+
+namespace mlakv {
+namespace {
+
+struct Result {
+  int exit_code;
+  std::string output;  // stdout + stderr
+};
+
+Result Run(const std::string& args) {
+  const std::string cmd = std::string(MLAKV_CLI) + " " + args + " 2>&1";
+  Result r{-1, ""};
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string TempPath(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("mlakv_cli_test_" + std::to_string(getpid()) + "_" + name)).string();
+}
+
+void ExpectFileMatchesVector(const std::string& out_path, const testing::VectorCase& c) {
+  absl::StatusOr<SafetensorsFile> f = SafetensorsFile::Read(out_path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  QuantizedRows got;
+  got.rows = c.rows;
+  for (auto [name, dst] : {std::pair{"ckv_packed", &got.ckv_packed}, {"ckv_sf", &got.ckv_sf}, {"kpe", &got.kpe}}) {
+    const SafetensorsFile::Tensor* t = f->Find(name);
+    ASSERT_NE(t, nullptr) << name;
+    dst->assign(t->data.begin(), t->data.end());
+  }
+  EXPECT_EQ(f->Find("ckv_packed")->dtype, "U8");
+  EXPECT_EQ(f->Find("ckv_sf")->dtype, "F8_E4M3");
+  EXPECT_EQ(f->Find("kpe")->dtype, "F8_E4M3");
+  EXPECT_EQ(f->Find("kpe")->shape, (std::vector<int64_t>{c.rows, 64}));
+  EXPECT_EQ(testing::DescribeMismatch(c.expect, got), "");
+}
+
+class QuantizeCliTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(QuantizeCliTest, CpuReproducesVectorFile) {
+  const testing::VectorCase c = testing::LoadVectorCase(GetParam());
+  const std::string out = TempPath(GetParam());
+  const Result r = Run("quantize --device cpu --input " + testing::VectorsDir() + "/" + GetParam() + " --output " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("quantized " + std::to_string(c.rows) + " rows on cpu"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ckv rel L2 error"), std::string::npos) << r.output;
+  ExpectFileMatchesVector(out, c);
+  std::filesystem::remove(out);
+}
+
+TEST_P(QuantizeCliTest, CudaReproducesVectorFile) {
+  if (!testing::HaveCuda()) GTEST_SKIP() << "no CUDA device visible: GPU test not run";
+  const testing::VectorCase c = testing::LoadVectorCase(GetParam());
+  const std::string out = TempPath("cuda_" + GetParam());
+  const Result r = Run("quantize --device cuda --input " + testing::VectorsDir() + "/" + GetParam() + " --output " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("on cuda:0"), std::string::npos) << r.output;
+  ExpectFileMatchesVector(out, c);
+  std::filesystem::remove(out);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFiles, QuantizeCliTest, ::testing::ValuesIn(testing::VectorFileNames()),
+                         [](const auto& info) {
+                           std::string n = info.param.substr(0, info.param.find('.'));
+                           for (char& ch : n) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+                           return n;
+                         });
+
+TEST(QuantizeCli, FlagScalesOverrideFileScales) {
+  const std::string in = testing::VectorsDir() + "/" + testing::VectorFileNames().at(0);
+  const std::string a = TempPath("a"), b = TempPath("b");
+  ASSERT_EQ(Run("quantize --device cpu --input " + in + " --output " + a).exit_code, 0);
+  const Result r = Run("quantize --device cpu --ckv_scale 0.125 --kpe_scale 3 --input " + in + " --output " + b);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto fa = SafetensorsFile::Read(a), fb = SafetensorsFile::Read(b);
+  ASSERT_TRUE(fa.ok() && fb.ok());
+  EXPECT_NE(fa->Find("ckv_sf")->data, fb->Find("ckv_sf")->data);
+  EXPECT_EQ(fb->metadata().at("ckv_scale"), "0.125");
+  std::filesystem::remove(a);
+  std::filesystem::remove(b);
+}
+
+TEST(QuantizeCli, RejectsBadScaleFlag) {
+  const std::string in = testing::VectorsDir() + "/" + testing::VectorFileNames().at(0);
+  const Result r = Run("quantize --device cpu --ckv_scale -1 --input " + in + " --output " + TempPath("x"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("ckv_scale -1 is not a positive normal float32"), std::string::npos) << r.output;
+}
+
+TEST(QuantizeCli, RefusesFileWithoutScalesUnlessFlagsGiveThem) {
+  // A row file with ckv/kpe only.
+  SafetensorsWriter w;
+  ASSERT_TRUE(w.Add("ckv", "BF16", {1, 512}, std::string(1024, '\x3f')).ok());
+  ASSERT_TRUE(w.Add("kpe", "BF16", {1, 64}, std::string(128, '\x3f')).ok());
+  const std::string in = TempPath("noscale.safetensors"), out = TempPath("noscale_out");
+  ASSERT_TRUE(w.Write(in).ok());
+  Result r = Run("quantize --device cpu --input " + in + " --output " + out);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--ckv_scale"), std::string::npos) << r.output;
+  r = Run("quantize --device cpu --ckv_scale 1 --kpe_scale 1 --input " + in + " --output " + out);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  std::filesystem::remove(in);
+  std::filesystem::remove(out);
+}
+
+TEST(QuantizeCli, CorruptFileGetsAClearErrorNotACrash) {
+  const std::string in = TempPath("corrupt.safetensors");
+  std::ofstream(in, std::ios::binary) << std::string("\x10\x00\x00\x00\x00\x00\x00\x00{\"ckv\":[1,2,3]}  ", 24);
+  const Result r = Run("quantize --device cpu --input " + in + " --output " + TempPath("y"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("not a valid safetensors file"), std::string::npos) << r.output;
+  std::filesystem::remove(in);
+}
+
+TEST(QuantizeCli, WrongShapeIsRefused) {
+  SafetensorsWriter w;
+  ASSERT_TRUE(w.Add("ckv", "BF16", {1, 256}, std::string(512, '\x3f')).ok());
+  ASSERT_TRUE(w.Add("kpe", "BF16", {1, 64}, std::string(128, '\x3f')).ok());
+  const std::string in = TempPath("shape.safetensors");
+  ASSERT_TRUE(w.Write(in).ok());
+  const Result r = Run("quantize --device cpu --ckv_scale 1 --kpe_scale 1 --input " + in + " --output " + TempPath("z"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("expected ckv [N, 512]"), std::string::npos) << r.output;
+  std::filesystem::remove(in);
+}
+
+TEST(QuantizeCli, MissingArgumentsIsUsageError) {
+  const Result r = Run("quantize");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("usage: mlakv quantize"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace mlakv
