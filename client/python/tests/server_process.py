@@ -1,0 +1,106 @@
+"""A real mlakv-server process on a free loopback port, for tests and examples.
+
+    with ServerProcess() as server:          # binary from $MLAKV_SERVER
+        client = mlakv.Client(server.target)
+
+Starts `mlakv-server --listen 127.0.0.1:PORT --device cpu [extra args]`, waits
+until grpc.health.v1 says SERVING (bounded), and always stops it (SIGTERM, then
+SIGKILL after a grace period), also at interpreter exit.
+"""
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import mlakv
+
+START_TIMEOUT_S = 30.0
+STOP_GRACE_S = 10.0
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *extra_args, binary=None, device="cpu"):
+        self.binary = binary or os.environ.get("MLAKV_SERVER")
+        if not self.binary:
+            raise RuntimeError("MLAKV_SERVER is not set (path of the mlakv-server binary)")
+        if not os.access(self.binary, os.X_OK):
+            raise RuntimeError("MLAKV_SERVER=%s is not an executable (build target mlakv-server)" % self.binary)
+        self.args = list(extra_args)
+        self.device = device
+        self.proc = None
+        self.port = None
+        self.log = None
+
+    @property
+    def target(self):
+        return "127.0.0.1:%d" % self.port
+
+    def log_text(self):
+        if self.log is None:
+            return ""
+        self.log.flush()
+        with open(self.log.name, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def start(self):
+        last = ""
+        for _ in range(3):  # a port taken between probe and bind: try another
+            self.port = _free_port()
+            self.log = tempfile.NamedTemporaryFile(prefix="mlakv-server-", suffix=".log", delete=False)
+            cmd = [self.binary, "--listen", self.target, "--device", self.device] + self.args
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            atexit.register(self.stop)
+            if self._wait_serving():
+                return self
+            last = self.log_text()
+            self.stop()
+        raise RuntimeError("mlakv-server did not become SERVING; last log:\n" + last[-4000:])
+
+    def _wait_serving(self):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with mlakv.Client(self.target) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    return False
+                try:
+                    client.wait_ready(timeout=0.5)
+                    return True
+                except mlakv.Error:
+                    pass
+        return False
+
+    def stop(self):
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.returncode = self.proc.returncode
+        self.proc = None
+        if self.log is not None:
+            self.log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        if self.log is not None:
+            try:
+                os.unlink(self.log.name)
+            except OSError:
+                pass
