@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# A third-party reflection client (buf curl, npm @bufbuild/buf) against a real
+# mlakv-server on a loopback port, without any .proto file: lists services and
+# methods, describes a service and a message, calls GetPool with a JSON body,
+# streams an Append (two JSON messages, rows as base64 bytes), reads the stored
+# bytes back (server stream), checks an error status, and Health/Check -> SERVING.
+# Every step asserts on buf's output. buf is installed by scripts/install_buf.sh;
+# if it cannot be installed the test FAILS.
+#
+#   tests/reflection/buf_curl_test.sh path/to/mlakv-server
+set -euo pipefail
+
+server_bin=${1:?usage: buf_curl_test.sh path/to/mlakv-server}
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+py=/usr/bin/python3
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+[ -x "$server_bin" ] || fail "$server_bin is not an executable (build mlakv-server)"
+
+buf=$("$root/scripts/install_buf.sh") || fail "scripts/install_buf.sh could not install buf"
+echo "buf $("$buf" --version) at $buf"
+
+work=$(mktemp -d)
+pid=
+stop_server() {
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid"
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$pid" 2>/dev/null && { echo "server ignored SIGTERM for 10 s; killing" >&2; kill -KILL "$pid"; }
+    wait "$pid" 2>/dev/null || true
+  fi
+  pid=
+}
+trap 'stop_server; rm -rf "$work"' EXIT
+
+# A free loopback port; retried if another process takes it before the server binds.
+start_server() {
+  local port
+  port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  "$server_bin" --listen "127.0.0.1:$port" --device cpu >"$work/server.log" 2>&1 &
+  pid=$!
+  url="http://127.0.0.1:$port"
+  for _ in $(seq 300); do  # <= 30 s
+    kill -0 "$pid" 2>/dev/null || { pid=; return 1; }
+    if timeout 5 "$buf" curl --protocol grpc --http2-prior-knowledge --connect-timeout 1 \
+        "$url/grpc.health.v1.Health/Check" 2>/dev/null | grep -q SERVING; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  stop_server
+  return 1
+}
+started=0
+for _ in 1 2 3; do
+  if start_server; then started=1; break; fi
+done
+[ "$started" -eq 1 ] || { cat "$work/server.log" >&2; fail "mlakv-server did not become SERVING"; }
+echo "server at $url (pid $pid)"
+
+# bufc ARGS...: buf curl over gRPC (h2c), echoing the command and its output.
+bufc() {
+  echo "\$ buf curl --protocol grpc --http2-prior-knowledge $*" >&2
+  timeout 60 "$buf" curl --protocol grpc --http2-prior-knowledge "$@" | tee "$work/out" >&2
+  return "${PIPESTATUS[0]}"
+}
+# expect_json PYTHON-EXPRESSION: asserts on the JSON in $work/out (bound to j).
+expect_json() {
+  "$py" - "$1" "$work/out" <<'EOF' || fail "assertion failed: $1"
+import json, sys
+expr, path = sys.argv[1], sys.argv[2]
+j = json.load(open(path))
+if not eval(expr, {"j": j}):
+    sys.exit("false: %s on %s" % (expr, json.dumps(j)[:2000]))
+EOF
+}
+expect_text() { grep -qF -- "$1" "$work/out" || fail "output lacks: $1"; }
+
+echo "== 1. list services (reflection)"
+bufc --list-services "$url"
+expect_text mlakv.v1.KvCache
+expect_text grpc.health.v1.Health
+reflection=$(grep -o 'grpc\.reflection\.v1[a-z]*\.ServerReflection' "$work/out" | sort | head -1) ||
+  fail "no reflection service listed"
+
+echo "== 2. list methods"
+bufc --list-methods "$url"
+for m in ListPools GetPool Append AppendBatch GetSequence ListSequences GetPage ReadSequence FreeSequence \
+         TruncateSequence; do
+  expect_text "mlakv.v1.KvCache/$m"
+done
+
+echo "== 3. describe (reflection file_containing_symbol, rendered like grpcurl describe)"
+bufc -d '{"fileContainingSymbol": "mlakv.v1.KvCache"}' "$url/$reflection/ServerReflectionInfo" >/dev/null 2>&1 ||
+  fail "reflection call failed"
+"$py" "$here/describe.py" mlakv.v1.KvCache <"$work/out" | tee "$work/describe" ||
+  fail "describe of mlakv.v1.KvCache failed"
+grep -qF "rpc Append ( stream .mlakv.v1.AppendRequest ) returns ( .mlakv.v1.AppendResponse );" "$work/describe" ||
+  fail "describe lacks the client-streaming Append"
+grep -qF "rpc ReadSequence ( .mlakv.v1.ReadSequenceRequest ) returns ( stream .mlakv.v1.ReadSequenceResponse );" \
+  "$work/describe" || fail "describe lacks the server-streaming ReadSequence"
+"$py" "$here/describe.py" mlakv.v1.LayerRows <"$work/out" | tee "$work/describe"
+grep -qF "bytes ckv = 2;" "$work/describe" || fail "describe of LayerRows lacks bytes ckv = 2"
+grep -qF "float ckv_scale = 4;" "$work/describe" || fail "describe of LayerRows lacks float ckv_scale = 4"
+
+echo "== 4. GetPool with a JSON body"
+bufc -d '{"pool": ""}' "$url/mlakv.v1.KvCache/GetPool"
+expect_json 'j["name"] == "default" and j["device"] == "cpu" and j["numLayers"] == 61'
+expect_json 'j["ckvDim"] == 512 and j["kpeDim"] == 64 and j["bytesPerTokenPerLayer"] == 352'
+expect_json 'j["format"] == "CACHE_FORMAT_NVFP4_MLA" and j["pagesFree"] == j["pagesTotal"]'
+
+echo "== 5. Append, client-streamed: two JSON messages of one bf16 row each (every element 1.0)"
+# bf16 1.0 = 0x3F80, little-endian bytes 80 3F. With ckv_scale = kpe_scale = 1 (SPEC.md):
+# block scale e4m3(1/6) = 0.171875 = 0x23; 1.0 * (1/0.171875) = 5.82 -> E2M1 code 7 (6.0),
+# both nibbles: 0x77; kpe e4m3(1.0) = 0x38.
+ckv=$("$py" -c 'import base64; print(base64.b64encode(b"\x80\x3f" * 512).decode())')
+kpe=$("$py" -c 'import base64; print(base64.b64encode(b"\x80\x3f" * 64).decode())')
+cat >"$work/append.json" <<EOF
+{"sequence": "buf-curl", "start": 0, "rowCount": 1, "dtype": "ROW_DTYPE_BFLOAT16",
+ "layers": [{"layer": 0, "ckv": "$ckv", "kpe": "$kpe", "ckvScale": 1.0, "kpeScale": 1.0}]}
+{"sequence": "buf-curl", "start": 1, "rowCount": 1, "dtype": "ROW_DTYPE_BFLOAT16",
+ "layers": [{"layer": 0, "ckv": "$ckv", "kpe": "$kpe", "ckvScale": 1.0, "kpeScale": 1.0}]}
+EOF
+bufc -d @"$work/append.json" "$url/mlakv.v1.KvCache/Append"
+expect_json 'j["rowsWritten"] == "2" and j["pagesAllocated"] == 1'
+expect_json 'j["sequence"]["id"] == "buf-curl" and j["sequence"]["layerLengths"][0] == 2'
+expect_json 'len(j["sequence"]["kvIndices"]) == 1 and len(j["sequence"]["layerLengths"]) == 61'
+
+echo "== 6. GetSequence and ReadSequence (server stream) of the stored bytes"
+bufc -d '{"sequence": "buf-curl"}' "$url/mlakv.v1.KvCache/GetSequence"
+expect_json 'j["id"] == "buf-curl" and j["layerLengths"][0] == 2 and j["pageSize"] > 0'
+bufc -d '{"sequence": "buf-curl", "layers": [0], "format": "READ_FORMAT_RAW"}' "$url/mlakv.v1.KvCache/ReadSequence" \
+  >/dev/null 2>&1 || fail "ReadSequence failed"
+expect_json 'j["count"] == 2 and j["ckvScale"] == 1 and j["kpeScale"] == 1'
+expect_json '__import__("base64").b64decode(j["ckvPacked"]) == b"\x77" * 512'
+expect_json '__import__("base64").b64decode(j["ckvSf"]) == b"\x23" * 64'
+expect_json '__import__("base64").b64decode(j["kpe"]) == b"\x38" * 128'
+echo "stored bytes as computed from SPEC.md: ckv_packed 0x77.., ckv_sf 0x23.., kpe 0x38.."
+
+echo "== 7. an error: GetSequence of an unknown id -> NOT_FOUND (buf exit status = code << 3 = 40)"
+echo "\$ buf curl --protocol grpc --http2-prior-knowledge -d '{\"sequence\": \"no-such-sequence\"}' $url/mlakv.v1.KvCache/GetSequence" >&2
+set +e
+timeout 60 "$buf" curl --protocol grpc --http2-prior-knowledge -d '{"sequence": "no-such-sequence"}' \
+  "$url/mlakv.v1.KvCache/GetSequence" >"$work/out" 2>&1
+status=$?
+set -e
+cat "$work/out" >&2
+[ "$status" -eq 40 ] || fail "buf curl exit status $status, expected 40 (NOT_FOUND << 3)"
+expect_text not_found
+expect_text no-such-sequence
+
+echo "== 8. FreeSequence"
+bufc -d '{"sequence": "buf-curl"}' "$url/mlakv.v1.KvCache/FreeSequence"
+expect_json 'j["pagesFreed"] == 1'
+
+echo "== 9. Health/Check"
+bufc -d '{}' "$url/grpc.health.v1.Health/Check"
+expect_json 'j["status"] == "SERVING"'
+
+stop_server
+echo "PASS: buf curl listed, described and called mlakv.v1.KvCache and grpc.health.v1.Health via reflection"
