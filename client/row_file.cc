@@ -37,13 +37,17 @@ absl::StatusOr<RowFile> LoadRowFile(const std::string& path) {
   return rows;
 }
 
+absl::Status AddQuantizedTensors(const QuantizedRows& rows, SafetensorsWriter& writer) {
+  auto bytes = [](const std::vector<uint8_t>& v) { return std::string_view(reinterpret_cast<const char*>(v.data()), v.size()); };
+  if (absl::Status s = writer.Add("ckv_packed", "U8", {rows.rows, 256}, bytes(rows.ckv_packed)); !s.ok()) return s;
+  if (absl::Status s = writer.Add("ckv_sf", "F8_E4M3", {rows.rows, 32}, bytes(rows.ckv_sf)); !s.ok()) return s;
+  return writer.Add("kpe", "F8_E4M3", {rows.rows, 64}, bytes(rows.kpe));
+}
+
 absl::Status WriteQuantizedFile(const std::string& path, const QuantizedRows& rows,
                                 const std::map<std::string, std::string>& metadata) {
   SafetensorsWriter w;
-  auto bytes = [](const std::vector<uint8_t>& v) { return std::string_view(reinterpret_cast<const char*>(v.data()), v.size()); };
-  if (absl::Status s = w.Add("ckv_packed", "U8", {rows.rows, 256}, bytes(rows.ckv_packed)); !s.ok()) return s;
-  if (absl::Status s = w.Add("ckv_sf", "F8_E4M3", {rows.rows, 32}, bytes(rows.ckv_sf)); !s.ok()) return s;
-  if (absl::Status s = w.Add("kpe", "F8_E4M3", {rows.rows, 64}, bytes(rows.kpe)); !s.ok()) return s;
+  if (absl::Status s = AddQuantizedTensors(rows, w); !s.ok()) return s;
   for (const auto& [k, v] : metadata) w.SetMetadata(k, v);
   return w.Write(path);
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/safetensors_file.h"
 #include "kernels/quantize_rows.h"
 #include "kernels/tensor_view.h"
 
@@ -28,6 +29,9 @@ struct RowFile {
 };
 
 absl::StatusOr<RowFile> LoadRowFile(const std::string& path);
+
+// Adds ckv_packed U8 [N, 256], ckv_sf F8_E4M3 [N, 32] and kpe F8_E4M3 [N, 64].
+absl::Status AddQuantizedTensors(const QuantizedRows& rows, SafetensorsWriter& writer);
 
 // Writes ckv_packed / ckv_sf / kpe in row order, with `metadata`.
 absl::Status WriteQuantizedFile(const std::string& path, const QuantizedRows& rows,

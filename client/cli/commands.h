@@ -10,5 +10,14 @@
 namespace mlakv::cli {
 
 int RunQuantize(const std::vector<std::string>& args);
+int RunPools(const std::vector<std::string>& args);
+int RunSeqs(const std::vector<std::string>& args);
+int RunSeq(const std::vector<std::string>& args);
+int RunPage(const std::vector<std::string>& args);
+int RunFree(const std::vector<std::string>& args);
+int RunTruncate(const std::vector<std::string>& args);
+int RunAppend(const std::vector<std::string>& args);
+int RunExport(const std::vector<std::string>& args);
+int RunBench(const std::vector<std::string>& args);
 
 }  // namespace mlakv::cli

@@ -21,6 +21,25 @@ const std::map<std::string, Command>& Commands() {
        {mlakv::cli::RunQuantize,
         "--input IN.safetensors --output OUT.safetensors [--device cpu|cuda|cuda:N|auto] [--ckv_scale X] "
         "[--kpe_scale Y]\n      quantize rows offline with the service's kernel"}},
+      {"pools", {mlakv::cli::RunPools, "[--json]\n      pools: geometry, device, pages total/used/free"}},
+      {"seqs", {mlakv::cli::RunSeqs, "[--pool P] [--json]\n      sequences of a pool: length, pages"}},
+      {"seq", {mlakv::cli::RunSeq, "ID [--pool P] [--json]\n      a sequence's page table and per-layer lengths"}},
+      {"page", {mlakv::cli::RunPage, "N [--pool P] [--json]\n      a page's owner and filled entries per layer"}},
+      {"free", {mlakv::cli::RunFree, "ID [--pool P] [--json]\n      release a sequence and its pages"}},
+      {"truncate",
+       {mlakv::cli::RunTruncate, "ID --length L [--pool P] [--json]\n      roll a sequence back to L tokens"}},
+      {"append",
+       {mlakv::cli::RunAppend,
+        "--sequence ID --layer L --input FILE [--start POS] [--pool P] [--json]\n"
+        "      append rows (ckv, kpe, optional ckv_scale/kpe_scale) of FILE to one layer"}},
+      {"export",
+       {mlakv::cli::RunExport,
+        "--sequence ID --layer L --output FILE [--pool P] [--json]\n"
+        "      write one layer's stored bytes (ckv_packed, ckv_sf, kpe, kv_indices, scales) to FILE"}},
+      {"bench",
+       {mlakv::cli::RunBench,
+        "[--mode append|decode] [--concurrency N] [--duration_s S | --requests N] [--json] ...\n"
+        "      load generator: requests/s, GB/s of rows, latency percentiles, errors by code"}},
   };
   return *commands;
 }
@@ -28,7 +47,9 @@ const std::map<std::string, Command>& Commands() {
 std::string Usage() {
   std::string text = "usage: mlakv COMMAND [flags]\n\ncommands:\n";
   for (const auto& [name, cmd] : Commands()) text += "  " + name + " " + cmd.help + "\n";
-  text += "\nmlakv --help lists every flag.";
+  text += "\nServer commands take --server ADDR (default 127.0.0.1:50051) and --timeout_s.\n"
+          "Exit status: 0 ok, 1 the operation failed (the server's status code and message are printed), 2 bad usage.\n"
+          "mlakv --help lists every flag.";
   return text;
 }
 

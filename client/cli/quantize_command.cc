@@ -8,15 +8,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/cli/cli_flags.h"
 #include "client/cli/commands.h"
 #include "client/row_file.h"
 #include "kernels/nvfp4_format.h"
 
-ABSL_FLAG(std::string, input, "", "quantize: safetensors file with ckv [N,512] and kpe [N,64] (BF16 or F16)");
-ABSL_FLAG(std::string, output, "", "quantize: safetensors file to write (ckv_packed, ckv_sf, kpe)");
-ABSL_FLAG(std::string, device, "auto", "cpu, cuda, cuda:N, or auto (cuda:0 when a GPU is visible, else cpu)");
-ABSL_FLAG(std::optional<double>, ckv_scale, std::nullopt, "global ckv decode scale (overrides the file's ckv_scale)");
-ABSL_FLAG(std::optional<double>, kpe_scale, std::nullopt, "global kpe decode scale (overrides the file's kpe_scale)");
+ABSL_FLAG(std::string, device, "auto", "quantize: cpu, cuda, cuda:N, or auto (cuda:0 when a GPU is visible, else cpu)");
 
 namespace mlakv::cli {
 namespace {

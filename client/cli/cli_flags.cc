@@ -1,0 +1,18 @@
+#include "client/cli/cli_flags.h"
+
+#include "absl/flags/flag.h"
+
+ABSL_FLAG(std::string, server, "127.0.0.1:50051", "address (host:port) of the mlakv server");
+ABSL_FLAG(bool, json, false, "print the result as JSON (for scripts) instead of text");
+ABSL_FLAG(std::string, pool, "", "pool name; empty means the server's default pool");
+ABSL_FLAG(double, timeout_s, 60, "deadline of each call to the server, seconds");
+ABSL_FLAG(std::string, sequence, "", "append, export: sequence id");
+ABSL_FLAG(int32_t, layer, -1, "append, export: layer index");
+ABSL_FLAG(std::string, input, "",
+          "quantize, append: safetensors file with ckv [N,512] and kpe [N,64] (BF16 or F16), optionally the F32 "
+          "scalars ckv_scale and kpe_scale");
+ABSL_FLAG(std::string, output, "", "quantize, export: safetensors file to write (ckv_packed, ckv_sf, kpe)");
+ABSL_FLAG(std::optional<double>, ckv_scale, std::nullopt,
+          "quantize, append: global ckv decode scale (overrides the file's ckv_scale)");
+ABSL_FLAG(std::optional<double>, kpe_scale, std::nullopt,
+          "quantize, append: global kpe decode scale (overrides the file's kpe_scale)");

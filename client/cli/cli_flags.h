@@ -1,0 +1,20 @@
+// Flags shared by several `mlakv` subcommands. absl flags are global, so a
+// flag that means the same thing in two commands is defined once, here
+// (cli_flags.cc); a flag only one command reads lives in that command's file.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "absl/flags/declare.h"
+
+ABSL_DECLARE_FLAG(std::string, server);
+ABSL_DECLARE_FLAG(bool, json);
+ABSL_DECLARE_FLAG(std::string, pool);
+ABSL_DECLARE_FLAG(double, timeout_s);
+ABSL_DECLARE_FLAG(std::string, sequence);
+ABSL_DECLARE_FLAG(int32_t, layer);
+ABSL_DECLARE_FLAG(std::string, input);
+ABSL_DECLARE_FLAG(std::string, output);
+ABSL_DECLARE_FLAG(std::optional<double>, ckv_scale);
+ABSL_DECLARE_FLAG(std::optional<double>, kpe_scale);

@@ -1,0 +1,63 @@
+#include "client/cli/command_support.h"
+
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "client/cli/cli_flags.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace mlakv::cli {
+
+absl::StatusOr<std::unique_ptr<KvCacheClient>> ConnectFromFlags() {
+  KvCacheClient::Options options;
+  options.target = absl::GetFlag(FLAGS_server);
+  options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+  return KvCacheClient::Create(options);
+}
+
+int Fail(std::string_view command, const absl::Status& status) {
+  std::fprintf(stderr, "mlakv %.*s: %s: %.*s\n", static_cast<int>(command.size()), command.data(),
+               absl::StatusCodeToString(status.code()).c_str(), static_cast<int>(status.message().size()),
+               status.message().data());
+  return kExitFailed;
+}
+
+int UsageError(std::string_view usage, std::string_view reason) {
+  if (!reason.empty()) std::fprintf(stderr, "%.*s\n", static_cast<int>(reason.size()), reason.data());
+  std::fprintf(stderr, "usage: mlakv %.*s\n", static_cast<int>(usage.size()), usage.data());
+  return kExitUsage;
+}
+
+std::string ToJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string text;
+  // Printing a well-formed message cannot fail; an empty object is the fallback.
+  if (!google::protobuf::util::MessageToJsonString(message, &text, options).ok()) text = "{}";
+  return text;
+}
+
+bool ParseUint32(std::string_view text, uint32_t* value) {
+  return !text.empty() && text[0] != '-' && text[0] != '+' && absl::SimpleAtoi(absl::string_view(text.data(), text.size()), value);
+}
+
+std::string DescribeLayerRuns(const std::vector<uint32_t>& per_layer) {
+  std::string text;
+  for (size_t begin = 0; begin < per_layer.size();) {
+    size_t end = begin + 1;
+    while (end < per_layer.size() && per_layer[end] == per_layer[begin]) ++end;
+    if (!text.empty()) text += ", ";
+    if (end - begin == 1) {
+      absl::StrAppend(&text, "layer ", begin, ": ", per_layer[begin]);
+    } else {
+      absl::StrAppend(&text, "layers ", begin, "-", end - 1, ": ", per_layer[begin]);
+    }
+    begin = end;
+  }
+  return text.empty() ? "no layers" : text;
+}
+
+}  // namespace mlakv::cli

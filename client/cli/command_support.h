@@ -1,0 +1,41 @@
+// What the server-talking subcommands share: a client built from --server and
+// --timeout_s, the one way errors and usage mistakes are reported (and the
+// exit codes that go with them), and text/JSON formatting helpers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/kv_cache_client.h"
+#include "google/protobuf/message.h"
+
+namespace mlakv::cli {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+
+// A client for --server with the deadline --timeout_s.
+absl::StatusOr<std::unique_ptr<KvCacheClient>> ConnectFromFlags();
+
+// Prints "mlakv COMMAND: CODE_NAME: message" to stderr; returns kExitFailed.
+int Fail(std::string_view command, const absl::Status& status);
+// Prints "usage: mlakv ..." (and a reason, if any) to stderr; returns kExitUsage.
+int UsageError(std::string_view usage, std::string_view reason = "");
+
+// The proto3 JSON form of `message`, field names as in the .proto, zero
+// values included, one line.
+std::string ToJson(const google::protobuf::Message& message);
+
+// A non-negative integer that fits in uint32; false for anything else.
+bool ParseUint32(std::string_view text, uint32_t* value);
+
+// Per-layer values as runs: {5, 5, 5, 0} -> "layers 0-2: 5, layer 3: 0".
+std::string DescribeLayerRuns(const std::vector<uint32_t>& per_layer);
+
+}  // namespace mlakv::cli

@@ -1,0 +1,285 @@
+#include "client/kv_cache_client.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace mlakv {
+namespace {
+
+constexpr int kCkvDim = 512;
+constexpr int kKpeDim = 64;
+
+// Plaintext today; TLS credentials are built here when Options has them.
+std::shared_ptr<grpc::ChannelCredentials> MakeCredentials(const KvCacheClient::Options&) {
+  return grpc::InsecureChannelCredentials();
+}
+
+// Per-call metadata (a bearer token, when Options has one) is attached here.
+void AttachCallMetadata(const KvCacheClient::Options&, grpc::ClientContext&) {}
+
+absl::Status CheckAppendShape(const AppendRows& append) {
+  const int element = RowDTypeBytes(append.dtype);
+  if (element == 0) return absl::InvalidArgumentError("append: dtype is unspecified (want float16 or bfloat16)");
+  if (append.sequence.empty()) return absl::InvalidArgumentError("append: sequence id is empty");
+  if (append.layers.empty()) return absl::InvalidArgumentError("append: no layers given");
+  for (const LayerBytes& layer : append.layers) {
+    const size_t want_ckv = size_t{append.rows} * kCkvDim * element;
+    const size_t want_kpe = size_t{append.rows} * kKpeDim * element;
+    if (layer.ckv.size() != want_ckv || layer.kpe.size() != want_kpe) {
+      return absl::InvalidArgumentError(absl::StrCat("append layer ", layer.layer, ": ckv ", layer.ckv.size(),
+                                                     " bytes and kpe ", layer.kpe.size(), " bytes are not rows(",
+                                                     append.rows, ") x 512 and x 64 elements of ", element,
+                                                     " bytes (", want_ckv, " and ", want_kpe, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Message `index` of the stream: rows [first, first + count) of every layer.
+v1::AppendRequest AppendMessage(const AppendRows& append, uint32_t first, uint32_t count, bool is_first) {
+  const size_t element = RowDTypeBytes(append.dtype);
+  v1::AppendRequest message;
+  message.set_pool(append.pool);
+  message.set_sequence(append.sequence);
+  message.set_start(append.start + first);
+  message.set_row_count(count);
+  message.set_dtype(append.dtype);
+  if (is_first) message.set_reserve_tokens(append.reserve_tokens);
+  for (const LayerBytes& layer : append.layers) {
+    v1::LayerRows* rows = message.add_layers();
+    rows->set_layer(layer.layer);
+    rows->set_ckv(layer.ckv.data() + size_t{first} * kCkvDim * element, size_t{count} * kCkvDim * element);
+    rows->set_kpe(layer.kpe.data() + size_t{first} * kKpeDim * element, size_t{count} * kKpeDim * element);
+    if (layer.ckv_scale) rows->set_ckv_scale(*layer.ckv_scale);
+    if (layer.kpe_scale) rows->set_kpe_scale(*layer.kpe_scale);
+  }
+  return message;
+}
+
+}  // namespace
+
+int RowDTypeBytes(v1::RowDType dtype) {
+  return dtype == v1::ROW_DTYPE_FLOAT16 || dtype == v1::ROW_DTYPE_BFLOAT16 ? 2 : 0;
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // grpc::StatusCode and absl::StatusCode share their numbering (both are the
+  // canonical google.rpc.Code values).
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Create(Options options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("client: target (host:port) is empty");
+  if (options.timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("client: timeout must be positive");
+  if (options.append_message_bytes == 0) {
+    return absl::InvalidArgumentError("client: append_message_bytes must be positive");
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);  // ReadSequence chunks are ~4 MB plus framing
+  args.SetMaxSendMessageSize(-1);
+  // A channel of its own connection: N clients are N TCP connections.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(options.target, MakeCredentials(options), args);
+  if (!channel) return absl::InternalError(absl::StrCat("client: cannot create a channel to ", options.target));
+  return std::unique_ptr<KvCacheClient>(new KvCacheClient(std::move(options), std::move(channel)));
+}
+
+KvCacheClient::KvCacheClient(Options options, std::shared_ptr<grpc::Channel> channel)
+    : options_(std::move(options)), channel_(std::move(channel)), stub_(v1::KvCache::NewStub(channel_)) {}
+
+void KvCacheClient::PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const {
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  AttachCallMetadata(options_, context);
+}
+
+absl::Status KvCacheClient::CheckHealth(absl::Duration timeout) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext context;
+  PrepareContext(context, timeout);
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  if (absl::Status s = FromGrpcStatus(health->Check(&context, request, &response)); !s.ok()) return s;
+  if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat("health: server answers ",
+                                               grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
+                                                   response.status())));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::Pool>> KvCacheClient::ListPools() {
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::ListPoolsResponse response;
+  if (absl::Status s = FromGrpcStatus(stub_->ListPools(&context, v1::ListPoolsRequest(), &response)); !s.ok()) {
+    return s;
+  }
+  return std::vector<v1::Pool>(response.pools().begin(), response.pools().end());
+}
+
+absl::StatusOr<v1::Pool> KvCacheClient::GetPool(const std::string& pool) {
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::GetPoolRequest request;
+  request.set_pool(pool);
+  v1::Pool response;
+  if (absl::Status s = FromGrpcStatus(stub_->GetPool(&context, request, &response)); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::Sequence> KvCacheClient::GetSequence(const std::string& pool, const std::string& sequence) {
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::GetSequenceRequest request;
+  request.set_pool(pool);
+  request.set_sequence(sequence);
+  v1::Sequence response;
+  if (absl::Status s = FromGrpcStatus(stub_->GetSequence(&context, request, &response)); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::SequenceSummary>> KvCacheClient::ListSequences(const std::string& pool) {
+  std::vector<v1::SequenceSummary> all;
+  std::string token;
+  do {
+    grpc::ClientContext context;
+    PrepareContext(context, options_.timeout);
+    v1::ListSequencesRequest request;
+    request.set_pool(pool);
+    request.set_page_size(1000);
+    request.set_page_token(token);
+    v1::ListSequencesResponse response;
+    if (absl::Status s = FromGrpcStatus(stub_->ListSequences(&context, request, &response)); !s.ok()) return s;
+    all.insert(all.end(), response.sequences().begin(), response.sequences().end());
+    if (!response.next_page_token().empty() && response.next_page_token() == token) {
+      return absl::InternalError("list sequences: server returned the same page token twice");
+    }
+    token = response.next_page_token();
+  } while (!token.empty());
+  return all;
+}
+
+absl::StatusOr<v1::Page> KvCacheClient::GetPage(const std::string& pool, uint32_t page) {
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::GetPageRequest request;
+  request.set_pool(pool);
+  request.set_page(page);
+  v1::Page response;
+  if (absl::Status s = FromGrpcStatus(stub_->GetPage(&context, request, &response)); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<uint32_t> KvCacheClient::Free(const std::string& pool, const std::string& sequence) {
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::FreeSequenceRequest request;
+  request.set_pool(pool);
+  request.set_sequence(sequence);
+  v1::FreeSequenceResponse response;
+  if (absl::Status s = FromGrpcStatus(stub_->FreeSequence(&context, request, &response)); !s.ok()) return s;
+  return response.pages_freed();
+}
+
+absl::StatusOr<v1::Sequence> KvCacheClient::Truncate(const std::string& pool, const std::string& sequence,
+                                                     uint32_t length) {
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::TruncateSequenceRequest request;
+  request.set_pool(pool);
+  request.set_sequence(sequence);
+  request.set_length(length);
+  v1::Sequence response;
+  if (absl::Status s = FromGrpcStatus(stub_->TruncateSequence(&context, request, &response)); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& append) {
+  if (absl::Status s = CheckAppendShape(append); !s.ok()) return s;
+  const size_t row_bytes = size_t{RowDTypeBytes(append.dtype)} * (kCkvDim + kKpeDim) * append.layers.size();
+  const uint32_t rows_per_message =
+      static_cast<uint32_t>(std::max<size_t>(1, options_.append_message_bytes / row_bytes));
+
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::AppendResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer = stub_->Append(&context, &response);
+  // An append of zero rows is still one message: it creates the sequence and
+  // may reserve pages.
+  uint32_t first = 0;
+  do {
+    const uint32_t count = std::min(rows_per_message, append.rows - first);
+    // Write fails only when the stream is already broken; Finish says why.
+    if (!writer->Write(AppendMessage(append, first, count, first == 0))) break;
+    first += count;
+  } while (first < append.rows);
+  writer->WritesDone();
+  if (absl::Status s = FromGrpcStatus(writer->Finish()); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::AppendBatchResponse> KvCacheClient::AppendBatch(const v1::AppendBatchRequest& request) {
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::AppendBatchResponse response;
+  if (absl::Status s = FromGrpcStatus(stub_->AppendBatch(&context, request, &response)); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<StoredLayer> KvCacheClient::ReadLayer(const std::string& pool, const std::string& sequence,
+                                                     uint32_t layer, uint32_t start, uint32_t count) {
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::ReadSequenceRequest request;
+  request.set_pool(pool);
+  request.set_sequence(sequence);
+  request.add_layers(layer);
+  request.set_start(start);
+  request.set_count(count);
+  request.set_format(v1::READ_FORMAT_RAW);
+  std::unique_ptr<grpc::ClientReader<v1::ReadSequenceResponse>> reader = stub_->ReadSequence(&context, request);
+
+  StoredLayer stored;
+  stored.layer = layer;
+  stored.start = start;
+  v1::ReadSequenceResponse chunk;
+  absl::Status problem;
+  while (reader->Read(&chunk)) {
+    if (!problem.ok()) continue;  // drain, then report the first problem
+    const size_t n = chunk.count();
+    if (chunk.layer() != layer || chunk.start() != start + stored.count || chunk.ckv_packed().size() != n * 256 ||
+        chunk.ckv_sf().size() != n * 32 || chunk.kpe().size() != n * 64) {
+      problem = absl::InternalError(absl::StrCat(
+          "read sequence: chunk (layer ", chunk.layer(), ", start ", chunk.start(), ", count ", n, ", bytes ",
+          chunk.ckv_packed().size(), "/", chunk.ckv_sf().size(), "/", chunk.kpe().size(), ") does not follow layer ",
+          layer, " token ", start + stored.count, " with count x 256/32/64 bytes"));
+      continue;
+    }
+    stored.ckv_packed += chunk.ckv_packed();
+    stored.ckv_sf += chunk.ckv_sf();
+    stored.kpe += chunk.kpe();
+    stored.count += chunk.count();
+    stored.ckv_scale = chunk.ckv_scale();
+    stored.kpe_scale = chunk.kpe_scale();
+  }
+  if (absl::Status s = FromGrpcStatus(reader->Finish()); !s.ok()) return s;
+  if (!problem.ok()) return problem;
+  if (stored.count == 0) {
+    // No chunk carried the scales; the pool still knows them.
+    absl::StatusOr<v1::Pool> info = GetPool(pool);
+    if (info.ok() && layer < static_cast<uint32_t>(info->layers_size())) {
+      stored.ckv_scale = info->layers(layer).ckv_scale();
+      stored.kpe_scale = info->layers(layer).kpe_scale();
+    }
+  }
+  return stored;
+}
+
+}  // namespace mlakv

@@ -1,0 +1,123 @@
+// KvCacheClient: the C++ client of mlakv.v1.KvCache. It speaks only the proto
+// (no kernel or server types), turns every grpc::Status into an absl::Status
+// (same code, same message) in one place, and splits large appends into
+// messages of a few MB inside one Append stream, so that a prefill of any
+// length is one atomic append on the server.
+//
+// One KvCacheClient owns one channel and, through a channel-local subchannel
+// pool, its own TCP connection: N clients are N connections. Methods are
+// thread-safe (gRPC stubs are); every call carries the deadline of
+// Options::timeout.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "mlakv/v1/kv_cache.grpc.pb.h"
+
+namespace mlakv {
+
+// Rows of one layer, as the little-endian fp16/bf16 bytes the wire carries.
+struct LayerBytes {
+  uint32_t layer = 0;
+  std::string_view ckv;  // rows x 512 elements
+  std::string_view kpe;  // rows x 64 elements
+  // Scales the rows were calibrated for; unset leaves the layer's own.
+  std::optional<float> ckv_scale;
+  std::optional<float> kpe_scale;
+};
+
+// One atomic append of `rows` rows per layer to one sequence, starting at
+// `start`. The byte views must stay valid for the duration of the call.
+struct AppendRows {
+  std::string pool;  // empty: the server's default pool
+  std::string sequence;
+  uint32_t start = 0;
+  uint32_t rows = 0;
+  v1::RowDType dtype = v1::ROW_DTYPE_BFLOAT16;
+  std::vector<LayerBytes> layers;
+  uint32_t reserve_tokens = 0;  // allocate pages for this many tokens up front
+};
+
+// The stored bytes of one layer of a sequence, in token order.
+struct StoredLayer {
+  uint32_t layer = 0;
+  uint32_t start = 0;      // first token
+  uint32_t count = 0;      // tokens
+  std::string ckv_packed;  // count x 256 packed E2M1
+  std::string ckv_sf;      // count x 32 E4M3 block scales
+  std::string kpe;         // count x 64 E4M3
+  float ckv_scale = 0;     // the layer's global decode scales
+  float kpe_scale = 0;
+};
+
+// Element bytes of a row dtype (2 for fp16/bf16; 0 when unspecified).
+int RowDTypeBytes(v1::RowDType dtype);
+
+class KvCacheClient {
+ public:
+  struct Options {
+    // host:port of the server (any gRPC target string).
+    std::string target = "127.0.0.1:50051";
+    // Deadline of each call, from its start (a whole Append stream is one call).
+    absl::Duration timeout = absl::Seconds(60);
+    // Target payload (row bytes) of one Append message; a message never holds
+    // less than one row. Kept under 4 MiB so that a server with gRPC's default
+    // 4 MiB receive limit accepts it.
+    size_t append_message_bytes = (4u << 20) - (64u << 10);
+    // Transport security and authentication: plaintext today. TLS roots,
+    // client certificates and a bearer token go here (and into
+    // kv_cache_client.cc's MakeCredentials / AttachCallMetadata) when the
+    // server grows them.
+  };
+
+  static absl::StatusOr<std::unique_ptr<KvCacheClient>> Create(Options options);
+
+  // grpc.health.v1 Check of the whole server: OK when SERVING.
+  absl::Status CheckHealth(absl::Duration timeout);
+
+  absl::StatusOr<std::vector<v1::Pool>> ListPools();
+  absl::StatusOr<v1::Pool> GetPool(const std::string& pool);
+  absl::StatusOr<v1::Sequence> GetSequence(const std::string& pool, const std::string& sequence);
+  // Every sequence of the pool (follows next_page_token to the end).
+  absl::StatusOr<std::vector<v1::SequenceSummary>> ListSequences(const std::string& pool);
+  absl::StatusOr<v1::Page> GetPage(const std::string& pool, uint32_t page);
+  // Returns the number of pages freed.
+  absl::StatusOr<uint32_t> Free(const std::string& pool, const std::string& sequence);
+  absl::StatusOr<v1::Sequence> Truncate(const std::string& pool, const std::string& sequence, uint32_t length);
+
+  // One Append stream carrying `append` in messages of about
+  // Options::append_message_bytes. Validates byte counts before sending.
+  absl::StatusOr<v1::AppendResponse> Append(const AppendRows& append);
+  absl::StatusOr<v1::AppendBatchResponse> AppendBatch(const v1::AppendBatchRequest& request);
+
+  // The stored (raw) bytes of tokens [start, start + count) of one layer;
+  // count 0 reads to the layer's length.
+  absl::StatusOr<StoredLayer> ReadLayer(const std::string& pool, const std::string& sequence, uint32_t layer,
+                                        uint32_t start = 0, uint32_t count = 0);
+
+  const Options& options() const { return options_; }
+  // The raw stub, for callers that need what the wrapper hides (tests that
+  // cancel a stream half-way).
+  v1::KvCache::Stub& stub() { return *stub_; }
+
+ private:
+  KvCacheClient(Options options, std::shared_ptr<grpc::Channel> channel);
+  void PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const;
+
+  Options options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvCache::Stub> stub_;
+};
+
+// grpc::Status -> absl::Status: the same code and message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+}  // namespace mlakv
