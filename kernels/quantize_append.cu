@@ -17,6 +17,7 @@
 
 #include "kernels/cuda_check.h"
 #include "kernels/quantize_append.h"
+#include "kernels/quantize_append_config.h"
 
 namespace mlakv {
 namespace {
@@ -27,7 +28,7 @@ using format::kCkvDim;
 using format::kKpeDim;
 
 constexpr int kWarpSize = 32;
-constexpr int kWarpsPerBlock = 8;
+constexpr int kMaxWarpsPerBlock = 8;
 static_assert(kCkvBlocks == kWarpSize, "one lane per 16-channel ckv block: 512 / 16 must be 32");
 static_assert(kKpeDim == 2 * kWarpSize, "each lane owns two kpe channels: kpe_dim must be 64");
 
@@ -86,7 +87,7 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
 }
 
 template <DType kDType, bool kVectorized, int kRowsPerWarp>
-__global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
+__global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock)
     QuantizeAppendKernel(const QuantizeAppendParams p) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
@@ -117,25 +118,41 @@ __global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
   }
 }
 
-template <DType kDType, bool kVectorized>
-cudaError_t Launch(const QuantizeAppendParams& p, cudaStream_t stream) {
-  constexpr int kRowsPerWarp = 2;
+template <DType kDType, bool kVectorized, int kRowsPerWarp>
+cudaError_t Launch(const QuantizeAppendParams& p, const QuantizeAppendConfig& config, cudaStream_t stream) {
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  // Enough blocks to fill every SM (8 resident blocks of 256 threads), and no
-  // more than the rows need: a grid-stride loop covers the rest.
-  const int64_t rows_per_block = static_cast<int64_t>(kWarpsPerBlock) * kRowsPerWarp;
+  // Enough blocks to fill every SM, and no more than the rows need: a
+  // grid-stride loop covers the rest.
+  const int64_t rows_per_block = static_cast<int64_t>(config.warps_per_block) * kRowsPerWarp;
   const int64_t wanted = (p.num_rows + rows_per_block - 1) / rows_per_block;
-  const int blocks = static_cast<int>(std::min<int64_t>(wanted, static_cast<int64_t>(sms) * 8));
-  QuantizeAppendKernel<kDType, kVectorized, kRowsPerWarp><<<blocks, kWarpSize * kWarpsPerBlock, 0, stream>>>(p);
+  const int blocks = static_cast<int>(std::min<int64_t>(wanted, static_cast<int64_t>(sms) * config.blocks_per_sm));
+  QuantizeAppendKernel<kDType, kVectorized, kRowsPerWarp>
+      <<<blocks, kWarpSize * config.warps_per_block, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <DType kDType, bool kVectorized>
+cudaError_t LaunchRows(const QuantizeAppendParams& p, const QuantizeAppendConfig& config, cudaStream_t stream) {
+  switch (config.rows_per_warp) {
+    case 1: return Launch<kDType, kVectorized, 1>(p, config, stream);
+    case 2: return Launch<kDType, kVectorized, 2>(p, config, stream);
+    default: return Launch<kDType, kVectorized, 4>(p, config, stream);
+  }
 }
 
 }  // namespace
 
-absl::Status QuantizeAppend(const QuantizeAppendParams& p, cudaStream_t stream) {
+QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
+  QuantizeAppendConfig c;
+  c.rows_per_warp = num_rows >= 65536 ? 2 : 1;
+  return c;
+}
+
+absl::Status QuantizeAppendWithConfig(const QuantizeAppendParams& p, const QuantizeAppendConfig& config,
+                                      cudaStream_t stream) {
   if (p.num_rows == 0) return absl::OkStatus();
   if (p.page_size <= 0 || p.batch_size < 0 || p.ckv_cache == nullptr || p.ckv_sf_cache == nullptr ||
       p.kpe_cache == nullptr || p.append_ckv == nullptr || p.append_kpe == nullptr ||
@@ -146,6 +163,12 @@ absl::Status QuantizeAppend(const QuantizeAppendParams& p, cudaStream_t stream) 
     return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: rows must be float16 or bfloat16, got ",
                                                    DTypeName(p.dtype)));
   }
+  if ((config.rows_per_warp != 1 && config.rows_per_warp != 2 && config.rows_per_warp != 4) ||
+      config.warps_per_block < 1 || config.warps_per_block > kMaxWarpsPerBlock || config.blocks_per_sm < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: unsupported config rows_per_warp=",
+                                                   config.rows_per_warp, " warps_per_block=", config.warps_per_block,
+                                                   " blocks_per_sm=", config.blocks_per_sm));
+  }
   // 16-byte loads need 16-byte aligned ckv rows and 4-byte aligned kpe pairs;
   // anything else (an odd row stride, a sliced tensor) takes the scalar path.
   const auto addr = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); };
@@ -153,11 +176,17 @@ absl::Status QuantizeAppend(const QuantizeAppendParams& p, cudaStream_t stream) 
                           addr(p.append_kpe) % 4 == 0 && (p.kpe_row_stride * 2) % 4 == 0;
   cudaError_t err;
   if (p.dtype == DType::kBFloat16) {
-    err = vectorized ? Launch<DType::kBFloat16, true>(p, stream) : Launch<DType::kBFloat16, false>(p, stream);
+    err = vectorized ? LaunchRows<DType::kBFloat16, true>(p, config, stream)
+                     : LaunchRows<DType::kBFloat16, false>(p, config, stream);
   } else {
-    err = vectorized ? Launch<DType::kFloat16, true>(p, stream) : Launch<DType::kFloat16, false>(p, stream);
+    err = vectorized ? LaunchRows<DType::kFloat16, true>(p, config, stream)
+                     : LaunchRows<DType::kFloat16, false>(p, config, stream);
   }
   return CudaStatus(err, absl::StrCat("QuantizeAppendKernel launch (", p.num_rows, " rows)"));
+}
+
+absl::Status QuantizeAppend(const QuantizeAppendParams& p, cudaStream_t stream) {
+  return QuantizeAppendWithConfig(p, DefaultQuantizeAppendConfig(p.num_rows), stream);
 }
 
 absl::Status QuantizeAppendCuda(const TensorView& append_ckv, const TensorView& append_kpe,

@@ -21,8 +21,14 @@ struct Result {
   std::string output;  // stdout + stderr
 };
 
-Result Run(const std::string& args) {
-  const std::string cmd = std::string(MLAKV_CLI) + " " + args + " 2>&1";
+// The binary under test: $MLAKV_CLI (a bundled copy on the GPU machine), else the build's.
+std::string Cli() {
+  const char* env = std::getenv("MLAKV_CLI");
+  return env != nullptr && *env != '\0' ? env : MLAKV_CLI;
+}
+
+Result RunCli(const std::string& args) {
+  const std::string cmd = Cli() + " " + args + " 2>&1";
   Result r{-1, ""};
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return r;
@@ -57,10 +63,25 @@ void ExpectFileMatchesVector(const std::string& out_path, const testing::VectorC
 
 class QuantizeCliTest : public ::testing::TestWithParam<std::string> {};
 
+#if MLAKV_CLI_TEST_CUDA
+// Built as its own binary, labelled gpu.
+TEST_P(QuantizeCliTest, CudaReproducesVectorFile) {
+  if (!testing::HaveCuda()) GTEST_SKIP() << "no CUDA device visible: GPU test not run";
+  const testing::VectorCase c = testing::LoadVectorCase(GetParam());
+  const std::string out = TempPath("cuda_" + GetParam());
+  const Result r = RunCli("quantize --device cuda --input " + testing::VectorsDir() + "/" + GetParam() + " --output " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("on cuda:0"), std::string::npos) << r.output;
+  ExpectFileMatchesVector(out, c);
+  std::filesystem::remove(out);
+}
+
+#else
+
 TEST_P(QuantizeCliTest, CpuReproducesVectorFile) {
   const testing::VectorCase c = testing::LoadVectorCase(GetParam());
   const std::string out = TempPath(GetParam());
-  const Result r = Run("quantize --device cpu --input " + testing::VectorsDir() + "/" + GetParam() + " --output " + out);
+  const Result r = RunCli("quantize --device cpu --input " + testing::VectorsDir() + "/" + GetParam() + " --output " + out);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("quantized " + std::to_string(c.rows) + " rows on cpu"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("ckv rel L2 error"), std::string::npos) << r.output;
@@ -68,29 +89,11 @@ TEST_P(QuantizeCliTest, CpuReproducesVectorFile) {
   std::filesystem::remove(out);
 }
 
-TEST_P(QuantizeCliTest, CudaReproducesVectorFile) {
-  if (!testing::HaveCuda()) GTEST_SKIP() << "no CUDA device visible: GPU test not run";
-  const testing::VectorCase c = testing::LoadVectorCase(GetParam());
-  const std::string out = TempPath("cuda_" + GetParam());
-  const Result r = Run("quantize --device cuda --input " + testing::VectorsDir() + "/" + GetParam() + " --output " + out);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("on cuda:0"), std::string::npos) << r.output;
-  ExpectFileMatchesVector(out, c);
-  std::filesystem::remove(out);
-}
-
-INSTANTIATE_TEST_SUITE_P(AllFiles, QuantizeCliTest, ::testing::ValuesIn(testing::VectorFileNames()),
-                         [](const auto& info) {
-                           std::string n = info.param.substr(0, info.param.find('.'));
-                           for (char& ch : n) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-                           return n;
-                         });
-
 TEST(QuantizeCli, FlagScalesOverrideFileScales) {
   const std::string in = testing::VectorsDir() + "/" + testing::VectorFileNames().at(0);
   const std::string a = TempPath("a"), b = TempPath("b");
-  ASSERT_EQ(Run("quantize --device cpu --input " + in + " --output " + a).exit_code, 0);
-  const Result r = Run("quantize --device cpu --ckv_scale 0.125 --kpe_scale 3 --input " + in + " --output " + b);
+  ASSERT_EQ(RunCli("quantize --device cpu --input " + in + " --output " + a).exit_code, 0);
+  const Result r = RunCli("quantize --device cpu --ckv_scale 0.125 --kpe_scale 3 --input " + in + " --output " + b);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto fa = SafetensorsFile::Read(a), fb = SafetensorsFile::Read(b);
   ASSERT_TRUE(fa.ok() && fb.ok());
@@ -102,7 +105,7 @@ TEST(QuantizeCli, FlagScalesOverrideFileScales) {
 
 TEST(QuantizeCli, RejectsBadScaleFlag) {
   const std::string in = testing::VectorsDir() + "/" + testing::VectorFileNames().at(0);
-  const Result r = Run("quantize --device cpu --ckv_scale -1 --input " + in + " --output " + TempPath("x"));
+  const Result r = RunCli("quantize --device cpu --ckv_scale -1 --input " + in + " --output " + TempPath("x"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("ckv_scale -1 is not a positive normal float32"), std::string::npos) << r.output;
 }
@@ -114,10 +117,10 @@ TEST(QuantizeCli, RefusesFileWithoutScalesUnlessFlagsGiveThem) {
   ASSERT_TRUE(w.Add("kpe", "BF16", {1, 64}, std::string(128, '\x3f')).ok());
   const std::string in = TempPath("noscale.safetensors"), out = TempPath("noscale_out");
   ASSERT_TRUE(w.Write(in).ok());
-  Result r = Run("quantize --device cpu --input " + in + " --output " + out);
+  Result r = RunCli("quantize --device cpu --input " + in + " --output " + out);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("--ckv_scale"), std::string::npos) << r.output;
-  r = Run("quantize --device cpu --ckv_scale 1 --kpe_scale 1 --input " + in + " --output " + out);
+  r = RunCli("quantize --device cpu --ckv_scale 1 --kpe_scale 1 --input " + in + " --output " + out);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   std::filesystem::remove(in);
   std::filesystem::remove(out);
@@ -126,7 +129,7 @@ TEST(QuantizeCli, RefusesFileWithoutScalesUnlessFlagsGiveThem) {
 TEST(QuantizeCli, CorruptFileGetsAClearErrorNotACrash) {
   const std::string in = TempPath("corrupt.safetensors");
   std::ofstream(in, std::ios::binary) << std::string("\x10\x00\x00\x00\x00\x00\x00\x00{\"ckv\":[1,2,3]}  ", 24);
-  const Result r = Run("quantize --device cpu --input " + in + " --output " + TempPath("y"));
+  const Result r = RunCli("quantize --device cpu --input " + in + " --output " + TempPath("y"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("not a valid safetensors file"), std::string::npos) << r.output;
   std::filesystem::remove(in);
@@ -138,17 +141,26 @@ TEST(QuantizeCli, WrongShapeIsRefused) {
   ASSERT_TRUE(w.Add("kpe", "BF16", {1, 64}, std::string(128, '\x3f')).ok());
   const std::string in = TempPath("shape.safetensors");
   ASSERT_TRUE(w.Write(in).ok());
-  const Result r = Run("quantize --device cpu --ckv_scale 1 --kpe_scale 1 --input " + in + " --output " + TempPath("z"));
+  const Result r = RunCli("quantize --device cpu --ckv_scale 1 --kpe_scale 1 --input " + in + " --output " + TempPath("z"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("expected ckv [N, 512]"), std::string::npos) << r.output;
   std::filesystem::remove(in);
 }
 
 TEST(QuantizeCli, MissingArgumentsIsUsageError) {
-  const Result r = Run("quantize");
+  const Result r = RunCli("quantize");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("usage: mlakv quantize"), std::string::npos) << r.output;
 }
+
+#endif
+
+INSTANTIATE_TEST_SUITE_P(AllFiles, QuantizeCliTest, ::testing::ValuesIn(testing::VectorFileNames()),
+                         [](const auto& info) {
+                           std::string n = info.param.substr(0, info.param.find('.'));
+                           for (char& ch : n) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+                           return n;
+                         });
 
 }  // namespace
 }  // namespace mlakv

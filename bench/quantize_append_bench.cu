@@ -1,0 +1,317 @@
+// Benchmark of quantize-append, against a device-to-device copy of the same
+// byte count measured in the same run (the practical floor of a memory-bound
+// kernel).
+//
+//   quantize_append_bench [--device cuda|cpu] [--repeats N] [--sweep] [--only NAME]
+//
+// Bytes per row: 1152 read (bf16/fp16 ckv + kpe) + 8 read (batch index and
+// position) + 352 written (256 packed + 32 scales + 64 rope) = 1512. The copy
+// moves 1512/2 bytes per row (read + write = 1512). Times are medians over
+// --repeats launches after warm-up, each timed with CUDA events; small cases
+// rotate among several input buffers so that they are not served from L2.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/quantize_append.h"
+#include "kernels/quantize_append_config.h"
+
+namespace mlakv {
+namespace {
+
+#define CHECK_CUDA(expr)                                                                        \
+  do {                                                                                          \
+    cudaError_t e_ = (expr);                                                                    \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+constexpr int64_t kBytesPerRow = 1152 + 8 + 352;
+constexpr int64_t kL2Bytes = 60ll << 20;
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int page_size;
+  int sequences;
+  int tokens_per_sequence;  // rows appended per sequence
+  int prefix;               // tokens each sequence already holds
+};
+
+std::vector<Case> Cases() {
+  return {
+      {"decode_1x1", DType::kBFloat16, 64, 1, 1, 1000},
+      {"decode_64x1", DType::kBFloat16, 64, 64, 1, 1000},
+      {"decode_512x1", DType::kBFloat16, 64, 512, 1, 1000},
+      {"decode_4096x1", DType::kBFloat16, 64, 4096, 1, 1000},
+      {"prefill_1x4096", DType::kBFloat16, 64, 1, 4096, 0},
+      {"prefill_16x4096", DType::kBFloat16, 64, 16, 4096, 0},
+      {"prefill_64x4096", DType::kBFloat16, 64, 64, 4096, 0},
+      {"prefill_256x4096", DType::kBFloat16, 64, 256, 4096, 0},
+      {"prefill_16x4096_f16", DType::kFloat16, 64, 16, 4096, 0},
+      {"prefill_16x4096_page1", DType::kBFloat16, 1, 16, 4096, 0},
+      {"prefill_16x4096_page16", DType::kBFloat16, 16, 16, 4096, 0},
+  };
+}
+
+// Random, never-zero fp16/bf16 rows: a hash of the index shaped into a
+// roughly gaussian value at row-dependent magnitudes.
+__global__ void FillRandomKernel(uint16_t* out, int64_t n, uint32_t seed, bool bf16) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 0x9E3779B1u ^ seed;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    h *= 0x297A2D39u;
+    h ^= h >> 15;
+    const float u1 = ((h & 0xFFFF) + 1) / 65537.0f, u2 = ((h >> 16) + 1) / 65537.0f;
+    const float g = (u1 + u2 - 1.0f) * 2.0f + (u1 > 0.5f ? 0.01f : -0.01f);
+    const float mag = exp2f(static_cast<float>((i / 512) % 13) - 6.0f);
+    const float v = g * mag;
+    out[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(v)) : __half_as_ushort(__float2half_rn(v));
+  }
+}
+
+struct Device {
+  std::vector<void*> allocations;
+  template <typename T>
+  T* Alloc(size_t count) {
+    void* p = nullptr;
+    CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(count * sizeof(T), 1)));
+    allocations.push_back(p);
+    return static_cast<T*>(p);
+  }
+  ~Device() {
+    for (void* p : allocations) cudaFree(p);
+  }
+};
+
+struct Prepared {
+  std::vector<QuantizeAppendParams> rotations;  // same placement, different input rows
+  int64_t rows;
+};
+
+Prepared Prepare(const Case& c, Device& dev, std::mt19937& rng) {
+  const int64_t rows = static_cast<int64_t>(c.sequences) * c.tokens_per_sequence;
+  const int pages_per_seq = (c.prefix + c.tokens_per_sequence + c.page_size - 1) / c.page_size;
+  const int num_pages = c.sequences * pages_per_seq;
+  std::vector<int32_t> ids(num_pages);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> indptr(c.sequences + 1), last(c.sequences), batch(rows), pos(rows);
+  for (int s = 0; s <= c.sequences; ++s) indptr[s] = s * pages_per_seq;
+  for (int s = 0; s < c.sequences; ++s) {
+    const int len = c.prefix + c.tokens_per_sequence;
+    last[s] = len - (pages_per_seq - 1) * c.page_size;
+    for (int t = 0; t < c.tokens_per_sequence; ++t) {
+      batch[static_cast<int64_t>(s) * c.tokens_per_sequence + t] = s;
+      pos[static_cast<int64_t>(s) * c.tokens_per_sequence + t] = c.prefix + t;
+    }
+  }
+  auto upload = [&dev](const std::vector<int32_t>& v) {
+    int32_t* d = dev.Alloc<int32_t>(v.size());
+    CHECK_CUDA(cudaMemcpy(d, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+    return d;
+  };
+  QuantizeAppendParams p;
+  p.dtype = c.dtype;
+  p.batch_indices = upload(batch);
+  p.positions = upload(pos);
+  p.num_rows = rows;
+  p.kv_indices = upload(ids);
+  p.kv_indptr = upload(indptr);
+  p.batch_size = c.sequences;
+  p.num_kv_indices = num_pages;
+  p.num_pages = num_pages;
+  p.page_size = c.page_size;
+  const size_t entries = static_cast<size_t>(num_pages) * c.page_size;
+  p.ckv_cache = dev.Alloc<uint8_t>(entries * 256);
+  p.ckv_sf_cache = dev.Alloc<uint8_t>(entries * 32);
+  p.kpe_cache = dev.Alloc<uint8_t>(entries * 64);
+  CHECK_CUDA(cudaMemset(p.ckv_cache, 0xA5, entries * 256));
+  p.ckv_scale = 0.02f;
+  p.kpe_scale = 0.05f;
+  // Rotate inputs until four L2s' worth of rows are in play.
+  const int64_t input_bytes = rows * 1152;
+  const int rotations = static_cast<int>(std::clamp<int64_t>((4 * kL2Bytes) / input_bytes + 1, 1, 64));
+  Prepared out;
+  out.rows = rows;
+  for (int r = 0; r < rotations; ++r) {
+    uint16_t* ckv = dev.Alloc<uint16_t>(rows * 512);
+    uint16_t* kpe = dev.Alloc<uint16_t>(rows * 64);
+    FillRandomKernel<<<1024, 256>>>(ckv, rows * 512, 17u + r, c.dtype == DType::kBFloat16);
+    FillRandomKernel<<<256, 256>>>(kpe, rows * 64, 1017u + r, c.dtype == DType::kBFloat16);
+    QuantizeAppendParams q = p;
+    q.append_ckv = ckv;
+    q.append_kpe = kpe;
+    out.rotations.push_back(q);
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  return out;
+}
+
+template <typename F>
+double MedianMicros(int repeats, int warmup, F&& launch) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < warmup; ++i) launch(i);
+  std::vector<double> times;
+  for (int i = 0; i < repeats; ++i) {
+    CHECK_CUDA(cudaEventRecord(start));
+    launch(warmup + i);
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms * 1000.0);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+int RunCuda(int repeats, bool sweep, const std::string& only) {
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB; median of %d launches each (CUDA events)\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize >> 20, repeats);
+  std::printf("%-24s %9s %10s %9s %10s %9s %7s %8s  %s\n", "case", "rows", "kernel_us", "TB/s", "copy_us", "copy_TB/s",
+              "ratio", "%copy", "config");
+  std::mt19937 rng(42);
+  std::vector<QuantizeAppendConfig> configs = {QuantizeAppendConfig{}};
+  if (sweep) {
+    configs.clear();
+    for (int rpw : {1, 2, 4}) {
+      for (int wpb : {4, 8}) configs.push_back(QuantizeAppendConfig{rpw, wpb, 8});
+    }
+  }
+  for (const Case& c : Cases()) {
+    if (!only.empty() && c.name.find(only) == std::string::npos) continue;
+    Device dev;
+    Prepared prep = Prepare(c, dev, rng);
+    const int64_t bytes = prep.rows * kBytesPerRow;
+    // The copy: bytes/2 each way, rotating through a pool at least 4 L2s large.
+    const int64_t copy_bytes = bytes / 2;
+    const int copy_slots = static_cast<int>(std::clamp<int64_t>((4 * kL2Bytes) / copy_bytes + 1, 1, 64));
+    uint8_t* src = dev.Alloc<uint8_t>(copy_bytes * copy_slots);
+    uint8_t* dst = dev.Alloc<uint8_t>(copy_bytes * copy_slots);
+    CHECK_CUDA(cudaMemset(src, 1, copy_bytes * copy_slots));
+    const double copy_us = MedianMicros(repeats, 5, [&](int i) {
+      const int slot = i % copy_slots;
+      CHECK_CUDA(cudaMemcpyAsync(dst + slot * copy_bytes, src + slot * copy_bytes, copy_bytes,
+                                 cudaMemcpyDeviceToDevice));
+    });
+    for (const QuantizeAppendConfig& cfg : configs) {
+      const QuantizeAppendConfig used = sweep ? cfg : DefaultQuantizeAppendConfig(prep.rows);
+      const double us = MedianMicros(repeats, 5, [&](int i) {
+        const absl::Status s =
+            QuantizeAppendWithConfig(prep.rotations[i % prep.rotations.size()], used, nullptr);
+        if (!s.ok()) {
+          std::fprintf(stderr, "%s\n", s.ToString().c_str());
+          std::exit(1);
+        }
+      });
+      std::printf("%-24s %9lld %10.2f %9.3f %10.2f %9.3f %7.3f %7.1f%%  rpw=%d wpb=%d bps=%d\n", c.name.c_str(),
+                  static_cast<long long>(prep.rows), us, bytes / us / 1e6, copy_us, bytes / copy_us / 1e6,
+                  us / copy_us, 100.0 * copy_us / us, used.rows_per_warp, used.warps_per_block, used.blocks_per_sm);
+    }
+    CHECK_CUDA(cudaGetLastError());
+  }
+  return 0;
+}
+
+// The CPU path on host memory: rows/s and GB/s of input rows per thread.
+int RunCpu(int repeats) {
+  const int64_t rows = 16 * 4096;
+  const int page_size = 64;
+  std::mt19937 rng(1);
+  std::vector<uint16_t> ckv(rows * 512), kpe(rows * 64);
+  std::normal_distribution<float> g(0, 1);
+  for (auto* v : {&ckv, &kpe}) {
+    for (auto& x : *v) {
+      const float f = g(rng) + 0.01f;
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      x = static_cast<uint16_t>(u >> 16);
+    }
+  }
+  const int pages = static_cast<int>(rows / page_size);
+  std::vector<int32_t> ids(pages), batch(rows, 0), pos(rows), indptr = {0, pages};
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::iota(pos.begin(), pos.end(), 0);
+  std::vector<uint8_t> cc(rows * 256), sf(rows * 32), kc(rows * 64);
+  QuantizeAppendParams p;
+  p.append_ckv = ckv.data();
+  p.append_kpe = kpe.data();
+  p.dtype = DType::kBFloat16;
+  p.batch_indices = batch.data();
+  p.positions = pos.data();
+  p.num_rows = rows;
+  p.ckv_cache = cc.data();
+  p.ckv_sf_cache = sf.data();
+  p.kpe_cache = kc.data();
+  p.num_pages = pages;
+  p.page_size = page_size;
+  p.kv_indices = ids.data();
+  p.kv_indptr = indptr.data();
+  p.batch_size = 1;
+  p.num_kv_indices = pages;
+  p.ckv_scale = 0.02f;
+  p.kpe_scale = 0.05f;
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  std::printf("cpu: %lld bf16 rows, page size 64, median of %d runs\n", static_cast<long long>(rows), repeats);
+  std::printf("%8s %12s %14s %18s\n", "threads", "ms", "Mrows/s", "GB/s input/thread");
+  for (unsigned threads : {1u, hw}) {
+    std::vector<double> ms;
+    for (int i = 0; i < repeats + 1; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      QuantizeAppendHost(p, static_cast<int>(threads));
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i > 0) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2];
+    std::printf("%8u %12.2f %14.3f %18.3f\n", threads, med, rows / med / 1e3, rows * 1152.0 / med / 1e6 / threads);
+    if (hw == 1) break;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace mlakv
+
+int main(int argc, char** argv) {
+  std::string device = "cuda", only;
+  int repeats = 50;
+  bool sweep = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--device" && i + 1 < argc) {
+      device = argv[++i];
+    } else if (a == "--repeats" && i + 1 < argc) {
+      repeats = std::max(20, std::atoi(argv[++i]));
+    } else if (a == "--sweep") {
+      sweep = true;
+    } else if (a == "--only" && i + 1 < argc) {
+      only = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--device cuda|cpu] [--repeats N>=20] [--sweep] [--only CASE]\n", argv[0]);
+      return 2;
+    }
+  }
+  return device == "cpu" ? mlakv::RunCpu(std::min(repeats, 9)) : mlakv::RunCuda(repeats, sweep, only);
+}
