@@ -1,0 +1,25 @@
+// MetricsInterceptorFactory: a gRPC server interceptor that records every RPC
+// in ServerMetrics without any code in the service: count by service, method
+// and status code, latency, in-flight; for Append and AppendBatch also the
+// rows (from the response's rows_written) and input bytes (ckv + kpe of the
+// received messages) of successful calls, and their latency.
+// Register with ServerBuilder::experimental().SetInterceptorCreators.
+// Calls refused by the transport or the auth processor never reach it (see
+// mlakv_auth_failures_total for the latter).
+#pragma once
+
+#include "grpcpp/support/server_interceptor.h"
+#include "server/server_metrics.h"
+
+namespace mlakv::server {
+
+class MetricsInterceptorFactory : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit MetricsInterceptorFactory(ServerMetrics* metrics) : metrics_(metrics) {}  // not owned; outlives the server
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override;
+
+ private:
+  ServerMetrics* metrics_;
+};
+
+}  // namespace mlakv::server
