@@ -1,0 +1,78 @@
+// AppendTransaction: the state of one in-flight append to one sequence, from
+// Pool::BeginAppend to Pool::Commit or Pool::Abort.
+//
+// How an append stays atomic (docs/server.md "Atomicity"):
+//  * rows are quantized straight into the sequence's pages as messages
+//    arrive, but the per-layer lengths only move at Commit, so rows past a
+//    layer's committed length stay invisible until then;
+//  * before a message rewrites positions below the committed length, the
+//    stored bytes of those positions are copied into `undo` (once per
+//    position), and Abort writes them back;
+//  * pages allocated by the append are appended to the page table and cut
+//    off again (returned to the allocator) by Abort; a sequence created by
+//    the append is erased by Abort;
+//  * scales the append set on an empty layer are unset again by Abort if the
+//    layer still stores nothing.
+// The sequence is held exclusively (Sequence::busy) for the whole append.
+// Only Pool touches the fields.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mlakv::server {
+
+class Pool;
+class Sequence;
+
+class AppendTransaction {
+ public:
+  AppendTransaction(const AppendTransaction&) = delete;
+  AppendTransaction& operator=(const AppendTransaction&) = delete;
+  // A transaction is always committed or aborted by its owner; one that is
+  // not is aborted here (and logged as a bug).
+  ~AppendTransaction();
+
+  const std::string& sequence_id() const { return id_; }
+  // Rows written so far, summed over layers and messages.
+  uint64_t rows_written() const { return rows_written_; }
+  // Pages allocated so far by this append.
+  uint32_t pages_allocated() const { return pages_allocated_; }
+  bool finished() const { return finished_; }
+
+ private:
+  friend class Pool;
+
+  struct LayerScalesBefore {
+    int32_t layer = 0;
+    bool set = false;
+    float ckv_scale = 0.0f;
+    float kpe_scale = 0.0f;
+  };
+  struct Undo {
+    int32_t layer = 0;
+    std::vector<int64_t> entries;  // cache entries whose old bytes are saved
+    std::vector<uint8_t> ckv_packed, ckv_sf, kpe;
+    bool captured = false;  // bytes were read (only then are they restored)
+  };
+
+  AppendTransaction(Pool* pool, Sequence* sequence, std::string id, int32_t num_layers);
+
+  Pool* pool_;
+  Sequence* sequence_;
+  std::string id_;
+  bool created_ = false;             // the append created the sequence
+  size_t original_pages_ = 0;        // page-table length before the append
+  std::vector<uint32_t> committed_;  // [num_layers] lengths before the append
+  std::vector<uint32_t> staged_end_;  // [num_layers] end of rows written by the append (0: none)
+  std::vector<bool> touched_;        // [num_layers] the append wrote rows here (counted in staged_users)
+  std::vector<std::vector<bool>> saved_;  // [num_layers][committed_] position's old bytes are in undo_
+  std::vector<Undo> undo_;
+  std::vector<LayerScalesBefore> scales_before_;  // layers whose scales this append set
+  uint64_t rows_written_ = 0;
+  uint32_t pages_allocated_ = 0;
+  bool finished_ = false;
+};
+
+}  // namespace mlakv::server

@@ -1,0 +1,303 @@
+#include "server/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda_check.h"
+#include "kernels/nvfp4_format.h"
+#include "kernels/quantize_append.h"
+
+namespace mlakv::server {
+namespace {
+
+using format::kCkvDim;
+using format::kCkvPackedBytes;
+using format::kCkvSfBytes;
+using format::kKpeBytes;
+using format::kKpeDim;
+
+// Sets `device` for the scope and restores the caller's current device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    status_ = CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  absl::Status status_;
+};
+
+constexpr size_t kAlign = 256;
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+int64_t Entries(const CacheBackend::Geometry& g) { return static_cast<int64_t>(g.num_pages) * g.page_size; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {
+  const Geometry& g = options.geometry;
+  if (g.num_layers < 1 || g.num_pages < 1 || g.page_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: num_layers, num_pages and page_size must be >= 1, got ",
+                                                   g.num_layers, ", ", g.num_pages, ", ", g.page_size));
+  }
+  int count = 0;
+  if (cudaError_t err = cudaGetDeviceCount(&count); err != cudaSuccess || count == 0) {
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    return absl::FailedPreconditionError(
+        absl::StrCat("device cuda:", options.device_ordinal, " requested but no CUDA device is visible (",
+                     err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), "); use --device=cpu"));
+  }
+  if (options.device_ordinal < 0 || options.device_ordinal >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("device cuda:", options.device_ordinal, " does not exist; ", count,
+                                                   " CUDA device(s) visible (cuda:0 .. cuda:", count - 1, ")"));
+  }
+  std::unique_ptr<CudaBackend> backend(new CudaBackend(options));
+  if (absl::Status s = backend->Init(); !s.ok()) return s;  // the destructor releases what Init got
+  return backend;
+}
+
+absl::Status CudaBackend::Init() {
+  DeviceGuard guard(options_.device_ordinal);
+  if (!guard.status().ok()) return guard.status();
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  const int64_t entries = Entries(options_.geometry);
+  for (int32_t l = 0; l < options_.geometry.num_layers; ++l) {
+    LayerCaches& c = layers_.emplace_back();
+    for (auto [ptr, row_bytes] : {std::pair<uint8_t**, int>{&c.ckv, kCkvPackedBytes}, {&c.sf, kCkvSfBytes},
+                                  {&c.kpe, kKpeBytes}}) {
+      const size_t bytes = static_cast<size_t>(entries) * row_bytes;
+      MLAKV_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(ptr), bytes),
+                                 absl::StrCat("cudaMalloc of ", bytes, " bytes (layer ", l, " of ",
+                                              options_.geometry.num_layers, ", pool total ", cache_bytes(), ")"));
+      MLAKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(*ptr, 0, bytes, stream_), "cudaMemsetAsync of the cache");
+    }
+  }
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&skipped_), sizeof(unsigned int)),
+                             "cudaMalloc of the skipped-rows counter");
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after zeroing the caches");
+  return absl::OkStatus();
+}
+
+CudaBackend::~CudaBackend() {
+  DeviceGuard guard(options_.device_ordinal);
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  for (LayerCaches& c : layers_) {
+    cudaFree(c.ckv);
+    cudaFree(c.sf);
+    cudaFree(c.kpe);
+  }
+  if (skipped_ != nullptr) cudaFree(skipped_);
+  if (scratch_ != nullptr) cudaFree(scratch_);
+  if (pinned_ != nullptr) cudaFreeHost(pinned_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+std::string CudaBackend::device() const { return absl::StrCat("cuda:", options_.device_ordinal); }
+
+uint64_t CudaBackend::cache_bytes() const {
+  return static_cast<uint64_t>(Entries(options_.geometry)) * (kCkvPackedBytes + kCkvSfBytes + kKpeBytes) *
+         options_.geometry.num_layers;
+}
+
+absl::Status CudaBackend::EnsureStaging(size_t bytes) {
+  if (bytes <= staging_bytes_) return absl::OkStatus();
+  const size_t want = std::max(bytes, staging_bytes_ * 2);
+  // The stream is idle between calls (each call synchronizes), so the old
+  // buffers can go at once.
+  if (scratch_ != nullptr) cudaFree(scratch_);
+  if (pinned_ != nullptr) cudaFreeHost(pinned_);
+  scratch_ = nullptr;
+  pinned_ = nullptr;
+  staging_bytes_ = 0;
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), want, cudaHostAllocDefault),
+                             absl::StrCat("cudaHostAlloc of ", want, " bytes of pinned staging"));
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&scratch_), want),
+                             absl::StrCat("cudaMalloc of ", want, " bytes of staging"));
+  staging_bytes_ = want;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
+  const Geometry& g = options_.geometry;
+  // Layout of the staging buffer, per layer: ckv rows, kpe rows, batch
+  // indices, positions, kv_indptr, kv_indices (each 256-byte aligned).
+  struct Slots {
+    size_t ckv, kpe, batch, pos, indptr, indices;
+    int64_t rows;
+  };
+  std::vector<Slots> slots(layers.size());
+  size_t total = 0;
+  for (size_t li = 0; li < layers.size(); ++li) {
+    const LayerAppend& la = layers[li];
+    if (la.layer < 0 || la.layer >= g.num_layers) {
+      return absl::InternalError(absl::StrCat("cuda backend: layer ", la.layer, " outside [0, ", g.num_layers, ")"));
+    }
+    if (la.kv_indptr.empty()) return absl::InternalError("cuda backend: empty kv_indptr");
+    int64_t rows = 0;
+    for (const AppendSegment& seg : la.segments) rows += std::max(0, seg.rows);
+    const size_t esize = static_cast<size_t>(DTypeSize(la.dtype));
+    Slots& s = slots[li];
+    s.rows = rows;
+    s.ckv = total;
+    total += AlignUp(rows * kCkvDim * esize);
+    s.kpe = total;
+    total += AlignUp(rows * kKpeDim * esize);
+    s.batch = total;
+    total += AlignUp(rows * sizeof(int32_t));
+    s.pos = total;
+    total += AlignUp(rows * sizeof(int32_t));
+    s.indptr = total;
+    total += AlignUp(la.kv_indptr.size() * sizeof(int32_t));
+    s.indices = total;
+    total += AlignUp(std::max<size_t>(1, la.kv_indices.size()) * sizeof(int32_t));
+  }
+  if (total == 0) return absl::OkStatus();
+
+  DeviceGuard guard(options_.device_ordinal);
+  if (!guard.status().ok()) return guard.status();
+  if (absl::Status s = EnsureStaging(total); !s.ok()) return s;
+
+  // Pack on the host and build params twice: host pointers (validated here)
+  // and device pointers (launched).
+  std::vector<QuantizeAppendParams> device_params;
+  for (size_t li = 0; li < layers.size(); ++li) {
+    const LayerAppend& la = layers[li];
+    const Slots& s = slots[li];
+    if (s.rows == 0) continue;
+    const size_t esize = static_cast<size_t>(DTypeSize(la.dtype));
+    auto* batch = reinterpret_cast<int32_t*>(pinned_ + s.batch);
+    auto* pos = reinterpret_cast<int32_t*>(pinned_ + s.pos);
+    int64_t r = 0;
+    for (const AppendSegment& seg : la.segments) {
+      if (seg.rows <= 0) continue;
+      std::memcpy(pinned_ + s.ckv + r * kCkvDim * esize, seg.ckv, seg.rows * kCkvDim * esize);
+      std::memcpy(pinned_ + s.kpe + r * kKpeDim * esize, seg.kpe, seg.rows * kKpeDim * esize);
+      for (int32_t i = 0; i < seg.rows; ++i) {
+        batch[r + i] = seg.request;
+        pos[r + i] = seg.start + i;
+      }
+      r += seg.rows;
+    }
+    std::memcpy(pinned_ + s.indptr, la.kv_indptr.data(), la.kv_indptr.size() * sizeof(int32_t));
+    std::memcpy(pinned_ + s.indices, la.kv_indices.data(), la.kv_indices.size() * sizeof(int32_t));
+
+    const LayerCaches& c = layers_[la.layer];
+    QuantizeAppendParams p;
+    p.dtype = la.dtype;
+    p.num_rows = s.rows;
+    p.ckv_cache = c.ckv;
+    p.ckv_sf_cache = c.sf;
+    p.kpe_cache = c.kpe;
+    p.num_pages = g.num_pages;
+    p.page_size = g.page_size;
+    p.batch_size = static_cast<int32_t>(la.kv_indptr.size()) - 1;
+    p.num_kv_indices = static_cast<int64_t>(la.kv_indices.size());
+    p.ckv_scale = la.ckv_scale;
+    p.kpe_scale = la.kpe_scale;
+
+    QuantizeAppendParams host = p;
+    host.append_ckv = pinned_ + s.ckv;
+    host.append_kpe = pinned_ + s.kpe;
+    host.batch_indices = batch;
+    host.positions = pos;
+    host.kv_indptr = reinterpret_cast<const int32_t*>(pinned_ + s.indptr);
+    host.kv_indices = reinterpret_cast<const int32_t*>(pinned_ + s.indices);
+    if (absl::Status st = ValidateRowPlacement(host); !st.ok()) {
+      return absl::InternalError(absl::StrCat("cuda backend: row placement rejected (a server bug): ", st.message()));
+    }
+    if (!CheckDecodeScale(p.ckv_scale, "ckv_scale").ok() || !CheckDecodeScale(p.kpe_scale, "kpe_scale").ok()) {
+      return absl::InternalError("cuda backend: scales not positive normal (a server bug)");
+    }
+
+    p.append_ckv = scratch_ + s.ckv;
+    p.append_kpe = scratch_ + s.kpe;
+    p.batch_indices = reinterpret_cast<const int32_t*>(scratch_ + s.batch);
+    p.positions = reinterpret_cast<const int32_t*>(scratch_ + s.pos);
+    p.kv_indptr = reinterpret_cast<const int32_t*>(scratch_ + s.indptr);
+    p.kv_indices = reinterpret_cast<const int32_t*>(scratch_ + s.indices);
+    p.skipped_rows = skipped_;
+    device_params.push_back(p);
+  }
+  if (device_params.empty()) return absl::OkStatus();
+
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(skipped_, 0, sizeof(unsigned int), stream_),
+                             "cudaMemsetAsync of the skipped-rows counter");
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
+                             absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
+  for (const QuantizeAppendParams& p : device_params) {
+    if (absl::Status s = QuantizeAppend(p, stream_); !s.ok()) {
+      cudaStreamSynchronize(stream_);  // leave the stream idle whatever happened
+      return s;
+    }
+  }
+  unsigned int skipped = 0;
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&skipped, skipped_, sizeof(skipped), cudaMemcpyDeviceToHost, stream_),
+                             "cudaMemcpyAsync of the skipped-rows counter");
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after quantize-append");
+  if (skipped != 0) {
+    return absl::InternalError(absl::StrCat("cuda backend: the kernel skipped ", skipped,
+                                            " out-of-bounds rows that host validation accepted (a server bug)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CheckEntries(int32_t layer, std::span<const int64_t> entries) const {
+  if (layer < 0 || layer >= options_.geometry.num_layers) {
+    return absl::InternalError(absl::StrCat("cuda backend: layer ", layer, " out of range"));
+  }
+  const int64_t total = Entries(options_.geometry);
+  for (int64_t e : entries) {
+    if (e < 0 || e >= total) {
+      return absl::InternalError(absl::StrCat("cuda backend: cache entry ", e, " outside [0, ", total, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CopyEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& rows,
+                                      bool to_device) {
+  if (absl::Status s = CheckEntries(layer, entries); !s.ok()) return s;
+  if (entries.empty()) return absl::OkStatus();
+  DeviceGuard guard(options_.device_ordinal);
+  if (!guard.status().ok()) return guard.status();
+  const LayerCaches& c = layers_[layer];
+  cudaError_t err = cudaSuccess;
+  ForEachRun(entries, [&](size_t i, size_t n) {
+    if (err != cudaSuccess) return;
+    const int64_t e = entries[i];
+    const struct {
+      uint8_t* dev;
+      uint8_t* host;
+      size_t row;
+    } parts[3] = {{c.ckv + e * kCkvPackedBytes, rows.ckv_packed + i * kCkvPackedBytes, kCkvPackedBytes},
+                  {c.sf + e * kCkvSfBytes, rows.ckv_sf + i * kCkvSfBytes, kCkvSfBytes},
+                  {c.kpe + e * kKpeBytes, rows.kpe + i * kKpeBytes, kKpeBytes}};
+    for (const auto& part : parts) {
+      if (err != cudaSuccess) return;
+      err = to_device ? cudaMemcpyAsync(part.dev, part.host, n * part.row, cudaMemcpyHostToDevice, stream_)
+                      : cudaMemcpyAsync(part.host, part.dev, n * part.row, cudaMemcpyDeviceToHost, stream_);
+    }
+  });
+  const cudaError_t sync = cudaStreamSynchronize(stream_);
+  MLAKV_CUDA_RETURN_IF_ERROR(err, to_device ? "cudaMemcpyAsync of rows to the cache" : "cudaMemcpyAsync of cached rows");
+  MLAKV_CUDA_RETURN_IF_ERROR(sync, "cudaStreamSynchronize after copying rows");
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) {
+  return CopyEntries(layer, entries, out, /*to_device=*/false);
+}
+
+absl::Status CudaBackend::WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) {
+  return CopyEntries(layer, entries, in, /*to_device=*/true);
+}
+
+}  // namespace mlakv::server

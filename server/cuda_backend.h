@@ -1,0 +1,62 @@
+// CudaBackend: a pool's caches in device memory, written by the CUDA
+// quantize-append kernel (QuantizeAppend launcher of kernels/).
+//
+// One CUDA stream per pool (per backend). Appended rows, positions and page
+// tables are packed into one pinned host buffer, copied to a device scratch
+// buffer in one cudaMemcpyAsync, then one kernel per layer is launched; every
+// call synchronizes the stream before it returns, so the caller's buffers are
+// free again and errors are reported by the call that caused them. Reads and
+// restores copy whole runs of consecutive cache entries with cudaMemcpyAsync.
+// Every entry point sets the pool's device and restores the caller's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "server/cache_backend.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace mlakv::server {
+
+class CudaBackend : public CacheBackend {
+ public:
+  struct Options {
+    Geometry geometry;
+    int device_ordinal = 0;  // N of cuda:N
+  };
+
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Options& options);
+  ~CudaBackend() override;
+
+  std::string device() const override;
+  uint64_t cache_bytes() const override;
+  absl::Status Append(std::span<const LayerAppend> layers) override;
+  absl::Status ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) override;
+  absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) override;
+
+ private:
+  struct LayerCaches {
+    uint8_t* ckv = nullptr;  // device [num_pages, page_size, 256]
+    uint8_t* sf = nullptr;   // device [num_pages, page_size, 32]
+    uint8_t* kpe = nullptr;  // device [num_pages, page_size, 64]
+  };
+
+  explicit CudaBackend(const Options& options) : options_(options) {}
+  absl::Status Init();
+  absl::Status EnsureStaging(size_t bytes);
+  absl::Status CheckEntries(int32_t layer, std::span<const int64_t> entries) const;
+  // Copies runs between the layer's caches and host rows; `to_device` picks the direction.
+  absl::Status CopyEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& rows, bool to_device);
+
+  Options options_;
+  std::vector<LayerCaches> layers_;
+  cudaStream_t stream_ = nullptr;
+  uint8_t* pinned_ = nullptr;        // host staging (cudaHostAlloc)
+  uint8_t* scratch_ = nullptr;       // device copy of the staging buffer
+  size_t staging_bytes_ = 0;         // capacity of both
+  unsigned int* skipped_ = nullptr;  // device counter of rows the kernel's guard skipped
+};
+
+}  // namespace mlakv::server

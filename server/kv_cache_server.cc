@@ -1,0 +1,106 @@
+#include "server/kv_cache_server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.pb.h"
+#include "server/server_config.h"
+#include "spdlog/spdlog.h"
+
+namespace mlakv::server {
+namespace {
+
+// The one visible place where health checking and reflection are switched on.
+// Reflection describes services from the descriptors linked into the binary;
+// touching grpc.health.v1's descriptor keeps health.pb.o (from mlakv_proto)
+// linked so that reflection can describe grpc.health.v1.Health too.
+void EnableHealthAndReflection() {
+  static_cast<void>(grpc::health::v1::HealthCheckRequest::descriptor());
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+}
+
+// "host:port" with the port replaced by `port`.
+std::string WithPort(const std::string& listen, int port) {
+  const size_t colon = listen.rfind(':');
+  return absl::StrCat(colon == std::string::npos ? listen : listen.substr(0, colon), ":", port);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Options& options) {
+  absl::StatusOr<std::vector<Pool::Options>> pool_options = PoolOptionsFromConfig(options.config, options.default_device);
+  if (!pool_options.ok()) return pool_options.status();
+  std::unique_ptr<KvCacheServer> server(new KvCacheServer());
+  KvCacheService::Options service_options;
+  for (const Pool::Options& po : *pool_options) {
+    absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(po);
+    if (!pool.ok()) return pool.status();
+    service_options.pools.push_back(pool->get());
+    server->pools_.push_back(std::move(*pool));
+  }
+  // The default pool: the one named "default", else the first.
+  service_options.default_pool = server->pools_.front()->name();
+  for (const auto& pool : server->pools_) {
+    if (pool->name() == kDefaultPoolName) service_options.default_pool = pool->name();
+  }
+  const uint32_t max_message =
+      options.config.max_message_bytes() == 0 ? kDefaultMaxMessageBytes : options.config.max_message_bytes();
+  if (max_message < (1u << 16)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes ", max_message, " is below 65536; one row message needs more"));
+  }
+  service_options.max_message_bytes = max_message;
+  server->service_ = std::make_unique<KvCacheService>(service_options);
+
+  EnableHealthAndReflection();
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint32_t>(max_message, INT32_MAX)));
+  builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint32_t>(max_message, INT32_MAX)));
+  builder.RegisterService(server->service_.get());
+  int port = 0;
+  if (!options.listen.empty()) {
+    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  }
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || (!options.listen.empty() && port == 0)) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on '", options.listen,
+                                               "' (address in use, or not host:port?)"));
+  }
+  if (!options.listen.empty()) {
+    server->bound_port_ = port;
+    server->bound_address_ = WithPort(options.listen, port);
+  }
+  server->server_->GetHealthCheckService()->SetServingStatus(true);
+  return server;
+}
+
+KvCacheServer::~KvCacheServer() {
+  Shutdown(absl::Seconds(5));
+  service_.reset();
+  pools_.clear();  // each pool drains its worker, then frees its caches
+}
+
+std::shared_ptr<grpc::Channel> KvCacheServer::InProcessChannel() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  return server_->InProcessChannel(args);
+}
+
+void KvCacheServer::Shutdown(absl::Duration grace) {
+  if (shut_down_ || server_ == nullptr) return;
+  shut_down_ = true;
+  spdlog::info("shutting down: health NOT_SERVING, refusing new calls, draining calls in flight (grace {} s)",
+               absl::ToDoubleSeconds(grace));
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  service_->StartDraining();
+  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace));
+  server_->Wait();
+  spdlog::info("all calls finished");
+}
+
+}  // namespace mlakv::server

@@ -1,0 +1,574 @@
+#include "server/kv_cache_service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/dequantize.h"
+#include "kernels/nvfp4_format.h"
+#include "server/grpc_status.h"
+#include "spdlog/spdlog.h"
+
+namespace mlakv::server {
+namespace {
+
+using format::kCkvDim;
+using format::kCkvPackedBytes;
+using format::kCkvSfBytes;
+using format::kKpeBytes;
+using format::kKpeDim;
+
+constexpr uint32_t kDefaultListPageSize = 100;
+constexpr uint32_t kMaxListPageSize = 1000;
+constexpr uint64_t kTargetReadMessageBytes = 4 << 20;
+
+absl::Status Draining() {
+  return absl::UnavailableError("server is shutting down and accepts no new calls; retry on another replica");
+}
+
+// One line per request at debug, one per error at warn.
+void LogCall(const char* method, const std::string& detail, const absl::Status& status) {
+  if (status.ok()) {
+    spdlog::debug("{} {}: OK", method, detail);
+  } else {
+    spdlog::warn("{} {}: {} {}", method, detail, absl::StatusCodeToString(status.code()), std::string(status.message()));
+  }
+}
+
+grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* ctx, const char* method, const std::string& detail,
+                                      const absl::Status& status) {
+  LogCall(method, detail, status);
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+// UNSPECIFIED -> nullopt (refused by Pool::Stage when rows come); unknown values -> error.
+absl::StatusOr<std::optional<DType>> ToDType(v1::RowDType dtype) {
+  switch (dtype) {
+    case v1::ROW_DTYPE_UNSPECIFIED: return std::optional<DType>();
+    case v1::ROW_DTYPE_FLOAT16: return std::optional<DType>(DType::kFloat16);
+    case v1::ROW_DTYPE_BFLOAT16: return std::optional<DType>(DType::kBFloat16);
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("dtype ", static_cast<int>(dtype),
+                                                     " is not a RowDType; use ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
+  }
+}
+
+SequenceRowsIn ToRows(uint32_t start, uint32_t row_count, const google::protobuf::RepeatedPtrField<v1::LayerRows>& layers,
+                      uint32_t reserve_tokens) {
+  SequenceRowsIn r;
+  r.start = start;
+  r.row_count = row_count;
+  r.reserve_tokens = reserve_tokens;
+  for (const v1::LayerRows& lr : layers) {
+    r.layers.push_back({.layer = lr.layer(),
+                        .ckv = lr.ckv(),
+                        .kpe = lr.kpe(),
+                        .ckv_scale = lr.ckv_scale(),
+                        .kpe_scale = lr.kpe_scale()});
+  }
+  return r;
+}
+
+void ToProto(const PoolSnapshot& p, v1::Pool* out) {
+  out->set_name(p.name);
+  out->set_device(p.device);
+  out->set_format(v1::CACHE_FORMAT_NVFP4_MLA);
+  out->set_num_layers(p.num_layers);
+  out->set_page_size(p.page_size);
+  out->set_pages_total(p.pages_total);
+  out->set_pages_free(p.pages_free);
+  out->set_pages_used(p.pages_used);
+  out->set_sequences(p.sequences);
+  out->set_bytes_per_token_per_layer(kCkvPackedBytes + kCkvSfBytes + kKpeBytes);
+  out->set_cache_bytes(p.cache_bytes);
+  out->set_ckv_dim(kCkvDim);
+  out->set_kpe_dim(kKpeDim);
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    v1::LayerScales* ls = out->add_layers();
+    ls->set_layer(static_cast<uint32_t>(l));
+    ls->set_set(p.layers[l].scales_set);
+    ls->set_ckv_scale(p.layers[l].scales_set ? p.layers[l].ckv_scale : 0.0f);
+    ls->set_kpe_scale(p.layers[l].scales_set ? p.layers[l].kpe_scale : 0.0f);
+    ls->set_tokens(p.layers[l].tokens);
+  }
+}
+
+void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* out) {
+  out->set_pool(pool);
+  out->set_id(s.id);
+  out->set_length(s.length);
+  for (int32_t page : s.kv_indices) out->add_kv_indices(static_cast<uint32_t>(page));
+  out->set_last_page_len(s.last_page_len);
+  for (uint32_t len : s.layer_lengths) out->add_layer_lengths(len);
+  out->set_page_size(s.page_size);
+  out->set_capacity_tokens(s.capacity_tokens);
+}
+
+}  // namespace
+
+KvCacheService::KvCacheService(Options options) : options_(std::move(options)) {}
+
+absl::StatusOr<Pool*> KvCacheService::FindPool(const std::string& name) const {
+  const std::string& want = name.empty() ? options_.default_pool : name;
+  for (Pool* pool : options_.pools) {
+    if (pool->name() == want) return pool;
+  }
+  std::vector<std::string> names;
+  for (Pool* pool : options_.pools) names.push_back(pool->name());
+  return absl::NotFoundError(absl::StrCat("pool '", want, "' not found; this server has: ", absl::StrJoin(names, ", ")));
+}
+
+// ---- unary queries -------------------------------------------------------------
+
+grpc::ServerUnaryReactor* KvCacheService::ListPools(grpc::CallbackServerContext* ctx, const v1::ListPoolsRequest*,
+                                                    v1::ListPoolsResponse* resp) {
+  if (draining()) return FinishUnary(ctx, "ListPools", "", Draining());
+  std::vector<Pool*> pools = options_.pools;
+  std::sort(pools.begin(), pools.end(), [](Pool* a, Pool* b) { return a->name() < b->name(); });
+  for (Pool* pool : pools) ToProto(pool->Snapshot(), resp->add_pools());
+  return FinishUnary(ctx, "ListPools", "", absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::GetPool(grpc::CallbackServerContext* ctx, const v1::GetPoolRequest* req,
+                                                  v1::Pool* resp) {
+  const std::string detail = absl::StrCat("pool='", req->pool(), "'");
+  if (draining()) return FinishUnary(ctx, "GetPool", detail, Draining());
+  absl::StatusOr<Pool*> pool = FindPool(req->pool());
+  if (pool.ok()) ToProto((*pool)->Snapshot(), resp);
+  return FinishUnary(ctx, "GetPool", detail, pool.status());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContext* ctx,
+                                                      const v1::GetSequenceRequest* req, v1::Sequence* resp) {
+  const std::string detail = absl::StrCat("pool='", req->pool(), "' sequence='", req->sequence(), "'");
+  if (draining()) return FinishUnary(ctx, "GetSequence", detail, Draining());
+  absl::Status status = [&]() -> absl::Status {
+    absl::StatusOr<Pool*> pool = FindPool(req->pool());
+    if (!pool.ok()) return pool.status();
+    absl::StatusOr<SequenceSnapshot> seq = (*pool)->GetSequence(req->sequence());
+    if (!seq.ok()) return seq.status();
+    ToProto((*pool)->name(), *seq, resp);
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "GetSequence", detail, status);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerContext* ctx,
+                                                        const v1::ListSequencesRequest* req,
+                                                        v1::ListSequencesResponse* resp) {
+  const std::string detail = absl::StrCat("pool='", req->pool(), "' page_token='", req->page_token(), "'");
+  if (draining()) return FinishUnary(ctx, "ListSequences", detail, Draining());
+  absl::Status status = [&]() -> absl::Status {
+    absl::StatusOr<Pool*> pool = FindPool(req->pool());
+    if (!pool.ok()) return pool.status();
+    const uint32_t limit =
+        req->page_size() == 0 ? kDefaultListPageSize : std::min(req->page_size(), kMaxListPageSize);
+    SequenceListing listing = (*pool)->ListSequences(limit, req->page_token());
+    for (const SequenceListing::Entry& e : listing.sequences) {
+      v1::SequenceSummary* s = resp->add_sequences();
+      s->set_id(e.id);
+      s->set_length(e.length);
+      s->set_pages(e.pages);
+    }
+    resp->set_next_page_token(listing.next_page_token);
+    resp->set_total(listing.total);
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "ListSequences", detail, status);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::GetPage(grpc::CallbackServerContext* ctx, const v1::GetPageRequest* req,
+                                                  v1::Page* resp) {
+  const std::string detail = absl::StrCat("pool='", req->pool(), "' page=", req->page());
+  if (draining()) return FinishUnary(ctx, "GetPage", detail, Draining());
+  absl::Status status = [&]() -> absl::Status {
+    absl::StatusOr<Pool*> pool = FindPool(req->pool());
+    if (!pool.ok()) return pool.status();
+    absl::StatusOr<PageSnapshot> page = (*pool)->GetPage(req->page());
+    if (!page.ok()) return page.status();
+    resp->set_page(static_cast<uint32_t>(page->page));
+    resp->set_used(page->used);
+    resp->set_sequence(page->sequence);
+    resp->set_page_index(page->page_index);
+    resp->set_first_position(page->first_position);
+    for (size_t l = 0; l < page->filled_per_layer.size(); ++l) {
+      resp->add_filled_per_layer(page->filled_per_layer[l]);
+      if (page->filled_per_layer[l] > 0) resp->add_layers_written(static_cast<uint32_t>(l));
+    }
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "GetPage", detail, status);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::FreeSequence(grpc::CallbackServerContext* ctx,
+                                                       const v1::FreeSequenceRequest* req,
+                                                       v1::FreeSequenceResponse* resp) {
+  const std::string detail = absl::StrCat("pool='", req->pool(), "' sequence='", req->sequence(), "'");
+  if (draining()) return FinishUnary(ctx, "FreeSequence", detail, Draining());
+  absl::Status status = [&]() -> absl::Status {
+    absl::StatusOr<Pool*> pool = FindPool(req->pool());
+    if (!pool.ok()) return pool.status();
+    absl::StatusOr<uint32_t> freed = (*pool)->FreeSequence(req->sequence());
+    if (!freed.ok()) return freed.status();
+    resp->set_pages_freed(*freed);
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "FreeSequence", detail, status);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::TruncateSequence(grpc::CallbackServerContext* ctx,
+                                                           const v1::TruncateSequenceRequest* req,
+                                                           v1::Sequence* resp) {
+  const std::string detail =
+      absl::StrCat("pool='", req->pool(), "' sequence='", req->sequence(), "' length=", req->length());
+  if (draining()) return FinishUnary(ctx, "TruncateSequence", detail, Draining());
+  absl::Status status = [&]() -> absl::Status {
+    absl::StatusOr<Pool*> pool = FindPool(req->pool());
+    if (!pool.ok()) return pool.status();
+    absl::StatusOr<SequenceSnapshot> seq = (*pool)->TruncateSequence(req->sequence(), req->length());
+    if (!seq.ok()) return seq.status();
+    ToProto((*pool)->name(), *seq, resp);
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "TruncateSequence", detail, status);
+}
+
+// ---- AppendBatch ------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContext* ctx,
+                                                      const v1::AppendBatchRequest* req,
+                                                      v1::AppendBatchResponse* resp) {
+  const std::string detail = absl::StrCat("pool='", req->pool(), "' sequences=", req->sequences_size());
+  if (draining()) return FinishUnary(ctx, "AppendBatch", detail, Draining());
+  absl::StatusOr<Pool*> pool = FindPool(req->pool());
+  if (!pool.ok()) return FinishUnary(ctx, "AppendBatch", detail, pool.status());
+  absl::StatusOr<std::optional<DType>> dtype = ToDType(req->dtype());
+  if (!dtype.ok()) return FinishUnary(ctx, "AppendBatch", detail, dtype.status());
+  absl::flat_hash_set<std::string_view> ids;
+  for (const v1::SequenceRows& s : req->sequences()) {
+    if (!ids.insert(s.sequence()).second) {
+      return FinishUnary(ctx, "AppendBatch", detail,
+                         absl::InvalidArgumentError(absl::StrCat("sequence '", s.sequence(),
+                                                                 "' appears twice in one AppendBatch; merge its rows")));
+    }
+  }
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  Pool* p = *pool;
+  p->worker().Post([p, req, resp, reactor, detail, dtype = *dtype] {
+    std::vector<std::unique_ptr<AppendTransaction>> txns;
+    std::vector<AppendTransaction*> raw_txns;
+    std::vector<SequenceRowsIn> rows;
+    absl::Status status;
+    for (const v1::SequenceRows& s : req->sequences()) {
+      absl::StatusOr<std::unique_ptr<AppendTransaction>> txn = p->BeginAppend(s.sequence());
+      if (!txn.ok()) {
+        status = txn.status();
+        break;
+      }
+      raw_txns.push_back(txn->get());
+      txns.push_back(std::move(*txn));
+      rows.push_back(ToRows(s.start(), s.row_count(), s.layers(), 0));
+    }
+    if (status.ok()) {
+      std::vector<const SequenceRowsIn*> row_ptrs;
+      for (const SequenceRowsIn& r : rows) row_ptrs.push_back(&r);
+      status = p->Stage(raw_txns, row_ptrs, dtype);
+    }
+    if (!status.ok()) {
+      for (auto& txn : txns) p->Abort(*txn);
+    } else {
+      uint64_t rows_written = 0;
+      uint32_t pages = 0;
+      for (auto& txn : txns) {
+        rows_written += txn->rows_written();
+        pages += txn->pages_allocated();
+        ToProto(p->name(), p->Commit(*txn), resp->add_sequences());
+      }
+      resp->set_rows_written(rows_written);
+      resp->set_pages_allocated(pages);
+    }
+    LogCall("AppendBatch", detail, status);
+    reactor->Finish(ToGrpcStatus(status));
+  });
+  return reactor;
+}
+
+// ---- Append (client stream) ----------------------------------------------------------
+
+// One Append stream. Each message is validated, staged and written on the
+// pool's worker; the next read starts only after that, so one message at a
+// time is held. The end of the stream commits (or, if the client cancelled,
+// aborts) on the worker too. Finish is called exactly once, never while a
+// task of this reactor is queued, so OnDone (which deletes it) comes last.
+class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
+ public:
+  AppendReactor(KvCacheService* service, grpc::CallbackServerContext* ctx, v1::AppendResponse* resp)
+      : service_(service), ctx_(ctx), resp_(resp) {
+    if (service_->draining()) {
+      Done(Draining());
+      return;
+    }
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      // Half-close (commit) or cancellation (abort): decided on the worker.
+      if (pool_ == nullptr) {
+        Done(ctx_->IsCancelled() ? absl::CancelledError("Append cancelled before its first message")
+                                 : absl::InvalidArgumentError("Append stream carried no message"));
+        return;
+      }
+      pool_->worker().Post([this] { Complete(); });
+      return;
+    }
+    if (pool_ == nullptr) {
+      absl::StatusOr<Pool*> pool = service_->FindPool(req_.pool());
+      if (!pool.ok()) {
+        Done(pool.status());
+        return;
+      }
+      pool_ = *pool;
+      pool_field_ = req_.pool();
+      sequence_ = req_.sequence();
+    }
+    pool_->worker().Post([this] { Process(); });
+  }
+
+  void OnCancel() override { cancelled_.store(true); }
+  void OnDone() override { delete this; }
+
+ private:
+  // On the worker: one message.
+  void Process() {
+    ++messages_;
+    absl::Status status = [&]() -> absl::Status {
+      if (messages_ > 1) {
+        if (!req_.pool().empty() && req_.pool() != pool_field_) {
+          return absl::InvalidArgumentError(absl::StrCat("message ", messages_, " names pool '", req_.pool(),
+                                                         "' but the stream's first message named '", pool_field_,
+                                                         "'; leave it empty after the first message"));
+        }
+        if (!req_.sequence().empty() && req_.sequence() != sequence_) {
+          return absl::InvalidArgumentError(absl::StrCat("message ", messages_, " names sequence '", req_.sequence(),
+                                                         "' but the stream is for '", sequence_,
+                                                         "'; one Append stream writes one sequence"));
+        }
+        if (req_.reserve_tokens() != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "message ", messages_, " sets reserve_tokens; only the first message of a stream may reserve"));
+        }
+      }
+      absl::StatusOr<std::optional<DType>> dtype = ToDType(req_.dtype());
+      if (!dtype.ok()) return dtype.status();
+      if (txn_ == nullptr) {
+        absl::StatusOr<std::unique_ptr<AppendTransaction>> txn = pool_->BeginAppend(sequence_);
+        if (!txn.ok()) return txn.status();
+        txn_ = std::move(*txn);
+      }
+      const SequenceRowsIn rows = ToRows(req_.start(), req_.row_count(), req_.layers(), req_.reserve_tokens());
+      AppendTransaction* txn = txn_.get();
+      const SequenceRowsIn* rows_ptr = &rows;
+      return pool_->Stage({&txn, 1}, {&rows_ptr, 1}, *dtype);
+    }();
+    if (!status.ok()) {
+      if (txn_ != nullptr) pool_->Abort(*txn_);
+      Done(absl::Status(status.code(), absl::StrCat(status.message(), messages_ > 1 ? absl::StrCat(
+                                                        " (message ", messages_, " of the stream; the whole "
+                                                        "append was rolled back)") : "")));
+      return;
+    }
+    StartRead(&req_);
+  }
+
+  // On the worker: the stream ended.
+  void Complete() {
+    if (cancelled_.load() || ctx_->IsCancelled()) {
+      if (txn_ != nullptr) pool_->Abort(*txn_);
+      Done(absl::CancelledError("Append cancelled by the client; nothing was written"));
+      return;
+    }
+    if (txn_ == nullptr) {  // cannot happen: a message was processed
+      Done(absl::InternalError("Append ended without a transaction"));
+      return;
+    }
+    const uint64_t rows = txn_->rows_written();
+    const uint32_t pages = txn_->pages_allocated();
+    ToProto(pool_->name(), pool_->Commit(*txn_), resp_->mutable_sequence());
+    resp_->set_rows_written(rows);
+    resp_->set_pages_allocated(pages);
+    Done(absl::OkStatus());
+  }
+
+  void Done(const absl::Status& status) {
+    LogCall("Append", absl::StrCat("pool='", pool_ ? pool_->name() : pool_field_, "' sequence='", sequence_,
+                                   "' messages=", messages_, " rows=", txn_ ? txn_->rows_written() : 0),
+            status);
+    Finish(ToGrpcStatus(status));
+  }
+
+  KvCacheService* service_;
+  grpc::CallbackServerContext* ctx_;
+  v1::AppendResponse* resp_;
+  v1::AppendRequest req_;
+  Pool* pool_ = nullptr;
+  std::string pool_field_;
+  std::string sequence_;
+  std::unique_ptr<AppendTransaction> txn_;
+  int messages_ = 0;
+  std::atomic<bool> cancelled_{false};
+};
+
+grpc::ServerReadReactor<v1::AppendRequest>* KvCacheService::Append(grpc::CallbackServerContext* ctx,
+                                                                   v1::AppendResponse* resp) {
+  return new AppendReactor(this, ctx, resp);
+}
+
+// ---- ReadSequence (server stream) ------------------------------------------------------
+
+// Chunks are produced one at a time on the pool's worker (copy out of the
+// cache, dequantize if asked) and written from there; the next chunk is
+// produced when the previous write has completed.
+class KvCacheService::ReadReactor : public grpc::ServerWriteReactor<v1::ReadSequenceResponse> {
+ public:
+  ReadReactor(KvCacheService* service, grpc::CallbackServerContext* ctx, const v1::ReadSequenceRequest* req)
+      : sequence_(req->sequence()), detail_(absl::StrCat("pool='", req->pool(), "' sequence='", req->sequence(), "'")) {
+    (void)ctx;
+    absl::Status status = [&]() -> absl::Status {
+      if (service->draining()) return Draining();
+      absl::StatusOr<Pool*> pool = service->FindPool(req->pool());
+      if (!pool.ok()) return pool.status();
+      pool_ = *pool;
+      switch (req->format()) {
+        case v1::READ_FORMAT_UNSPECIFIED:
+        case v1::READ_FORMAT_RAW: dequantize_ = false; break;
+        case v1::READ_FORMAT_DEQUANTIZED: dequantize_ = true; break;
+        default:
+          return absl::InvalidArgumentError(absl::StrCat("format ", static_cast<int>(req->format()),
+                                                         " is not a ReadFormat; use READ_FORMAT_RAW or "
+                                                         "READ_FORMAT_DEQUANTIZED"));
+      }
+      uint32_t count = req->count();
+      std::vector<uint32_t> layers(req->layers().begin(), req->layers().end());
+      absl::StatusOr<std::vector<int32_t>> planned = pool_->PlanRead(sequence_, layers, req->start(), &count);
+      if (!planned.ok()) return planned.status();
+      const uint64_t per_token = dequantize_ ? (kCkvDim + kKpeDim) * sizeof(float)
+                                             : kCkvPackedBytes + kCkvSfBytes + kKpeBytes;
+      uint64_t per_message = req->tokens_per_message() != 0 ? req->tokens_per_message()
+                                                            : std::max<uint64_t>(1, kTargetReadMessageBytes / per_token);
+      const uint64_t cap = std::max<uint64_t>(1, (service->options_.max_message_bytes - 4096) / per_token);
+      per_message = std::min(per_message, cap);
+      for (int32_t layer : *planned) {
+        for (uint64_t s = req->start(); s < static_cast<uint64_t>(req->start()) + count; s += per_message) {
+          const uint64_t n = std::min<uint64_t>(per_message, static_cast<uint64_t>(req->start()) + count - s);
+          chunks_.push_back({layer, static_cast<uint32_t>(s), static_cast<uint32_t>(n)});
+        }
+      }
+      return absl::OkStatus();
+    }();
+    if (!status.ok() || chunks_.empty()) {
+      Done(status);
+      return;
+    }
+    Next();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Done(absl::CancelledError("the client stopped reading"));
+      return;
+    }
+    if (next_ < chunks_.size()) {
+      Next();
+    } else {
+      Done(absl::OkStatus());
+    }
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Chunk {
+    int32_t layer;
+    uint32_t start;
+    uint32_t count;
+  };
+
+  void Next() {
+    pool_->worker().Post([this] {
+      absl::Status status = Produce(chunks_[next_++]);
+      if (!status.ok()) {
+        Done(status);
+        return;
+      }
+      StartWrite(&resp_);
+    });
+  }
+
+  // On the worker.
+  absl::Status Produce(const Chunk& c) {
+    resp_.Clear();
+    resp_.set_layer(static_cast<uint32_t>(c.layer));
+    resp_.set_start(c.start);
+    resp_.set_count(c.count);
+    std::string* ckv = resp_.mutable_ckv_packed();
+    std::string* sf = resp_.mutable_ckv_sf();
+    std::string* kpe = resp_.mutable_kpe();
+    ckv->resize(static_cast<size_t>(c.count) * kCkvPackedBytes);
+    sf->resize(static_cast<size_t>(c.count) * kCkvSfBytes);
+    kpe->resize(static_cast<size_t>(c.count) * kKpeBytes);
+    LayerSnapshot layer;
+    absl::Status s = pool_->ReadRows(sequence_, c.layer, c.start, c.count,
+                                     {reinterpret_cast<uint8_t*>(ckv->data()), reinterpret_cast<uint8_t*>(sf->data()),
+                                      reinterpret_cast<uint8_t*>(kpe->data())},
+                                     &layer);
+    if (!s.ok()) return s;
+    resp_.set_ckv_scale(layer.ckv_scale);
+    resp_.set_kpe_scale(layer.kpe_scale);
+    if (dequantize_) {
+      std::string* ckv_f = resp_.mutable_ckv_float();
+      std::string* kpe_f = resp_.mutable_kpe_float();
+      ckv_f->resize(static_cast<size_t>(c.count) * kCkvDim * sizeof(float));
+      kpe_f->resize(static_cast<size_t>(c.count) * kKpeDim * sizeof(float));
+      DequantizeParams p;
+      p.ckv_packed = reinterpret_cast<const uint8_t*>(ckv->data());
+      p.ckv_sf = reinterpret_cast<const uint8_t*>(sf->data());
+      p.kpe = reinterpret_cast<const uint8_t*>(kpe->data());
+      p.num_rows = c.count;
+      p.out_ckv = reinterpret_cast<float*>(ckv_f->data());
+      p.out_kpe = reinterpret_cast<float*>(kpe_f->data());
+      p.ckv_scale = layer.ckv_scale;
+      p.kpe_scale = layer.kpe_scale;
+      DequantizeHost(p);  // little-endian float32 on every supported host
+      resp_.clear_ckv_packed();
+      resp_.clear_ckv_sf();
+      resp_.clear_kpe();
+    }
+    return absl::OkStatus();
+  }
+
+  void Done(const absl::Status& status) {
+    LogCall("ReadSequence", absl::StrCat(detail_, " chunks=", next_, "/", chunks_.size()), status);
+    Finish(ToGrpcStatus(status));
+  }
+
+  std::string sequence_;
+  std::string detail_;
+  Pool* pool_ = nullptr;
+  bool dequantize_ = false;
+  std::vector<Chunk> chunks_;
+  size_t next_ = 0;
+  v1::ReadSequenceResponse resp_;
+};
+
+grpc::ServerWriteReactor<v1::ReadSequenceResponse>* KvCacheService::ReadSequence(
+    grpc::CallbackServerContext* ctx, const v1::ReadSequenceRequest* req) {
+  return new ReadReactor(this, ctx, req);
+}
+
+}  // namespace mlakv::server

@@ -1,0 +1,56 @@
+// Sequence: one client-chosen id's page table and per-layer lengths.
+//
+// A page id names the same slot in every layer, so one page list serves all
+// layers: page i holds positions [i * page_size, (i + 1) * page_size).
+// Plain state; the owning Pool serializes access under its mutex.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mlakv::server {
+
+class Sequence {
+ public:
+  Sequence(std::string id, int32_t num_layers) : id_(std::move(id)), layer_lengths_(num_layers, 0) {}
+
+  const std::string& id() const { return id_; }
+
+  // Page ids in order (kv_indices).
+  const std::vector<int32_t>& pages() const { return pages_; }
+  std::vector<int32_t>& mutable_pages() { return pages_; }
+
+  // Tokens written in each layer.
+  const std::vector<uint32_t>& layer_lengths() const { return layer_lengths_; }
+  uint32_t layer_length(int32_t layer) const { return layer_lengths_[layer]; }
+  void set_layer_length(int32_t layer, uint32_t length) { layer_lengths_[layer] = length; }
+  // Tokens written in every layer (min over layers) / in the longest layer.
+  uint32_t length() const { return *std::min_element(layer_lengths_.begin(), layer_lengths_.end()); }
+  uint32_t max_length() const { return *std::max_element(layer_lengths_.begin(), layer_lengths_.end()); }
+
+  // Entries of page `page_index` filled in `layer` (0..page_size).
+  uint32_t FilledInPage(int32_t layer, uint32_t page_index, uint32_t page_size) const {
+    const uint64_t first = static_cast<uint64_t>(page_index) * page_size;
+    const uint64_t len = layer_lengths_[layer];
+    return len <= first ? 0 : static_cast<uint32_t>(std::min<uint64_t>(len - first, page_size));
+  }
+
+  // True while an append holds the sequence exclusively (see docs/server.md).
+  bool busy() const { return busy_; }
+  void set_busy(bool busy) { busy_ = busy; }
+  // False until the first append to a new id commits: until then the sequence
+  // is invisible to queries and an aborted first append erases it.
+  bool committed() const { return committed_; }
+  void set_committed(bool committed) { committed_ = committed; }
+
+ private:
+  std::string id_;
+  std::vector<int32_t> pages_;
+  std::vector<uint32_t> layer_lengths_;  // [num_layers]
+  bool busy_ = false;
+  bool committed_ = false;
+};
+
+}  // namespace mlakv::server
