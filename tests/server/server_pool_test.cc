@@ -1,0 +1,147 @@
+// Pool directly (CPU backend): transactions, scale rules, invariants.
+#include "server/pool.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+namespace mlakv::server {
+namespace {
+
+constexpr float kCkv = 0.125f, kKpe = 0.5f;
+
+std::unique_ptr<Pool> MakePool(int32_t layers = 2, int32_t page_size = 4, int32_t pages = 8) {
+  auto pool = Pool::Create({.name = "p", .device = "cpu", .num_layers = layers, .page_size = page_size,
+                            .num_pages = pages, .layer_scales = {}});
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return pool.ok() ? std::move(*pool) : nullptr;
+}
+
+struct RowBytes {
+  std::string ckv, kpe;
+  explicit RowBytes(uint32_t n, uint32_t seed) : ckv(n * 1024, '\0'), kpe(n * 128, '\0') {
+    std::mt19937 gen(seed);
+    for (size_t i = 0; i < ckv.size(); i += 2) ckv[i + 1] = static_cast<char>(0x3c + gen() % 4), ckv[i] = gen();
+    for (size_t i = 0; i < kpe.size(); i += 2) kpe[i + 1] = static_cast<char>(0x3c + gen() % 4), kpe[i] = gen();
+  }
+};
+
+SequenceRowsIn RowsFor(const RowBytes& b, uint32_t start, uint32_t n, std::vector<int64_t> layers, float ckv = kCkv,
+                       float kpe = kKpe) {
+  SequenceRowsIn r;
+  r.start = start;
+  r.row_count = n;
+  for (int64_t l : layers) r.layers.push_back({.layer = l, .ckv = b.ckv, .kpe = b.kpe, .ckv_scale = ckv, .kpe_scale = kpe});
+  return r;
+}
+
+absl::Status StageOne(Pool& pool, AppendTransaction& txn, const SequenceRowsIn& rows) {
+  AppendTransaction* t = &txn;
+  const SequenceRowsIn* r = &rows;
+  return pool.Stage({&t, 1}, {&r, 1}, DType::kBFloat16);
+}
+
+TEST(PoolTest, CommitMakesTheSequenceVisible) {
+  auto pool = MakePool();
+  auto txn = pool->BeginAppend("s");
+  ASSERT_TRUE(txn.ok()) << txn.status();
+  RowBytes b(6, 1);
+  ASSERT_TRUE(StageOne(*pool, **txn, RowsFor(b, 0, 6, {0, 1})).ok());
+  EXPECT_EQ(pool->GetSequence("s").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(pool->Snapshot().pages_used, 2);
+  SequenceSnapshot s = pool->Commit(**txn);
+  EXPECT_EQ(s.length, 6u);
+  EXPECT_EQ(s.last_page_len, 2u);
+  EXPECT_TRUE(pool->GetSequence("s").ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST(PoolTest, SecondTransactionOnABusySequenceIsAborted) {
+  auto pool = MakePool();
+  auto txn = pool->BeginAppend("s");
+  ASSERT_TRUE(txn.ok());
+  EXPECT_EQ(pool->BeginAppend("s").status().code(), absl::StatusCode::kAborted);
+  pool->Abort(**txn);
+  auto again = pool->BeginAppend("s");
+  EXPECT_TRUE(again.ok()) << again.status();
+  pool->Abort(**again);
+}
+
+TEST(PoolTest, FreeAndTruncateRefuseABusySequence) {
+  auto pool = MakePool();
+  auto first = pool->BeginAppend("s");
+  ASSERT_TRUE(first.ok());
+  RowBytes b(3, 2);
+  ASSERT_TRUE(StageOne(*pool, **first, RowsFor(b, 0, 3, {0, 1})).ok());
+  pool->Commit(**first);
+  auto txn = pool->BeginAppend("s");
+  ASSERT_TRUE(txn.ok());
+  EXPECT_EQ(pool->FreeSequence("s").status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(pool->TruncateSequence("s", 1).status().code(), absl::StatusCode::kAborted);
+  pool->Abort(**txn);
+  EXPECT_TRUE(pool->FreeSequence("s").ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok());
+}
+
+TEST(PoolTest, AbortReleasesPagesAndUnsetsScalesItSet) {
+  auto pool = MakePool();
+  auto txn = pool->BeginAppend("s");
+  ASSERT_TRUE(txn.ok());
+  RowBytes b(9, 3);
+  ASSERT_TRUE(StageOne(*pool, **txn, RowsFor(b, 0, 9, {1})).ok());
+  EXPECT_TRUE(pool->Snapshot().layers[1].scales_set);
+  EXPECT_EQ(pool->Snapshot().pages_used, 3);
+  // Another sequence may not name other scales while rows are staged.
+  auto other = pool->BeginAppend("t");
+  ASSERT_TRUE(other.ok());
+  RowBytes c(1, 4);
+  EXPECT_EQ(StageOne(*pool, **other, RowsFor(c, 0, 1, {1}, 1.0f, 1.0f)).code(), absl::StatusCode::kFailedPrecondition);
+  pool->Abort(**other);
+  pool->Abort(**txn);
+  const PoolSnapshot snap = pool->Snapshot();
+  EXPECT_FALSE(snap.layers[1].scales_set);
+  EXPECT_EQ(snap.pages_used, 0);
+  EXPECT_EQ(snap.sequences, 0u);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST(PoolTest, ValidationFailureAllocatesNothing) {
+  auto pool = MakePool();
+  auto txn = pool->BeginAppend("s");
+  ASSERT_TRUE(txn.ok());
+  RowBytes b(5, 5);
+  SequenceRowsIn rows = RowsFor(b, 0, 5, {0, 1});
+  rows.layers[1].kpe = std::string_view(b.kpe).substr(0, 10);
+  EXPECT_EQ(StageOne(*pool, **txn, rows).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool->Snapshot().pages_used, 0);
+  EXPECT_FALSE(pool->Snapshot().layers[0].scales_set);
+  pool->Abort(**txn);
+}
+
+TEST(PoolTest, ReadRowsReturnsWhatWasStagedAndCommitted) {
+  auto pool = MakePool(1, 3, 8);
+  RowBytes b(7, 6);
+  auto txn = pool->BeginAppend("s");
+  ASSERT_TRUE(txn.ok());
+  ASSERT_TRUE(StageOne(*pool, **txn, RowsFor(b, 0, 7, {0})).ok());
+  pool->Commit(**txn);
+  std::vector<uint8_t> ckv(7 * 256), sf(7 * 32), kpe(7 * 64);
+  LayerSnapshot layer;
+  ASSERT_TRUE(pool->ReadRows("s", 0, 0, 7, {ckv.data(), sf.data(), kpe.data()}, &layer).ok());
+  EXPECT_EQ(layer.ckv_scale, kCkv);
+  // Not all zero: the rows were quantized into the cache.
+  EXPECT_NE(std::count(sf.begin(), sf.end(), 0), static_cast<long>(sf.size()));
+  EXPECT_EQ(pool->ReadRows("s", 0, 5, 3, {ckv.data(), sf.data(), kpe.data()}, &layer).code(),
+            absl::StatusCode::kAborted);
+}
+
+TEST(PoolTest, RejectsBadOptions) {
+  EXPECT_FALSE(Pool::Create({.name = "p", .device = "cpu", .num_layers = 0, .page_size = 4, .num_pages = 1}).ok());
+  EXPECT_FALSE(Pool::Create({.name = "p", .device = "tpu", .num_layers = 1, .page_size = 4, .num_pages = 1}).ok());
+  EXPECT_FALSE(
+      Pool::Create({.name = "p", .device = "cpu", .num_layers = 1, .page_size = 65536, .num_pages = 65536}).ok());
+}
+
+}  // namespace
+}  // namespace mlakv::server
