@@ -80,6 +80,9 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
 
 KvCacheServer::~KvCacheServer() {
   Shutdown(absl::Seconds(5));
+  // In this order: no call can reach the service once the grpc::Server is
+  // gone, and no reactor is left to post work to a pool once the service is.
+  server_.reset();
   service_.reset();
   pools_.clear();  // each pool drains its worker, then frees its caches
 }

@@ -653,6 +653,45 @@ TEST_F(ServiceTest, CancelledStreamLeavesNoPages) {
   EXPECT_EQ(mlakv::testing::DescribeMismatch(before, Read("keep", 0, 0, 10).rows), "") << "rewrites restored";
 }
 
+// Over real HTTP/2 on loopback, where a cancel and a half-close reach the
+// server through different frames: a cancelled stream must never commit.
+TEST_F(ServiceTest, CancelledStreamOverTcpNeverCommits) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 64", "", "127.0.0.1:0");
+  ASSERT_GT(server().bound_port(), 0);
+  auto tcp = v1::KvCache::NewStub(grpc::CreateChannel(server().bound_address(), grpc::InsecureChannelCredentials()));
+  const Rows rows = RandomRows(40, 60);
+  for (int round = 0; round < 20; ++round) {
+    const std::string id = "cancel" + std::to_string(round);
+    grpc::ClientContext ctx;
+    v1::AppendResponse resp;
+    auto writer = tcp->Append(&ctx, &resp);
+    ASSERT_TRUE(writer->Write(AppendMessage(id, 0, rows, 0, 20, {0, 1}, kCkvScale, kKpeScale)));
+    ASSERT_TRUE(writer->Write(AppendMessage("", 20, rows, 20, 20, {0, 1})));
+    if (round % 2 == 0) {  // half the rounds cancel once staged, half at once
+      for (int i = 0; i < 1000 && GetPool().pages_used() < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ctx.TryCancel();
+    grpc::Status s = writer->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << Describe(s);
+    for (int i = 0; i < 2000 && (GetPool().pages_used() != 0 || pool().worker().pending() != 0); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(GetPool().pages_used(), 0u) << "round " << round;
+    v1::Sequence seq;
+    EXPECT_EQ(GetSequence(id, &seq).error_code(), grpc::StatusCode::NOT_FOUND) << "round " << round;
+  }
+  // And a normal stream over the same channel still commits.
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  auto writer = tcp->Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(AppendMessage("ok", 0, rows, 0, 40, {0, 1}, kCkvScale, kKpeScale)));
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.sequence().length(), 40u);
+}
+
 TEST_F(ServiceTest, AppendBatchIsAtomic) {
   MustAppend("a", 0, RandomRows(5, 51), {0});
   const QuantizedRows before = Read("a", 0, 0, 5).rows;

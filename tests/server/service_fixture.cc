@@ -4,12 +4,13 @@
 
 namespace mlakv::server::testing {
 
-void ServiceFixture::StartServer(const std::string& device, const std::string& pool_text, const std::string& extra) {
+void ServiceFixture::StartServer(const std::string& device, const std::string& pool_text, const std::string& extra,
+                                 const std::string& listen) {
   v1::ServerConfig config;
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString("pools { " + pool_text + " } " + extra, &config))
       << pool_text;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server =
-      KvCacheServer::Create({.config = config, .listen = "", .default_device = device});
+      KvCacheServer::Create({.config = config, .listen = listen, .default_device = device});
   ASSERT_TRUE(server.ok()) << server.status();
   server_ = std::move(*server);
   stub_ = v1::KvCache::NewStub(server_->InProcessChannel());

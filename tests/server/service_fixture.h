@@ -115,7 +115,9 @@ class ServiceFixture {
  public:
   // A server whose only pool is described by `pool_text` (PoolConfig text
   // format, e.g. "num_layers: 4 page_size: 16 num_pages: 32").
-  void StartServer(const std::string& device, const std::string& pool_text, const std::string& extra = "");
+  // `listen` non-empty also serves on that address (e.g. "127.0.0.1:0").
+  void StartServer(const std::string& device, const std::string& pool_text, const std::string& extra = "",
+                   const std::string& listen = "");
   void StopServer() { server_.reset(); }
 
   v1::KvCache::Stub& stub() { return *stub_; }
