@@ -14,6 +14,7 @@
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #define MLAKV_HD __host__ __device__ __forceinline__
 #else
 #define MLAKV_HD inline
@@ -92,6 +93,24 @@ MLAKV_HD float RcpRn(float x) {
 #endif
 }
 
+// max(a, b) where a NaN `a` loses (b is never NaN here): fmaxf semantics.
+MLAKV_HD float MaxDroppingNan(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(a, b);
+#else
+  return a > b ? a : b;  // compiles to maxss/maxps with the NaN-dropping operand order
+#endif
+}
+
+// min(a, b) for non-NaN operands.
+MLAKV_HD float MinOf(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return fminf(a, b);
+#else
+  return a < b ? a : b;
+#endif
+}
+
 // ---- fp16 / bf16 -> float32, exact (SPEC: subnormals kept) ----------------
 
 MLAKV_HD float Bf16BitsToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
@@ -100,14 +119,15 @@ MLAKV_HD float HalfBitsToFloat(uint16_t h) {
 #if defined(__CUDA_ARCH__)
   return __half2float(__ushort_as_half(h));  // cvt.f32.f16 is exact
 #else
+  // Branch-free (every case computed, one selected) so that loops vectorize.
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu;
   const uint32_t mant = h & 0x3FFu;
-  if (exp == 0x1F) return BitsToFloat(sign | 0x7F800000u | (mant << 13));  // inf / nan
-  if (exp != 0) return BitsToFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+  const uint32_t normal = ((exp + 112u) << 23) | (mant << 13);
+  const uint32_t inf_nan = 0x7F800000u | (mant << 13);
   // zero or subnormal: mant * 2^-24 is exact in float32.
-  const float mag = static_cast<float>(mant) * 5.9604644775390625e-08f;
-  return BitsToFloat(sign | FloatBits(mag));
+  const uint32_t subnormal = FloatBits(static_cast<float>(static_cast<int32_t>(mant)) * 5.9604644775390625e-08f);
+  return BitsToFloat(sign | (exp == 0x1Fu ? inf_nan : exp == 0u ? subnormal : normal));
 #endif
 }
 
@@ -116,51 +136,84 @@ MLAKV_HD float HalfBitsToFloat(uint16_t h) {
 // e4m3(f): round to nearest even, saturating to +-448; NaN -> 0x7F, sign clear
 // (SPEC "ckv" step 3, "kpe", "NaN and infinity").
 MLAKV_HD uint8_t FloatToE4M3(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // cvt.rn.satfinite.e4m3x2.f32: the same rounding, saturation and NaN -> 0x7F
+  // in one instruction (the GPU tests compare it with the code below bit for bit).
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3));
+#else
+  // Branch-free (every path computed, one selected) so that host loops vectorize.
   const uint32_t u = FloatBits(f);
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return 0x7F;
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
-  if (a >= 0x43E00000u) return sign | 0x7E;  // |f| >= 448 (inf included) saturates to 448
-  if (a < 0x3C800000u) {
-    // |f| < 2^-6, the E4M3 subnormal range with step 2^-9. Adding 2^14 (whose
-    // ulp is 2^-9) rounds |f| to that step, ties to even, in one IEEE add; the
-    // low mantissa bits of the sum are then the code (0..8; 8 is 2^-6, the
-    // smallest normal, whose encoding 0x08 follows on naturally).
-    const float t = AddRn(BitsToFloat(a), 16384.0f);
-    return sign | static_cast<uint8_t>(FloatBits(t) - 0x46800000u);
-  }
+  const uint32_t sign = (u >> 24) & 0x80u;
+  // |f| < 2^-6 is E4M3's subnormal range, step 2^-9. Adding 2^14 (whose ulp is
+  // 2^-9) rounds |f| to that step, ties to even, in one IEEE add; the sum's
+  // low mantissa bits are then the code (0..8; 8 is 2^-6, the smallest normal,
+  // whose encoding 0x08 follows on naturally).
+  const bool is_subnormal = a < 0x3C800000u;
+  const uint32_t sub = FloatBits(AddRn(BitsToFloat(is_subnormal ? a : 0u), 16384.0f)) - 0x46800000u;
   // Normal: keep 3 mantissa bits, round-half-even on the dropped 20 bits; a
   // carry out of the mantissa bumps the exponent, which is the right result.
   const uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);
-  const uint32_t code = (rounded >> 20) - ((127u - 7u) << 3);
-  return sign | static_cast<uint8_t>(code > 0x7Eu ? 0x7Eu : code);
+  const uint32_t normal = (rounded >> 20) - ((127u - 7u) << 3);
+  uint32_t code = is_subnormal ? sub : normal;
+  code = a >= 0x43E00000u ? 0x7Eu : code;  // |f| >= 448 (inf included) saturates to 448
+  return static_cast<uint8_t>(a > 0x7F800000u ? 0x7Fu : (sign | code));  // NaN -> 0x7F, sign clear
+#endif
 }
 
-// The float32 value of an E4M3 byte (exact).
+// Two values at once (one instruction on the GPU): low byte = e4m3(lo).
+MLAKV_HD uint16_t FloatPairToE4M3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+#else
+  return static_cast<uint16_t>(FloatToE4M3(lo) | (FloatToE4M3(hi) << 8));
+#endif
+}
+
+// The float32 value of an E4M3 byte (exact). NaN bytes give the GPU's
+// canonical NaN 0x7FFFFFFF on the host; on the device a NaN's payload never
+// matters because every use multiplies it, which canonicalizes it.
 MLAKV_HD float E4M3ToFloat(uint8_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));  // e4m3 -> f16 -> f32, both exact
+#else
   const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
   const uint32_t exp = (b >> 3) & 0xFu;
   const uint32_t mant = b & 0x7u;
-  if (exp == 0xF && mant == 0x7) return BitsToFloat(0x7FC00000u | sign);
-  if (exp == 0) return BitsToFloat(sign | FloatBits(static_cast<float>(mant) * 0.001953125f));  // mant * 2^-9
-  return BitsToFloat(sign | ((exp + 120u) << 23) | (mant << 20));
+  const uint32_t normal = ((exp + 120u) << 23) | (mant << 20);
+  const uint32_t subnormal = FloatBits(static_cast<float>(static_cast<int32_t>(mant)) * 0.001953125f);  // mant * 2^-9
+  const uint32_t bits = sign | (exp == 0u ? subnormal : normal);
+  return BitsToFloat((b & 0x7Fu) == 0x7Fu ? 0x7FFFFFFFu : bits);
+#endif
 }
 
 // ---- FP4 E2M1 -------------------------------------------------------------
 
-// E2M1(v) (SPEC "E2M1"): sign 0x8 = signbit(v) except for NaN (the GPU's
-// canonical NaN has its sign clear, so the host masks it the same way);
-// magnitude code = how many of the ladder's thresholds |v| passes. Written
-// branch-free, so that it vectorizes on the host and stays a straight line of
-// compares on the device; NaN passes none of them and so gives 0.
+// E2M1(v) (SPEC "E2M1"): round-to-nearest-even onto {0, .5, 1, 1.5, 2, 3, 4,
+// 6}, saturating at 6; sign 0x8 = signbit(v); NaN -> 0 with the sign clear.
+// Written as one IEEE addition instead of the SPEC's ladder of seven compares
+// (the tests check it against the ladder's values): the E2M1 grid has step
+// 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 8), so adding C = 2^(22 + k), whose
+// ulp is that step (k = 0, 1, 2 for m's binade, clamped), rounds m to the grid
+// ties-to-even in the adder; the ulps of C in the sum are then the code minus
+// 2k. NaN becomes 0 and anything >= 8 becomes 8 before the add.
 MLAKV_HD uint8_t FloatToE2M1(float v) {
   const uint32_t u = FloatBits(v);
-  const float m = BitsToFloat(u & 0x7FFFFFFFu);
-  const uint32_t code = static_cast<uint32_t>(m > 0.25f) + static_cast<uint32_t>(m >= 0.75f) +
-                        static_cast<uint32_t>(m > 1.25f) + static_cast<uint32_t>(m >= 1.75f) +
-                        static_cast<uint32_t>(m > 2.5f) + static_cast<uint32_t>(m >= 3.5f) +
-                        static_cast<uint32_t>(m > 5.0f);
-  const uint32_t sign = (m == m) ? (u >> 28) & 0x8u : 0u;
+  const float m = MinOf(MaxDroppingNan(BitsToFloat(u & 0x7FFFFFFFu), 0.0f), 8.0f);
+  uint32_t c = FloatBits(m) & 0x7F800000u;  // 2^exponent(m)
+  c = c < 0x3F800000u ? 0x3F800000u : c;    // binade of [0, 2): step 0.5
+  c = c > 0x40800000u ? 0x40800000u : c;    // binade of [4, 8): step 2
+  c += 22u << 23;                           // C = 2^(22 + k), k in {0, 1, 2}
+  const uint32_t ulps = FloatBits(AddRn(m, BitsToFloat(c))) - c;
+  uint32_t code = ulps + ((c >> 22) - 2u * (127u + 22u));  // + 2k
+  code = code > 7u ? 7u : code;
+#if defined(__CUDA_ARCH__)
+  // v is always a __fmul_rn product on the device, whose NaN is canonical
+  // (sign clear), so the sign bit can be taken as it is.
+  const uint32_t sign = (u >> 28) & 0x8u;
+#else
+  const uint32_t sign = (v == v) ? (u >> 28) & 0x8u : 0u;
+#endif
   return static_cast<uint8_t>(sign | code);
 }
 
@@ -188,19 +241,22 @@ MLAKV_HD ScaleConstants MakeScaleConstants(float ckv_scale, float kpe_scale) {
 
 // Steps 1-4 of SPEC "ckv" for one 16-channel block, given its amax.
 // Returns the stored scale byte; *out_scale receives the element multiplier.
+//
+// The SPEC's guards are folded: amax is never NaN and inv6g is always finite
+// (ckv_scale is a positive normal float32), so amax == 0 gives sf == 0
+// without a test; and s > 0 already implies amax > 0. Branch-free, so that
+// host loops over blocks vectorize.
 MLAKV_HD uint8_t CkvBlockScale(float amax, const ScaleConstants& k, float* out_scale) {
-  const float sf = amax > 0.0f ? MulRn(amax, k.inv6g) : 0.0f;
-  const uint8_t sf_byte = FloatToE4M3(sf);
+  const uint8_t sf_byte = FloatToE4M3(MulRn(amax, k.inv6g));
   const float s = E4M3ToFloat(sf_byte);
-  *out_scale = (amax > 0.0f && s > 0.0f) ? RcpRn(MulRn(s, k.ckv_scale)) : 0.0f;
+  const float inv = RcpRn(MulRn(s, k.ckv_scale));
+  *out_scale = s > 0.0f ? inv : 0.0f;
   return sf_byte;
 }
 
-// Step 1: max |x| with NaN ignored. `x > acc` is false for NaN, which is the
-// fmaxf rule for an accumulator that is never NaN itself.
+// Step 1: max |x| with NaN ignored (fmaxf: the accumulator is never NaN).
 MLAKV_HD float AbsMaxAccumulate(float acc, float x) {
-  const float a = BitsToFloat(FloatBits(x) & 0x7FFFFFFFu);
-  return a > acc ? a : acc;
+  return MaxDroppingNan(BitsToFloat(FloatBits(x) & 0x7FFFFFFFu), acc);
 }
 
 // Step 5 for a pair of channels (2k, 2k+1) -> byte k: even channel in the low nibble.
@@ -211,6 +267,9 @@ MLAKV_HD uint8_t PackE2M1Pair(float even, float odd, float out_scale) {
 
 // SPEC "kpe": e4m3(fl(x * rcp_rn(kpe_scale))).
 MLAKV_HD uint8_t QuantizeKpe(float x, const ScaleConstants& k) { return FloatToE4M3(MulRn(x, k.inv_kpe)); }
+MLAKV_HD uint16_t QuantizeKpePair(float lo, float hi, const ScaleConstants& k) {
+  return FloatPairToE4M3x2(MulRn(lo, k.inv_kpe), MulRn(hi, k.inv_kpe));
+}
 
 // Quantizes one whole 16-channel ckv block: 8 packed bytes and the scale byte.
 MLAKV_HD uint8_t QuantizeCkvBlock(const float (&x)[kBlock], const ScaleConstants& k, uint8_t (&packed)[kBlock / 2]) {

@@ -32,10 +32,11 @@ constexpr int kMaxWarpsPerBlock = 8;
 static_assert(kCkvBlocks == kWarpSize, "one lane per 16-channel ckv block: 512 / 16 must be 32");
 static_assert(kKpeDim == 2 * kWarpSize, "each lane owns two kpe channels: kpe_dim must be 64");
 
-// Raw fp16/bf16 bits of one lane's share of a row.
+// Raw fp16/bf16 bits of one lane's share of a row, two elements per word
+// (element 2k in the low half of word k, as little-endian memory has it).
 struct LaneRow {
-  uint16_t ckv[kBlock];
-  uint16_t kpe[2];
+  uint32_t ckv[kBlock / 2];
+  uint32_t kpe;
 };
 
 template <bool kVectorized>
@@ -45,26 +46,28 @@ __device__ __forceinline__ void LoadLaneRow(const QuantizeAppendParams& p, int64
   if constexpr (kVectorized) {
     const uint4 a = __ldg(reinterpret_cast<const uint4*>(ckv));
     const uint4 b = __ldg(reinterpret_cast<const uint4*>(ckv) + 1);
-    const uint32_t words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      r.ckv[2 * w] = static_cast<uint16_t>(words[w]);
-      r.ckv[2 * w + 1] = static_cast<uint16_t>(words[w] >> 16);
-    }
-    const uint32_t k = __ldg(reinterpret_cast<const unsigned int*>(kpe));
-    r.kpe[0] = static_cast<uint16_t>(k);
-    r.kpe[1] = static_cast<uint16_t>(k >> 16);
+    r.ckv[0] = a.x, r.ckv[1] = a.y, r.ckv[2] = a.z, r.ckv[3] = a.w;
+    r.ckv[4] = b.x, r.ckv[5] = b.y, r.ckv[6] = b.z, r.ckv[7] = b.w;
+    r.kpe = __ldg(reinterpret_cast<const unsigned int*>(kpe));
   } else {
+    const auto* c = reinterpret_cast<const unsigned short*>(ckv);
 #pragma unroll
-    for (int c = 0; c < kBlock; ++c) r.ckv[c] = __ldg(reinterpret_cast<const unsigned short*>(ckv) + c);
-    r.kpe[0] = __ldg(reinterpret_cast<const unsigned short*>(kpe));
-    r.kpe[1] = __ldg(reinterpret_cast<const unsigned short*>(kpe) + 1);
+    for (int w = 0; w < kBlock / 2; ++w) r.ckv[w] = __ldg(c + 2 * w) | (static_cast<uint32_t>(__ldg(c + 2 * w + 1)) << 16);
+    const auto* k = reinterpret_cast<const unsigned short*>(kpe);
+    r.kpe = __ldg(k) | (static_cast<uint32_t>(__ldg(k + 1)) << 16);
   }
 }
 
+// Exact widening of a word's two elements (same values as format::*BitsToFloat).
 template <DType kDType>
-__device__ __forceinline__ float Widen(uint16_t h) {
-  return kDType == DType::kBFloat16 ? format::Bf16BitsToFloat(h) : format::HalfBitsToFloat(h);
+__device__ __forceinline__ float2 WidenPair(uint32_t w) {
+  if constexpr (kDType == DType::kBFloat16) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+  } else {
+    __half2 h;
+    memcpy(&h, &w, sizeof(h));
+    return __half22float2(h);
+  }
 }
 
 template <DType kDType>
@@ -72,18 +75,33 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
                                                  int64_t entry, int lane, const LaneRow& r) {
   float x[kBlock];
 #pragma unroll
-  for (int c = 0; c < kBlock; ++c) x[c] = Widen<kDType>(r.ckv[c]);
-  uint8_t packed[kBlock / 2];
-  const uint8_t sf = format::QuantizeCkvBlock(x, k, packed);
-  uint2 packed_words;
-  packed_words.x = packed[0] | (packed[1] << 8) | (packed[2] << 16) | (static_cast<uint32_t>(packed[3]) << 24);
-  packed_words.y = packed[4] | (packed[5] << 8) | (packed[6] << 16) | (static_cast<uint32_t>(packed[7]) << 24);
-  const uint16_t rope = static_cast<uint16_t>(format::QuantizeKpe(Widen<kDType>(r.kpe[0]), k) |
-                                              (format::QuantizeKpe(Widen<kDType>(r.kpe[1]), k) << 8));
+  for (int w = 0; w < kBlock / 2; ++w) {
+    const float2 f = WidenPair<kDType>(r.ckv[w]);
+    x[2 * w] = f.x;
+    x[2 * w + 1] = f.y;
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kBlock; ++c) amax = format::AbsMaxAccumulate(amax, x[c]);
+  float out_scale;
+  const uint8_t sf = format::CkvBlockScale(amax, k, &out_scale);
+  // Channel c's code goes to bits 4(c % 8).. of word c / 8: byte k holds
+  // channels 2k (low nibble) and 2k+1 (high nibble), SPEC step 5.
+  uint2 packed = make_uint2(0, 0);
+#pragma unroll
+  for (int c = 0; c < kBlock; ++c) {
+    const uint32_t code = format::FloatToE2M1(format::MulRn(x[c], out_scale));
+    if (c < 8) {
+      packed.x += code << (4 * c);
+    } else {
+      packed.y += code << (4 * (c - 8));
+    }
+  }
+  const float2 rope = WidenPair<kDType>(r.kpe);
   // Cache rows are 256 / 32 / 64 bytes, so these stores are 8-, 1- and 2-byte aligned.
-  reinterpret_cast<uint2*>(p.ckv_cache + CkvOffset(entry))[lane] = packed_words;
+  reinterpret_cast<uint2*>(p.ckv_cache + CkvOffset(entry))[lane] = packed;
   p.ckv_sf_cache[CkvSfOffset(entry) + lane] = sf;
-  reinterpret_cast<uint16_t*>(p.kpe_cache + KpeOffset(entry))[lane] = rope;
+  reinterpret_cast<uint16_t*>(p.kpe_cache + KpeOffset(entry))[lane] = format::QuantizeKpePair(rope.x, rope.y, k);
 }
 
 template <DType kDType, bool kVectorized, int kRowsPerWarp>

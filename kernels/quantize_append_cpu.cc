@@ -21,32 +21,79 @@ using format::kCkvDim;
 using format::kKpeDim;
 
 template <DType kDType>
-inline void Widen(const uint16_t* __restrict src, float* __restrict dst, int n) {
+__attribute__((always_inline)) inline void Widen(const uint16_t* __restrict src, float* __restrict dst, int n) {
   for (int c = 0; c < n; ++c) {
     dst[c] = kDType == DType::kBFloat16 ? format::Bf16BitsToFloat(src[c]) : format::HalfBitsToFloat(src[c]);
   }
 }
 
+// One row, SPEC steps 1-5, as flat passes over small aligned arrays that the
+// compiler vectorizes: widen; block amax as NaN-free magnitudes reduced by a
+// tree of halvings inside each block; the 32 block scales; each element's
+// multiplier spread out; codes; nibble packing; kpe.
 template <DType kDType>
-void QuantizeRows(const QuantizeAppendParams& p, int64_t row_begin, int64_t row_end) {
+__attribute__((always_inline)) inline void QuantizeRow(const uint16_t* __restrict ckv_row,
+                                                       const uint16_t* __restrict kpe_row,
+                                                       const format::ScaleConstants& k, uint8_t* __restrict packed,
+                                                       uint8_t* __restrict sf, uint8_t* __restrict rope) {
+  alignas(64) float x[kCkvBlocks][kBlock];
+  alignas(64) float rope_x[kKpeDim];
+  alignas(64) float mag[kCkvBlocks][kBlock];
+  alignas(64) float half[kCkvBlocks][kBlock / 2];
+  alignas(64) float quarter[kCkvBlocks][kBlock / 4];
+  alignas(64) float amax[kCkvBlocks];
+  alignas(64) float out_scale[kCkvBlocks];
+  alignas(64) float scale_of[kCkvBlocks][kBlock];
+  alignas(64) uint32_t codes[kCkvBlocks][kBlock];
+  Widen<kDType>(ckv_row, &x[0][0], kCkvDim);
+  Widen<kDType>(kpe_row, rope_x, kKpeDim);
+  // Step 1. NaN magnitudes become 0 first, so the reduction never meets NaN.
+  for (int j = 0; j < kCkvBlocks; ++j) {
+    for (int c = 0; c < kBlock; ++c) mag[j][c] = format::AbsMaxAccumulate(0.0f, x[j][c]);
+  }
+  for (int j = 0; j < kCkvBlocks; ++j) {
+    for (int c = 0; c < kBlock / 2; ++c) half[j][c] = format::MaxDroppingNan(mag[j][c], mag[j][c + kBlock / 2]);
+  }
+  for (int j = 0; j < kCkvBlocks; ++j) {
+    for (int c = 0; c < kBlock / 4; ++c) quarter[j][c] = format::MaxDroppingNan(half[j][c], half[j][c + kBlock / 4]);
+  }
+  for (int j = 0; j < kCkvBlocks; ++j) {
+    amax[j] = format::MaxDroppingNan(format::MaxDroppingNan(quarter[j][0], quarter[j][1]),
+                                     format::MaxDroppingNan(quarter[j][2], quarter[j][3]));
+  }
+  // Steps 2-4.
+  for (int j = 0; j < kCkvBlocks; ++j) sf[j] = format::CkvBlockScale(amax[j], k, &out_scale[j]);
+  // Step 5.
+  for (int j = 0; j < kCkvBlocks; ++j) {
+    for (int c = 0; c < kBlock; ++c) scale_of[j][c] = out_scale[j];
+  }
+  const float* xs = &x[0][0];
+  const float* ss = &scale_of[0][0];
+  uint32_t* flat = &codes[0][0];
+  for (int i = 0; i < kCkvDim; ++i) flat[i] = format::FloatToE2M1(format::MulRn(xs[i], ss[i]));
+  for (int b = 0; b < kCkvDim / 2; ++b) packed[b] = static_cast<uint8_t>(flat[2 * b] | (flat[2 * b + 1] << 4));
+  for (int c = 0; c < kKpeDim; ++c) rope[c] = format::QuantizeKpe(rope_x[c], k);
+}
+
+// Built for AVX2 and for baseline x86-64; the loader picks the clone the CPU
+// supports, so this runs on any x86-64 and uses 8-wide vectors where it can.
+// (avx2 implies no FMA, and the build forbids contraction anyway.)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MLAKV_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MLAKV_CPU_CLONES
+#endif
+
+template <DType kDType>
+MLAKV_CPU_CLONES void QuantizeRows(const QuantizeAppendParams& p, int64_t row_begin, int64_t row_end) {
   const format::ScaleConstants k = format::MakeScaleConstants(p.ckv_scale, p.kpe_scale);
   const auto* ckv = static_cast<const uint16_t*>(p.append_ckv);
   const auto* kpe = static_cast<const uint16_t*>(p.append_kpe);
-  alignas(64) float x[kCkvDim + kKpeDim];
   for (int64_t i = row_begin; i < row_end; ++i) {
     const int64_t entry = CacheEntryOfRow(p, p.batch_indices[i], p.positions[i]);
     if (entry < 0) continue;  // the host entry validated already; never write out of bounds anyway
-    Widen<kDType>(ckv + i * p.ckv_row_stride, x, kCkvDim);
-    Widen<kDType>(kpe + i * p.kpe_row_stride, x + kCkvDim, kKpeDim);
-    uint8_t* packed = p.ckv_cache + CkvOffset(entry);
-    uint8_t* sf = p.ckv_sf_cache + CkvSfOffset(entry);
-    for (int j = 0; j < kCkvBlocks; ++j) {
-      const float(&block)[kBlock] = *reinterpret_cast<const float(*)[kBlock]>(x + j * kBlock);
-      uint8_t(&out)[kBlock / 2] = *reinterpret_cast<uint8_t(*)[kBlock / 2]>(packed + j * (kBlock / 2));
-      sf[j] = format::QuantizeCkvBlock(block, k, out);
-    }
-    uint8_t* rope = p.kpe_cache + KpeOffset(entry);
-    for (int c = 0; c < kKpeDim; ++c) rope[c] = format::QuantizeKpe(x[kCkvDim + c], k);
+    QuantizeRow<kDType>(ckv + i * p.ckv_row_stride, kpe + i * p.kpe_row_stride, k, p.ckv_cache + CkvOffset(entry),
+                        p.ckv_sf_cache + CkvSfOffset(entry), p.kpe_cache + KpeOffset(entry));
   }
 }
 
