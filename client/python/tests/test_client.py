@@ -253,16 +253,17 @@ class ChunkingTest(ServerTestCase):
             self.assertLessEqual(s, (4 << 20) + 1024)
         self.assertEqual(resp.rows_written, n)
         self.assertEqual(resp.sequence.layer_lengths[0], n)
+        a = self.client.export("big", 0)
+        self.assertEqual(a["kpe"].shape, (n, 64))
+        self.client.free("big")  # the default pool (256 pages of 64) holds one such sequence at a time
         # The same rows in many small messages store the same bytes.
         with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, chunk_bytes=100 * 1152) as c:
             sizes = self.count_messages(c)
             c.append("small-chunks", 0, ckv, kpe)
         self.assertEqual(len(sizes), 100)
-        a, b = self.client.export("big", 0), self.client.export("small-chunks", 0)
+        b = self.client.export("small-chunks", 0)
         for k in ("ckv_packed", "ckv_sf", "kpe"):
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-        self.assertEqual(a["kpe"].shape, (n, 64))
-        self.client.free("big")
         self.client.free("small-chunks")
 
     def test_multi_layer_append(self):
@@ -372,14 +373,15 @@ class ErrorTest(ServerTestCase):
     def test_wrong_byte_count_from_server(self):
         # The client checks shapes, so talk to the stub directly to reach the server's check.
         req = mlakv.pb.AppendRequest(sequence="bytes", row_count=4, dtype=mlakv.pb.ROW_DTYPE_BFLOAT16)
-        req.layers.add(layer=0, ckv=b"\0" * 4096, kpe=b"\0" * 512)
+        req.layers.add(layer=0, ckv=b"\0" * 4000, kpe=b"\0" * 512, ckv_scale=1.0, kpe_scale=1.0)
         try:
             self.client._stub.Append(iter([req]), timeout=CALL_TIMEOUT_S)
-            self.fail("Append with 4096 ckv bytes for 4 bf16 rows succeeded")
+            self.fail("Append with 4000 ckv bytes for 4 bf16 rows (4096 expected) succeeded")
         except grpc.RpcError as err:
             e = mlakv.Error.from_rpc_error(err)
         self.assertEqual(e.code, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.assertIn("4096", e.message)
+        self.assertIn("4000", e.message)
+        self.assertIn("rows(4)", e.message)
 
     def test_client_side_checks(self):
         ckv, kpe = self.rows()
@@ -398,8 +400,55 @@ class ErrorTest(ServerTestCase):
 
 
 # Codes the server chose where DESIGN.md allows two (asserted exactly, so a change is noticed).
-HOLE_CODE = grpc.StatusCode.FAILED_PRECONDITION
+HOLE_CODE = grpc.StatusCode.OUT_OF_RANGE
 LAYER_CODE = grpc.StatusCode.OUT_OF_RANGE
+
+
+class SmallPoolTest(ServerTestCase):
+    """A configured second pool: pool= on every call, and RESOURCE_EXHAUSTED writing nothing."""
+
+    @classmethod
+    def setUpClass(cls):
+        import tempfile
+        cls.config = tempfile.NamedTemporaryFile("w", suffix=".txtpb", delete=False)
+        cls.config.write('pools { name: "default" num_layers: 61 page_size: 64 num_pages: 64 }\n'
+                         'pools { name: "tiny" num_layers: 2 page_size: 16 num_pages: 4 }\n')
+        cls.config.close()
+        cls.server_args = ("--config", cls.config.name)
+        super().setUpClass()
+
+    @classmethod
+    def tearDownClass(cls):
+        super().tearDownClass()
+        os.unlink(cls.config.name)
+
+    def test_pools_listed(self):
+        pools = {p.name: p for p in self.client.pools()}
+        self.assertEqual(sorted(pools), ["default", "tiny"])
+        tiny = self.client.pool("tiny")
+        self.assertEqual((tiny.num_layers, tiny.page_size, tiny.pages_total, tiny.device), (2, 16, 4, "cpu"))
+
+    def test_pool_full_writes_nothing(self):
+        rng = np.random.default_rng(12)
+        ckv, kpe = random_rows(rng, 40)
+        self.client.append("fill", 0, ckv, kpe, pool="tiny", ckv_scale=0.01, kpe_scale=0.05)  # 3 of 4 pages
+        before = self.client.pool("tiny")
+        self.assertEqual(before.pages_free, 1)
+        more, more_kpe = random_rows(rng, 40)
+        e = self.assertCode(grpc.StatusCode.RESOURCE_EXHAUSTED, self.client.append, "other", 0, more, more_kpe,
+                            pool="tiny")
+        self.assertIn("tiny", e.message)
+        self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.sequence, "other", pool="tiny")
+        # A stream whose later message overflows: the whole stream is rolled back.
+        with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, chunk_bytes=8 * 1152) as c:
+            self.assertCode(grpc.StatusCode.RESOURCE_EXHAUSTED, c.append, "fill", 0, more, more_kpe,
+                            pool="tiny")
+        after = self.client.pool("tiny")
+        self.assertEqual(after.pages_free, 1)
+        self.assertEqual(self.client.sequence("fill", pool="tiny").layer_lengths[0], 40)
+        self.assertEqual(self.client.free("fill", pool="tiny"), 3)
+        self.assertEqual(self.client.pool("tiny").pages_free, 4)
+        self.assertEqual(self.client.pool().pages_free, 64)
 
 
 class OptionalDtypesTest(ServerTestCase):
