@@ -19,6 +19,10 @@
 #ifndef MLAKV_SERVER_TEST_DEVICE
 #define MLAKV_SERVER_TEST_DEVICE "cpu"
 #endif
+// Distinct ctest names per backend: ServiceTest.* (cpu), CudaServiceTest.* (gpu).
+#ifdef MLAKV_SERVER_TEST_CUDA_SUITE
+#define ServiceTest CudaServiceTest
+#endif
 
 namespace mlakv::server::testing {
 namespace {
