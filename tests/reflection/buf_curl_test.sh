@@ -59,9 +59,20 @@ done
 [ "$started" -eq 1 ] || { cat "$work/server.log" >&2; fail "mlakv-server did not become SERVING"; }
 echo "server at $url (pid $pid)"
 
+# show_cmd ARGS...: prints "$ buf curl ARGS" with shell quoting a person can paste.
+show_cmd() {
+  local a out='$ buf curl --protocol grpc --http2-prior-knowledge'
+  for a in "$@"; do
+    case $a in
+      *[!A-Za-z0-9_@%+=:,./-]*) out+=" '${a//\'/\'\\\'\'}'" ;;
+      *) out+=" $a" ;;
+    esac
+  done
+  echo "$out" >&2
+}
 # bufc ARGS...: buf curl over gRPC (h2c), echoing the command and its output.
 bufc() {
-  echo "\$ buf curl --protocol grpc --http2-prior-knowledge $*" >&2
+  show_cmd "$@"
   timeout 60 "$buf" curl --protocol grpc --http2-prior-knowledge "$@" | tee "$work/out" >&2
   return "${PIPESTATUS[0]}"
 }
@@ -92,8 +103,10 @@ for m in ListPools GetPool Append AppendBatch GetSequence ListSequences GetPage 
 done
 
 echo "== 3. describe (reflection file_containing_symbol, rendered like grpcurl describe)"
-bufc -d '{"fileContainingSymbol": "mlakv.v1.KvCache"}' "$url/$reflection/ServerReflectionInfo" >/dev/null 2>&1 ||
-  fail "reflection call failed"
+show_cmd -d '{"fileContainingSymbol": "mlakv.v1.KvCache"}' "$url/$reflection/ServerReflectionInfo"
+timeout 60 "$buf" curl --protocol grpc --http2-prior-knowledge -d '{"fileContainingSymbol": "mlakv.v1.KvCache"}' \
+  "$url/$reflection/ServerReflectionInfo" >"$work/out" || fail "reflection call failed"
+echo "(a fileDescriptorResponse of $(wc -c <"$work/out") bytes of JSON; rendered:)" >&2
 "$py" "$here/describe.py" mlakv.v1.KvCache <"$work/out" | tee "$work/describe" ||
   fail "describe of mlakv.v1.KvCache failed"
 grep -qF "rpc Append ( stream .mlakv.v1.AppendRequest ) returns ( .mlakv.v1.AppendResponse );" "$work/describe" ||
@@ -130,8 +143,8 @@ expect_json 'len(j["sequence"]["kvIndices"]) == 1 and len(j["sequence"]["layerLe
 echo "== 6. GetSequence and ReadSequence (server stream) of the stored bytes"
 bufc -d '{"sequence": "buf-curl"}' "$url/mlakv.v1.KvCache/GetSequence"
 expect_json 'j["id"] == "buf-curl" and j["layerLengths"][0] == 2 and j["pageSize"] > 0'
-bufc -d '{"sequence": "buf-curl", "layers": [0], "format": "READ_FORMAT_RAW"}' "$url/mlakv.v1.KvCache/ReadSequence" \
-  >/dev/null 2>&1 || fail "ReadSequence failed"
+bufc -d '{"sequence": "buf-curl", "layers": [0], "format": "READ_FORMAT_RAW"}' "$url/mlakv.v1.KvCache/ReadSequence" ||
+  fail "ReadSequence failed"
 expect_json 'j["count"] == 2 and j["ckvScale"] == 1 and j["kpeScale"] == 1'
 expect_json '__import__("base64").b64decode(j["ckvPacked"]) == b"\x77" * 512'
 expect_json '__import__("base64").b64decode(j["ckvSf"]) == b"\x23" * 64'
@@ -139,7 +152,7 @@ expect_json '__import__("base64").b64decode(j["kpe"]) == b"\x38" * 128'
 echo "stored bytes as computed from SPEC.md: ckv_packed 0x77.., ckv_sf 0x23.., kpe 0x38.."
 
 echo "== 7. an error: GetSequence of an unknown id -> NOT_FOUND (buf exit status = code << 3 = 40)"
-echo "\$ buf curl --protocol grpc --http2-prior-knowledge -d '{\"sequence\": \"no-such-sequence\"}' $url/mlakv.v1.KvCache/GetSequence" >&2
+show_cmd -d '{"sequence": "no-such-sequence"}' "$url/mlakv.v1.KvCache/GetSequence"
 set +e
 timeout 60 "$buf" curl --protocol grpc --http2-prior-knowledge -d '{"sequence": "no-such-sequence"}' \
   "$url/mlakv.v1.KvCache/GetSequence" >"$work/out" 2>&1
