@@ -102,6 +102,16 @@ MLAKV_HD float MaxDroppingNan(float a, float b) {
 #endif
 }
 
+// clamp(a, 0, 1) with NaN -> 0 (the GPU's .sat modifier).
+MLAKV_HD float Saturate(float a) {
+#if defined(__CUDA_ARCH__)
+  return __saturatef(a);
+#else
+  const float lo = a > 0.0f ? a : 0.0f;  // NaN fails the test and becomes 0
+  return lo < 1.0f ? lo : 1.0f;
+#endif
+}
+
 // min(a, b) for non-NaN operands.
 MLAKV_HD float MinOf(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -192,21 +202,26 @@ MLAKV_HD float E4M3ToFloat(uint8_t b) {
 // E2M1(v) (SPEC "E2M1"): round-to-nearest-even onto {0, .5, 1, 1.5, 2, 3, 4,
 // 6}, saturating at 6; sign 0x8 = signbit(v); NaN -> 0 with the sign clear.
 // Written as one IEEE addition instead of the SPEC's ladder of seven compares
-// (the tests check it against the ladder's values): the E2M1 grid has step
-// 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 8), so adding C = 2^(22 + k), whose
-// ulp is that step (k = 0, 1, 2 for m's binade, clamped), rounds m to the grid
-// ties-to-even in the adder; the ulps of C in the sum are then the code minus
-// 2k. NaN becomes 0 and anything >= 8 becomes 8 before the add.
+// (the tests check it against the ladder's values). Work on m = |v| / 8,
+// clamped to [0, 1] with NaN -> 0 (one saturating multiply on the GPU; exact,
+// since values small enough for the division to round give code 0 anyway).
+// The grid, divided by 8, has step 1/16 on [0, 1/4), 1/8 on [1/4, 1/2) and
+// 1/4 on [1/2, 1]; adding C = 2^(19 + k), whose ulp is that step (k = 0, 1, 2
+// for m's binade, clamped), rounds m to the grid ties-to-even in the adder,
+// and the ulps of C in the sum are the code minus 2k.
 MLAKV_HD uint8_t FloatToE2M1(float v) {
   const uint32_t u = FloatBits(v);
-  const float m = MinOf(MaxDroppingNan(BitsToFloat(u & 0x7FFFFFFFu), 0.0f), 8.0f);
-  uint32_t c = FloatBits(m) & 0x7F800000u;  // 2^exponent(m)
-  c = c < 0x3F800000u ? 0x3F800000u : c;    // binade of [0, 2): step 0.5
-  c = c > 0x40800000u ? 0x40800000u : c;    // binade of [4, 8): step 2
-  c += 22u << 23;                           // C = 2^(22 + k), k in {0, 1, 2}
+  const float m = Saturate(MulRn(BitsToFloat(u & 0x7FFFFFFFu), 0.125f));
+  constexpr uint32_t kLo = 0x3E000000u;      // 2^-3: binade of [0, 2) / 8, step 0.5 / 8
+  constexpr uint32_t kHi = 0x3F000000u;      // 2^-1: binade of [4, 8] / 8, step 2 / 8
+  constexpr uint32_t kShift = 22u << 23;     // times 2^22: C's ulp is the step
+  uint32_t c = FloatBits(m) & 0x7F800000u;   // 2^exponent(m)
+  c = (c < kLo ? kLo : c) + kShift;
+  c = c > kHi + kShift ? kHi + kShift : c;   // C = 2^(19 + k), k in {0, 1, 2}
   const uint32_t ulps = FloatBits(AddRn(m, BitsToFloat(c))) - c;
-  uint32_t code = ulps + ((c >> 22) - 2u * (127u + 22u));  // + 2k
-  code = code > 7u ? 7u : code;
+  const uint32_t two_k = (c >> 22) - 2u * (127u + 19u);
+  uint32_t code = ulps + two_k;
+  code = code > 7u ? 7u : code;  // m == 1 (|v| >= 8) rounds to 8 = code 8
 #if defined(__CUDA_ARCH__)
   // v is always a __fmul_rn product on the device, whose NaN is canonical
   // (sign clear), so the sign bit can be taken as it is.
@@ -239,18 +254,25 @@ MLAKV_HD ScaleConstants MakeScaleConstants(float ckv_scale, float kpe_scale) {
   return ScaleConstants{ckv_scale, RcpRn(MulRn(6.0f, ckv_scale)), RcpRn(kpe_scale)};
 }
 
-// Steps 1-4 of SPEC "ckv" for one 16-channel block, given its amax.
-// Returns the stored scale byte; *out_scale receives the element multiplier.
-//
-// The SPEC's guards are folded: amax is never NaN and inv6g is always finite
-// (ckv_scale is a positive normal float32), so amax == 0 gives sf == 0
-// without a test; and s > 0 already implies amax > 0. Branch-free, so that
-// host loops over blocks vectorize.
-MLAKV_HD uint8_t CkvBlockScale(float amax, const ScaleConstants& k, float* out_scale) {
-  const uint8_t sf_byte = FloatToE4M3(MulRn(amax, k.inv6g));
+// Steps 2-3 of SPEC "ckv": the stored scale byte of a block with this amax.
+// (The SPEC's "else 0" needs no test: amax is never NaN and inv6g is always
+// finite, since ckv_scale is a positive normal float32, so amax == 0 gives 0.)
+MLAKV_HD uint8_t CkvScaleByte(float amax, const ScaleConstants& k) { return FloatToE4M3(MulRn(amax, k.inv6g)); }
+
+// Step 4: the element multiplier for a stored scale byte. It depends on the
+// byte alone (for one ckv_scale), so the GPU tabulates it once per launch.
+// (s > 0 already implies amax > 0.) Branch-free, so that host loops vectorize.
+MLAKV_HD float CkvOutScale(uint8_t sf_byte, const ScaleConstants& k) {
   const float s = E4M3ToFloat(sf_byte);
   const float inv = RcpRn(MulRn(s, k.ckv_scale));
-  *out_scale = s > 0.0f ? inv : 0.0f;
+  return s > 0.0f ? inv : 0.0f;
+}
+
+// Steps 2-4 together. Returns the stored scale byte; *out_scale receives the
+// element multiplier.
+MLAKV_HD uint8_t CkvBlockScale(float amax, const ScaleConstants& k, float* out_scale) {
+  const uint8_t sf_byte = CkvScaleByte(amax, k);
+  *out_scale = CkvOutScale(sf_byte, k);
   return sf_byte;
 }
 

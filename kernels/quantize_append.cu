@@ -5,7 +5,9 @@
 //           loads, and kpe channels 2j, 2j+1 as one 4-byte load; lanes 0..31
 //           together read the row's 1024 + 128 bytes, coalesced.
 //   step 2  lane j computes block j's amax, scale byte and 8 packed bytes with
-//           nothing shared between lanes (a block never spans two lanes).
+//           nothing shared between lanes (a block never spans two lanes); the
+//           element multiplier of each scale byte comes from a 128-entry
+//           table the block fills once in shared memory.
 //   step 3  lane j stores 8 packed bytes at ckv_cache[entry, 8j..8j+7], its
 //           scale byte at ckv_sf_cache[entry, j] and 2 kpe bytes at
 //           kpe_cache[entry, 2j..2j+1]: per warp, 256 + 32 + 64 contiguous bytes.
@@ -72,7 +74,8 @@ __device__ __forceinline__ float2 WidenPair(uint32_t w) {
 
 template <DType kDType>
 __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, const format::ScaleConstants& k,
-                                                 int64_t entry, int lane, const LaneRow& r) {
+                                                 const float* out_scale_of, int64_t entry, int lane,
+                                                 const LaneRow& r) {
   float x[kBlock];
 #pragma unroll
   for (int w = 0; w < kBlock / 2; ++w) {
@@ -83,8 +86,8 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
   float amax = 0.0f;
 #pragma unroll
   for (int c = 0; c < kBlock; ++c) amax = format::AbsMaxAccumulate(amax, x[c]);
-  float out_scale;
-  const uint8_t sf = format::CkvBlockScale(amax, k, &out_scale);
+  const uint8_t sf = format::CkvScaleByte(amax, k);
+  const float out_scale = out_scale_of[sf & 0x7F];  // sf is never negative: amax, inv6g >= 0
   // Channel c's code goes to bits 4(c % 8).. of word c / 8: byte k holds
   // channels 2k (low nibble) and 2k+1 (high nibble), SPEC step 5.
   uint2 packed = make_uint2(0, 0);
@@ -111,6 +114,11 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock)
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
   const format::ScaleConstants k = format::MakeScaleConstants(p.ckv_scale, p.kpe_scale);
+  // SPEC ckv step 4 depends on the scale byte alone: tabulate it once per
+  // block for the 128 non-negative bytes instead of a reciprocal per row.
+  __shared__ float out_scale_of[128];
+  for (int b = threadIdx.x; b < 128; b += blockDim.x) out_scale_of[b] = format::CkvOutScale(static_cast<uint8_t>(b), k);
+  __syncthreads();
 
   for (int64_t first = warp * kRowsPerWarp; first < p.num_rows; first += num_warps * kRowsPerWarp) {
     LaneRow rows[kRowsPerWarp];
@@ -128,7 +136,7 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock)
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       if (entries[r] >= 0) {
-        QuantizeAndStore<kDType>(p, k, entries[r], lane, rows[r]);
+        QuantizeAndStore<kDType>(p, k, out_scale_of, entries[r], lane, rows[r]);
       } else if (entries[r] == -1 && lane == 0 && p.skipped_rows != nullptr) {
         atomicAdd(p.skipped_rows, 1u);  // out of bounds: skipped, never written (SPEC "Bounds")
       }
