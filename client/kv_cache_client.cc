@@ -1,6 +1,8 @@
 #include "client/kv_cache_client.h"
 
 #include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -15,13 +17,50 @@ namespace {
 constexpr int kCkvDim = 512;
 constexpr int kKpeDim = 64;
 
-// Plaintext today; TLS credentials are built here when Options has them.
-std::shared_ptr<grpc::ChannelCredentials> MakeCredentials(const KvCacheClient::Options&) {
-  return grpc::InsecureChannelCredentials();
+// ---- transport security (Options::tls_*, token) ----
+absl::StatusOr<std::string> ReadPemFile(const char* what, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("client: ", what, " ", path, ": cannot open"));
+  std::ostringstream s;
+  s << in.rdbuf();
+  if (s.str().find("-----BEGIN ") == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("client: ", what, " ", path, ": not a PEM file"));
+  }
+  return s.str();
 }
 
-// Per-call metadata (a bearer token, when Options has one) is attached here.
-void AttachCallMetadata(const KvCacheClient::Options&, grpc::ClientContext&) {}
+// Plaintext, or TLS (with a client certificate for mutual TLS).
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(const KvCacheClient::Options& o) {
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("client: a TLS client certificate and its key go together");
+  }
+  if (o.tls_ca_file.empty()) {
+    if (!o.tls_cert_file.empty()) return absl::InvalidArgumentError("client: a client certificate needs a TLS CA");
+    if (!o.token.empty()) {
+      return absl::InvalidArgumentError("client: a bearer token needs TLS (give the server's CA)");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  absl::StatusOr<std::string> ca = ReadPemFile("TLS CA", o.tls_ca_file);
+  if (!ca.ok()) return ca.status();
+  ssl.pem_root_certs = *ca;
+  if (!o.tls_cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadPemFile("TLS certificate", o.tls_cert_file);
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPemFile("TLS key", o.tls_key_file);
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *cert;
+    ssl.pem_private_key = *key;
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+// The bearer token, on every call.
+void AttachCallMetadata(const KvCacheClient::Options& o, grpc::ClientContext& context) {
+  if (!o.token.empty()) context.AddMetadata("authorization", "Bearer " + o.token);
+}
+// ---- end transport security ----
 
 absl::Status CheckAppendShape(const AppendRows& append) {
   const int element = RowDTypeBytes(append.dtype);
@@ -86,7 +125,10 @@ absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Create(Options opt
   args.SetMaxSendMessageSize(-1);
   // A channel of its own connection: N clients are N TCP connections.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(options.target, MakeCredentials(options), args);
+  if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = MakeCredentials(options);
+  if (!credentials.ok()) return credentials.status();
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(options.target, *credentials, args);
   if (!channel) return absl::InternalError(absl::StrCat("client: cannot create a channel to ", options.target));
   return std::unique_ptr<KvCacheClient>(new KvCacheClient(std::move(options), std::move(channel)));
 }
@@ -203,7 +245,7 @@ absl::StatusOr<v1::Sequence> KvCacheClient::Truncate(const std::string& pool, co
 
 absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& append) {
   if (absl::Status s = CheckAppendShape(append); !s.ok()) return s;
-  const size_t row_bytes = size_t{RowDTypeBytes(append.dtype)} * (kCkvDim + kKpeDim) * append.layers.size();
+  const size_t row_bytes = static_cast<size_t>(RowDTypeBytes(append.dtype)) * (kCkvDim + kKpeDim) * append.layers.size();
   const uint32_t rows_per_message =
       static_cast<uint32_t>(std::max<size_t>(1, options_.append_message_bytes / row_bytes));
 

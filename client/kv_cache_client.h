@@ -72,10 +72,21 @@ class KvCacheClient {
     // less than one row. Kept under 4 MiB so that a server with gRPC's default
     // 4 MiB receive limit accepts it.
     size_t append_message_bytes = (4u << 20) - (64u << 10);
-    // Transport security and authentication: plaintext today. TLS roots,
-    // client certificates and a bearer token go here (and into
-    // kv_cache_client.cc's MakeCredentials / AttachCallMetadata) when the
-    // server grows them.
+    // ---- transport security and authentication (docs/deploy.md) ----
+    // PEM file of the CA that signed the server's certificate; non-empty
+    // switches the channel to TLS.
+    std::string tls_ca_file;
+    // PEM client certificate chain and its key, for servers that require
+    // mutual TLS (--tls_client_ca). Both or neither; need tls_ca_file.
+    std::string tls_cert_file;
+    std::string tls_key_file;
+    // Name to check the server certificate against instead of the target's
+    // host (e.g. a pod IP behind a certificate for mlakv.NS.svc).
+    std::string tls_server_name;
+    // Bearer token sent as "authorization: Bearer <token>" on every call;
+    // needs TLS (a token in plaintext can be read on the way).
+    std::string token;
+    // ---- end transport security ----
   };
 
   static absl::StatusOr<std::unique_ptr<KvCacheClient>> Create(Options options);

@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.pb.h"
+#include "server/instrumented_backend.h"
+#include "server/metrics_interceptor.h"
 #include "server/server_config.h"
 #include "spdlog/spdlog.h"
 
@@ -36,7 +38,12 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   if (!pool_options.ok()) return pool_options.status();
   std::unique_ptr<KvCacheServer> server(new KvCacheServer());
   KvCacheService::Options service_options;
-  for (const Pool::Options& po : *pool_options) {
+  for (Pool::Options& po : *pool_options) {
+    if (options.metrics != nullptr) {  // operations: time every quantize-append
+      po.wrap_backend = [metrics = options.metrics, name = po.name](std::unique_ptr<CacheBackend> b) {
+        return std::unique_ptr<CacheBackend>(std::make_unique<InstrumentedBackend>(std::move(b), name, metrics));
+      };
+    }
     absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(po);
     if (!pool.ok()) return pool.status();
     service_options.pools.push_back(pool->get());
@@ -61,9 +68,17 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint32_t>(max_message, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint32_t>(max_message, INT32_MAX)));
   builder.RegisterService(server->service_.get());
+  // ---- operations: per-RPC metrics, TLS / token credentials ----
+  if (options.metrics != nullptr) {
+    options.metrics->SetDefaultPool(service_options.default_pool);
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(options.metrics));
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
   int port = 0;
   if (!options.listen.empty()) {
-    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+    builder.AddListeningPort(options.listen,
+                             options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &port);
   }
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || (!options.listen.empty() && port == 0)) {

@@ -17,6 +17,7 @@
 #include "mlakv/v1/config.pb.h"
 #include "server/kv_cache_service.h"
 #include "server/pool.h"
+#include "server/server_metrics.h"
 
 namespace mlakv::server {
 
@@ -26,6 +27,12 @@ class KvCacheServer {
     v1::ServerConfig config;             // pools, limits (an empty pool list: the embedded default pool)
     std::string listen;                  // host:port; port 0 picks a free port; empty: in-process only
     std::string default_device = "auto";  // for pools without a device: auto | cpu | cuda:N
+    // ---- operations (docs/deploy.md) ----
+    // Credentials of the listening port (server_credentials.h); null: plaintext.
+    std::shared_ptr<grpc::ServerCredentials> credentials;
+    // Per-RPC metrics (interceptor) and backend timing; null: none. Not owned.
+    ServerMetrics* metrics = nullptr;
+    // ---- end operations ----
   };
 
   static absl::StatusOr<std::unique_ptr<KvCacheServer>> Create(const Options& options);

@@ -10,8 +10,12 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "server/health_probe_server.h"
 #include "server/kv_cache_server.h"
+#include "server/metrics_http_server.h"
 #include "server/server_config.h"
+#include "server/server_credentials.h"
+#include "server/server_metrics.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -24,8 +28,22 @@ ABSL_FLAG(std::string, config, "",
           "ServerConfig in protobuf text format (proto/mlakv/v1/config.proto); empty: the embedded default pool "
           "(61 layers, page size 64, 256 pages, scales set by the first append)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug (one line per request), info, warn, error, off");
-ABSL_FLAG(int32_t, shutdown_grace_seconds, 10,
-          "on SIGTERM/SIGINT, how long calls in flight may run before they are cancelled");
+ABSL_FLAG(int32_t, drain_grace_s, 10,
+          "on SIGTERM/SIGINT, how long calls in flight may run before they are cancelled (keep it below the pod's "
+          "terminationGracePeriodSeconds)");
+// ---- operations (docs/deploy.md): metrics, TLS, token, health probe port ----
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port serving Prometheus text metrics at GET /metrics (e.g. 0.0.0.0:9090); empty: no metrics endpoint");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: mutual TLS, every client must present a certificate signed by it");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file holding a bearer token required on every RPC except grpc.health.v1.Health (needs TLS)");
+ABSL_FLAG(std::string, health_listen, "",
+          "host:port of a plaintext server with only grpc.health.v1.Health, for kubelet probes when the main port "
+          "requires TLS; empty: none");
+// ---- end operations ----
 
 namespace mlakv::server {
 namespace {
@@ -68,12 +86,65 @@ int RunServer() {
     }
   }
 
+  // ---- operations: metrics registry, server credentials ----
+  absl::StatusOr<std::unique_ptr<ServerMetrics>> metrics = ServerMetrics::Create(MLAKV_VERSION);
+  if (!metrics.ok()) {
+    spdlog::critical("metrics: {}", std::string(metrics.status().message()));
+    return 1;
+  }
+  ServerSecurityOptions security{.tls_cert_file = absl::GetFlag(FLAGS_tls_cert),
+                                 .tls_key_file = absl::GetFlag(FLAGS_tls_key),
+                                 .tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca),
+                                 .auth_token_file = absl::GetFlag(FLAGS_auth_token_file),
+                                 .on_auth_failure = [m = metrics->get()](const std::string& reason) {
+                                   m->AuthFailed(reason);
+                                   spdlog::warn("refused a call: bearer token {}", reason);
+                                 }};
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = BuildServerCredentials(security);
+  if (!credentials.ok()) {
+    spdlog::critical("{}", std::string(credentials.status().message()));
+    return 2;
+  }
+  // ---- end operations ----
+
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server =
-      KvCacheServer::Create({.config = config, .listen = listen, .default_device = device});
+      KvCacheServer::Create({.config = config, .listen = listen, .default_device = device,
+                             .credentials = *credentials, .metrics = metrics->get()});
   if (!server.ok()) {
     spdlog::critical("cannot start: {}", std::string(server.status().message()));
     return 1;
   }
+  // ---- operations: pool gauges at scrape time, /metrics, health probe port ----
+  (*metrics)->SetPoolSource([s = server->get()] {
+    std::vector<ServerMetrics::PoolStats> out;
+    for (const auto& pool : s->pools()) {
+      const PoolSnapshot p = pool->Snapshot();
+      out.push_back({.name = p.name, .device = p.device, .pages_total = uint64_t(p.pages_total),
+                     .pages_used = uint64_t(p.pages_used), .pages_free = uint64_t(p.pages_free),
+                     .sequences = p.sequences, .cache_bytes = p.cache_bytes});
+    }
+    return out;
+  });
+  std::unique_ptr<MetricsHttpServer> metrics_http;
+  if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
+        MetricsHttpServer::Create({.listen = ml, .render = [m = metrics->get()] { return m->Render(); }});
+    if (!m.ok()) {
+      spdlog::critical("{}", std::string(m.status().message()));
+      return 1;
+    }
+    metrics_http = std::move(*m);
+  }
+  std::unique_ptr<HealthProbeServer> health_probe;
+  if (const std::string hl = absl::GetFlag(FLAGS_health_listen); !hl.empty()) {
+    absl::StatusOr<std::unique_ptr<HealthProbeServer>> h = HealthProbeServer::Create(hl);
+    if (!h.ok()) {
+      spdlog::critical("{}", std::string(h.status().message()));
+      return 1;
+    }
+    health_probe = std::move(*h);
+  }
+  // ---- end operations ----
   spdlog::info("mlakv-server {} (config: {})", MLAKV_VERSION, config_path.empty() ? "embedded default" : config_path);
   for (const auto& pool : (*server)->pools()) {
     const PoolSnapshot p = pool->Snapshot();
@@ -85,12 +156,37 @@ int RunServer() {
                  fixed, p.num_layers);
   }
   spdlog::info("listening on {}", (*server)->bound_address());
+  // ---- operations: the one start-up summary line ----
+  {
+    std::string pools;
+    uint64_t total_bytes = 0;
+    for (const auto& pool : (*server)->pools()) {
+      const PoolSnapshot p = pool->Snapshot();
+      absl::StrAppend(&pools, pools.empty() ? "" : ", ", p.name, "@", p.device, " ", p.pages_total, "x", p.page_size,
+                      "x", p.num_layers, "L ", HumanBytes(p.cache_bytes));
+      total_bytes += p.cache_bytes;
+    }
+    spdlog::info("mlakv-server {} ready: grpc {} ({}), metrics {}, health probe {}, pools [{}], cache {} ({} bytes)",
+                 MLAKV_VERSION, (*server)->bound_address(), DescribeSecurity(security),
+                 metrics_http ? absl::StrCat("port ", metrics_http->port()) : std::string("off"),
+                 health_probe ? absl::StrCat("port ", health_probe->port()) : std::string("off"), pools,
+                 HumanBytes(total_bytes), total_bytes);
+  }
+  // ---- end operations ----
   spdlog::default_logger()->flush();
 
   int signal = 0;
   sigwait(&stop, &signal);
   spdlog::info("received {}", signal == SIGTERM ? "SIGTERM" : "SIGINT");
-  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+  // ---- operations: probes and metrics see the drain ----
+  (*metrics)->SetDraining(true);
+  if (health_probe) health_probe->SetServing(false);
+  // ---- end operations ----
+  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s)));
+  // ---- operations: stop the side servers before the pools they read go away ----
+  metrics_http.reset();
+  health_probe.reset();
+  // ---- end operations ----
   server->reset();
   spdlog::info("stopped");
   return 0;

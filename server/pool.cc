@@ -87,6 +87,7 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(const Options& options) {
   if (!backend.ok()) {
     return absl::Status(backend.status().code(), absl::StrCat(where, backend.status().message()));
   }
+  if (options.wrap_backend) *backend = options.wrap_backend(std::move(*backend));  // operations: metrics
   std::string device = (*backend)->device();
   return std::unique_ptr<Pool>(new Pool(options, std::move(device), std::move(*backend), std::move(*allocator)));
 }

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -116,6 +117,9 @@ class Pool {
       float kpe_scale = 0.0f;
     };
     std::vector<std::optional<Scales>> layer_scales;
+    // ---- operations: wraps the backend once created (metrics' kernel timing,
+    // InstrumentedBackend); null leaves it as is.
+    std::function<std::unique_ptr<CacheBackend>(std::unique_ptr<CacheBackend>)> wrap_backend;
   };
 
   // Allocates the caches on the device (zeroed).

@@ -78,7 +78,7 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(const std::
   ASSIGN_OR_RETURN_METRIC(m->kernel_latency_,
                           r.AddHistogram("mlakv_kernel_latency_seconds", "Backend quantize-append call time, seconds.",
                                          {"pool", "device"}, kLatencyBuckets));
-  ASSIGN_OR_RETURN_METRIC(m->pages_total_, r.AddGauge("mlakv_pool_pages_total", "Pages in the pool.", {"pool", "device"}));
+  ASSIGN_OR_RETURN_METRIC(m->pages_total_, r.AddGauge("mlakv_pool_pages_capacity", "Pages in the pool (used + free).", {"pool", "device"}));
   ASSIGN_OR_RETURN_METRIC(m->pages_used_,
                           r.AddGauge("mlakv_pool_pages_used", "Pages owned by sequences.", {"pool", "device"}));
   ASSIGN_OR_RETURN_METRIC(m->pages_free_, r.AddGauge("mlakv_pool_pages_free", "Pages free.", {"pool", "device"}));

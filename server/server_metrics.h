@@ -11,7 +11,7 @@
 //   mlakv_kernel_seconds_total{pool,device}            counter: time in the backend's quantize-append
 //   mlakv_kernel_calls_total{pool,device}              counter
 //   mlakv_kernel_latency_seconds{pool,device}          histogram
-//   mlakv_pool_pages_total/_used/_free{pool,device}    gauges, read at scrape time
+//   mlakv_pool_pages_capacity/_used/_free{pool,device} gauges, read at scrape time
 //   mlakv_pool_sequences{pool}, mlakv_pool_cache_bytes{pool,device}
 //   mlakv_ipc_regions                                  gauge (0 while IPC does not exist)
 //   mlakv_auth_failures_total{reason}                  counter: calls refused before the service

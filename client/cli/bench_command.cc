@@ -130,10 +130,9 @@ int RunBench(const std::vector<std::string>& args) {
   if (!args.empty()) return UsageError(kUsage, "mlakv bench takes no positional arguments");
   absl::StatusOr<LoadOptions> options = OptionsFromFlags();
   if (!options.ok()) return UsageError(kUsage, absl::StrCat("mlakv bench: ", options.status().message()));
-  KvCacheClient::Options client_options;
-  client_options.target = absl::GetFlag(FLAGS_server);
-  client_options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
-  absl::StatusOr<std::unique_ptr<LoadGenerator>> generator = LoadGenerator::Create(client_options, *options);
+  absl::StatusOr<KvCacheClient::Options> client_options = ClientOptionsFromFlags();
+  if (!client_options.ok()) return Fail("bench", client_options.status());
+  absl::StatusOr<std::unique_ptr<LoadGenerator>> generator = LoadGenerator::Create(*client_options, *options);
   if (!generator.ok()) return Fail("bench", generator.status());
 
   g_stop.store(false);

@@ -16,3 +16,13 @@ ABSL_FLAG(std::optional<double>, ckv_scale, std::nullopt,
           "quantize, append: global ckv decode scale (overrides the file's ckv_scale)");
 ABSL_FLAG(std::optional<double>, kpe_scale, std::nullopt,
           "quantize, append: global kpe decode scale (overrides the file's kpe_scale)");
+
+// ---- transport security (docs/deploy.md) ----
+ABSL_FLAG(std::string, tls_ca, "", "PEM file of the CA that signed the server's certificate; switches to TLS");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate, for servers that require mutual TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "name to verify the server certificate against instead of the --server host");
+ABSL_FLAG(std::string, token_file, "",
+          "file holding the bearer token the server requires (sent as 'authorization: Bearer ...'; needs --tls_ca)");
+// ---- end transport security ----

@@ -18,3 +18,9 @@ ABSL_DECLARE_FLAG(std::string, input);
 ABSL_DECLARE_FLAG(std::string, output);
 ABSL_DECLARE_FLAG(std::optional<double>, ckv_scale);
 ABSL_DECLARE_FLAG(std::optional<double>, kpe_scale);
+// Transport security (docs/deploy.md).
+ABSL_DECLARE_FLAG(std::string, tls_ca);
+ABSL_DECLARE_FLAG(std::string, tls_cert);
+ABSL_DECLARE_FLAG(std::string, tls_key);
+ABSL_DECLARE_FLAG(std::string, tls_server_name);
+ABSL_DECLARE_FLAG(std::string, token_file);

@@ -1,8 +1,10 @@
 #include "client/cli/command_support.h"
 
 #include <cstdio>
+#include <fstream>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/cli/cli_flags.h"
@@ -10,11 +12,30 @@
 
 namespace mlakv::cli {
 
-absl::StatusOr<std::unique_ptr<KvCacheClient>> ConnectFromFlags() {
+absl::StatusOr<KvCacheClient::Options> ClientOptionsFromFlags() {
   KvCacheClient::Options options;
   options.target = absl::GetFlag(FLAGS_server);
   options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
-  return KvCacheClient::Create(options);
+  // ---- transport security ----
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    std::ifstream in(path);
+    std::string token;
+    if (!in || !std::getline(in, token)) return absl::NotFoundError(absl::StrCat("--token_file ", path, ": cannot read"));
+    options.token = std::string(absl::StripAsciiWhitespace(token));
+    if (options.token.empty()) return absl::InvalidArgumentError(absl::StrCat("--token_file ", path, ": empty token"));
+  }
+  // ---- end transport security ----
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<KvCacheClient>> ConnectFromFlags() {
+  absl::StatusOr<KvCacheClient::Options> options = ClientOptionsFromFlags();
+  if (!options.ok()) return options.status();
+  return KvCacheClient::Create(*options);
 }
 
 int Fail(std::string_view command, const absl::Status& status) {

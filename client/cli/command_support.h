@@ -20,7 +20,10 @@ constexpr int kExitOk = 0;
 constexpr int kExitFailed = 1;
 constexpr int kExitUsage = 2;
 
-// A client for --server with the deadline --timeout_s.
+// Client options from --server, --timeout_s and the TLS/token flags
+// (--tls_ca, --tls_cert, --tls_key, --tls_server_name, --token_file).
+absl::StatusOr<KvCacheClient::Options> ClientOptionsFromFlags();
+// A client for ClientOptionsFromFlags().
 absl::StatusOr<std::unique_ptr<KvCacheClient>> ConnectFromFlags();
 
 // Prints "mlakv COMMAND: CODE_NAME: message" to stderr; returns kExitFailed.

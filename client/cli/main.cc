@@ -47,7 +47,8 @@ const std::map<std::string, Command>& Commands() {
 std::string Usage() {
   std::string text = "usage: mlakv COMMAND [flags]\n\ncommands:\n";
   for (const auto& [name, cmd] : Commands()) text += "  " + name + " " + cmd.help + "\n";
-  text += "\nServer commands take --server ADDR (default 127.0.0.1:50051) and --timeout_s.\n"
+  text += "\nServer commands take --server ADDR (default 127.0.0.1:50051) and --timeout_s; for a TLS server --tls_ca FILE\n"
+          "(and --tls_cert/--tls_key for mutual TLS, --tls_server_name NAME), for a token --token_file FILE.\n"
           "Exit status: 0 ok, 1 the operation failed (the server's status code and message are printed), 2 bad usage.\n"
           "mlakv --help lists every flag.";
   return text;

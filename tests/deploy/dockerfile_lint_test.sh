@@ -51,8 +51,8 @@ for f in scripts/install_deps.sh scripts/collect_runtime_libs.sh; do
   [ -x "$root/$f" ] || bad "$f missing or not executable"
 done
 # The targets the build stage names exist in the CMake build.
-grep -rqE 'add_executable\(mlakv-server[ )]' "$root/server" 2>/dev/null || bad "no add_executable(mlakv-server) under server/"
-grep -rqE 'add_executable\(mlakv[ )]' "$root/client" || bad "no add_executable(mlakv) under client/"
+grep -rqE 'add_executable\(mlakv-server( |\)|$)' "$root/server" 2>/dev/null || bad "no add_executable(mlakv-server) under server/"
+grep -rqE 'add_executable\(mlakv( |\)|$)' "$root/client" || bad "no add_executable(mlakv) under client/"
 # .dockerignore keeps build trees and tool dirs out of the context.
 for p in .git .tools build 'build-\*'; do
   grep -qx "$p" "$root/.dockerignore" || bad ".dockerignore lacks $p"
