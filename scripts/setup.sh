@@ -7,23 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(
-  cmake ninja-build g++ pkg-config ccache
-  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libabsl-dev libspdlog-dev nlohmann-json3-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-grpcio python3-numpy python3-protobuf
-)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "setup: installing ${missing[*]}"
-  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+# The package list lives in scripts/install_deps.sh (also run by the
+# Dockerfile's build stage): build packages plus the tools the tests use.
+scripts/install_deps.sh
 if [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null; then
   echo "setup: nvcc not found (expected /usr/local/cuda/bin/nvcc); the CUDA code cannot be compiled" >&2
   exit 1
