@@ -696,6 +696,64 @@ TEST_F(ServiceTest, CancelledStreamOverTcpNeverCommits) {
   EXPECT_EQ(resp.sequence().length(), 40u);
 }
 
+// SIGTERM's path: new calls are refused, an Append in flight may finish and
+// commits.
+TEST_F(ServiceTest, ShutdownLetsAnInFlightAppendFinish) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 64", "", "127.0.0.1:0");
+  auto tcp = v1::KvCache::NewStub(grpc::CreateChannel(server().bound_address(), grpc::InsecureChannelCredentials()));
+  const Rows rows = RandomRows(40, 61);
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  auto writer = tcp->Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(AppendMessage("inflight", 0, rows, 0, 20, {0, 1}, kCkvScale, kKpeScale)));
+  for (int i = 0; i < 1000 && pool().Snapshot().pages_used < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::thread stopper([this] { server().Shutdown(absl::Seconds(20)); });
+  // New calls are refused while the stream is open.
+  bool refused = false;
+  for (int i = 0; i < 2000 && !refused; ++i) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::Pool p;
+    const grpc::Status s = tcp->GetPool(&c, v1::GetPoolRequest(), &p);
+    refused = s.error_code() == grpc::StatusCode::UNAVAILABLE;
+    if (!refused) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(refused) << "a call made while draining must get UNAVAILABLE";
+  ASSERT_TRUE(writer->Write(AppendMessage("", 20, rows, 20, 20, {0, 1})));
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  stopper.join();
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  absl::StatusOr<SequenceSnapshot> seq = pool().GetSequence("inflight");
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  EXPECT_EQ(seq->length, 40u);
+}
+
+// ... and one that outlives the grace period is cancelled and rolled back.
+TEST_F(ServiceTest, ShutdownRollsBackAnAppendPastTheGrace) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 64", "", "127.0.0.1:0");
+  auto tcp = v1::KvCache::NewStub(grpc::CreateChannel(server().bound_address(), grpc::InsecureChannelCredentials()));
+  const Rows rows = RandomRows(40, 62);
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  auto writer = tcp->Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(AppendMessage("stuck", 0, rows, 0, 20, {0, 1}, kCkvScale, kKpeScale)));
+  for (int i = 0; i < 1000 && pool().Snapshot().pages_used < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(pool().Snapshot().pages_used, 2);
+  server().Shutdown(absl::Milliseconds(300));  // returns once every call is done
+  const grpc::Status s = writer->Finish();
+  EXPECT_FALSE(s.ok());
+  for (int i = 0; i < 1000 && pool().worker().pending() != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(pool().Snapshot().pages_used, 0);
+  EXPECT_EQ(pool().GetSequence("stuck").status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(ServiceTest, AppendBatchIsAtomic) {
   MustAppend("a", 0, RandomRows(5, 51), {0});
   const QuantizedRows before = Read("a", 0, 0, 5).rows;
