@@ -1,0 +1,53 @@
+// `mlakv bench`, bounded by request count, against a real server: it must
+// finish with zero errors, report what it sent, and free what it created.
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/e2e/e2e_fixture.h"
+
+namespace mlakv::e2e {
+namespace {
+
+using BenchCli = E2eTest;
+
+nlohmann::json RunBench(ServerUnderTest& server, std::vector<std::string> args) {
+  args.insert(args.begin(), "bench");
+  args.push_back("--json");
+  const CommandResult r = server.RunCli(args, absl::Seconds(120));
+  EXPECT_EQ(r.exit_code, 0) << r.Describe();
+  return nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+}
+
+TEST_F(BenchCli, AppendMixRunsCleanAndFreesItsSequences) {
+  const nlohmann::json j = RunBench(*server_, {"--concurrency", "2", "--requests", "20", "--rows_per_message", "100",
+                                               "--layers", "2", "--batch_fraction", "0.5", "--duration_s", "0"});
+  EXPECT_EQ(j["requests"], 20) << j.dump();
+  EXPECT_EQ(j["errors"], 0) << j.dump();
+  EXPECT_EQ(j["rows"], 20 * 100 * 2) << j.dump();
+  EXPECT_EQ(j["row_bytes"], 20 * 100 * 2 * 1152) << j.dump();
+  EXPECT_GT(j["latency_us"]["p50"].get<double>(), 0) << j.dump();
+  EXPECT_LE(j["latency_us"]["p99"].get<double>(), j["latency_us"]["max"].get<double>()) << j.dump();
+  EXPECT_EQ(j["sequences_freed"], 2) << j.dump();
+  EXPECT_EQ(PagesUsed(), 0u);
+  EXPECT_TRUE(client_->ListSequences("")->empty());
+}
+
+TEST_F(BenchCli, DecodeStepRunsCleanAndFreesItsSequences) {
+  const nlohmann::json j = RunBench(*server_, {"--mode", "decode", "--sequences", "64", "--layers", "2",
+                                               "--requests", "40", "--duration_s", "30", "--dtype", "f16"});
+  EXPECT_EQ(j["requests"], 40) << j.dump();
+  EXPECT_EQ(j["errors"], 0) << j.dump();
+  EXPECT_EQ(j["rows"], 40 * 64 * 2) << j.dump();
+  EXPECT_EQ(j["sequences_freed"], 64) << j.dump();
+  EXPECT_EQ(PagesUsed(), 0u);
+}
+
+TEST_F(BenchCli, DurationBoundStopsTheRun) {
+  const nlohmann::json j = RunBench(*server_, {"--duration_s", "1", "--rows_per_message", "16"});
+  EXPECT_EQ(j["errors"], 0) << j.dump();
+  EXPECT_GT(j["requests"].get<int>(), 0) << j.dump();
+  EXPECT_LT(j["seconds"].get<double>(), 10) << j.dump();
+  EXPECT_EQ(PagesUsed(), 0u);
+}
+
+}  // namespace
+}  // namespace mlakv::e2e

@@ -1,0 +1,95 @@
+#include "tests/e2e/e2e_fixture.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/tensor_view.h"
+
+namespace mlakv::e2e {
+
+std::string TestPoolsConfig(uint32_t num_layers) {
+  return absl::StrCat("pools { name: \"default\" num_layers: ", num_layers, " page_size: ", kPageSize,
+                      " num_pages: ", kPages, " }\n", "pools { name: \"", kTinyPool, "\" num_layers: 2 page_size: ",
+                      kPageSize, " num_pages: ", kTinyPages, " }\n");
+}
+
+void E2eTest::StartServer(const std::string& device, uint32_t num_layers) {
+  ServerUnderTest::Options options;
+  options.device = device;
+  options.config_text = TestPoolsConfig(num_layers);
+  absl::StatusOr<std::unique_ptr<ServerUnderTest>> server = ServerUnderTest::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  server_ = std::move(*server);
+  client_ = server_->NewClient();
+}
+
+uint32_t E2eTest::PagesUsed(const std::string& pool) {
+  absl::StatusOr<v1::Pool> info = client_->GetPool(pool);
+  EXPECT_TRUE(info.ok()) << info.status();
+  if (!info.ok()) return 0;
+  EXPECT_EQ(info->pages_free() + info->pages_used(), info->pages_total()) << info->DebugString();
+  return info->pages_used();
+}
+
+std::string RandomBf16Rows(size_t rows, size_t width, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::string bytes(rows * width * 2, '\0');
+  for (size_t i = 0; i < rows * width; ++i) {
+    const uint64_t r = rng();
+    // Sign, exponent for |x| in [2^-5, 2^3), random mantissa: never zero.
+    const uint16_t bits = static_cast<uint16_t>((r & 1) << 15 | (122 + (r >> 1) % 8) << 7 | ((r >> 8) & 0x7f));
+    bytes[2 * i] = static_cast<char>(bits & 0xff);
+    bytes[2 * i + 1] = static_cast<char>(bits >> 8);
+  }
+  return bytes;
+}
+
+TestRows TestRows::Random(uint32_t rows, uint64_t seed) {
+  return {rows, RandomBf16Rows(rows, 512, 2 * seed), RandomBf16Rows(rows, 64, 2 * seed + 1)};
+}
+
+TestRows TestRows::Slice(uint32_t first, uint32_t count) const {
+  return {count, ckv.substr(size_t{first} * 1024, size_t{count} * 1024), kpe.substr(size_t{first} * 128, size_t{count} * 128)};
+}
+
+QuantizedRows TestRows::Expected() const {
+  std::vector<uint16_t> c(ckv.size() / 2), k(kpe.size() / 2);
+  std::memcpy(c.data(), ckv.data(), ckv.size());
+  std::memcpy(k.data(), kpe.data(), kpe.size());
+  absl::StatusOr<QuantizedRows> q =
+      QuantizeRows(TensorView::Contiguous(c.data(), DType::kBFloat16, {rows, 512}),
+                   TensorView::Contiguous(k.data(), DType::kBFloat16, {rows, 64}), kCkvScale, kKpeScale,
+                   KernelDevice::kCpu);
+  EXPECT_TRUE(q.ok()) << q.status();
+  return q.ok() ? *q : QuantizedRows{};
+}
+
+QuantizedRows AsQuantized(const StoredLayer& stored) {
+  QuantizedRows q;
+  q.rows = stored.count;
+  q.ckv_packed.assign(stored.ckv_packed.begin(), stored.ckv_packed.end());
+  q.ckv_sf.assign(stored.ckv_sf.begin(), stored.ckv_sf.end());
+  q.kpe.assign(stored.kpe.begin(), stored.kpe.end());
+  return q;
+}
+
+AppendRows OneLayerAppend(const std::string& pool, const std::string& sequence, uint32_t layer, uint32_t start,
+                          const TestRows& rows) {
+  AppendRows append;
+  append.pool = pool;
+  append.sequence = sequence;
+  append.start = start;
+  append.rows = rows.rows;
+  append.dtype = v1::ROW_DTYPE_BFLOAT16;
+  append.layers.push_back(rows.ForLayer(layer));
+  return append;
+}
+
+AppendRows BothLayersAppend(const std::string& pool, const std::string& sequence, uint32_t start,
+                            const TestRows& rows) {
+  AppendRows append = OneLayerAppend(pool, sequence, 0, start, rows);
+  append.layers.push_back(rows.ForLayer(1));
+  return append;
+}
+
+}  // namespace mlakv::e2e
