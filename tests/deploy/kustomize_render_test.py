@@ -198,6 +198,29 @@ def check_server(objs, where, tls, protoc, server_flags):
             check(name in server_flags, f"{where}: mlakv-server has no flag --{name}")
 
 
+def check_ipc_example(objs, where):
+    """Producer + server in one pod on one GPU: one DRA claim named by both."""
+    kinds = sorted(o["kind"] for o in objs)
+    check(kinds == ["ConfigMap", "Deployment", "ResourceClaimTemplate", "Service", "ServiceAccount"],
+          f"{where}: kinds {kinds}")
+    deps, rcts = by_kind(objs, "Deployment"), by_kind(objs, "ResourceClaimTemplate")
+    if not deps or not rcts:
+        return
+    pod = deps[0]["spec"]["template"]["spec"]
+    claims = {c["name"]: c.get("resourceClaimTemplateName") for c in pod.get("resourceClaims", [])}
+    check(claims == {"gpu": rcts[0]["metadata"]["name"]}, f"{where}: pod resourceClaims {claims}")
+    names = [c["name"] for c in pod["containers"]]
+    check(names == ["mlakv", "producer"], f"{where}: containers {names}")
+    for c in pod["containers"]:
+        res = c.get("resources", {})
+        check([x["name"] for x in res.get("claims", [])] == ["gpu"], f"{where}: {c['name']} does not name claim gpu")
+        for part in ("limits", "requests"):
+            check("nvidia.com/gpu" not in res.get(part, {}),
+                  f"{where}: {c['name']} {part} nvidia.com/gpu (would be a second, different GPU)")
+    check(pod.get("shareProcessNamespace") is True, f"{where}: shareProcessNamespace not true")
+    check(pod.get("hostIPC") is not True, f"{where}: hostIPC (not needed inside one pod)")
+
+
 def check_monitoring(objs, base):
     kinds = sorted(o["kind"] for o in objs)
     check(kinds == ["PrometheusRule", "ServiceMonitor"], f"monitoring: kinds {kinds}")
@@ -247,7 +270,7 @@ def main():
         rel = os.path.relpath(d, ROOT)
         rendered[rel] = render(d)
         print(f"rendered {rel}: {', '.join(o['kind'] + '/' + o['metadata']['name'] for o in rendered[rel])}")
-    expected = {"deploy/base", "deploy/overlays/tls", "deploy/monitoring"}
+    expected = {"deploy/base", "deploy/overlays/tls", "deploy/monitoring", "deploy/examples/ipc-pod"}
     check(expected <= set(rendered), f"missing kustomizations: {expected - set(rendered)}")
     for rel, objs in rendered.items():
         if rel == "deploy/base":
@@ -257,8 +280,8 @@ def main():
         elif rel == "deploy/monitoring":
             if rendered.get("deploy/base"):
                 check_monitoring(objs, rendered["deploy/base"])
-        elif rel.startswith("deploy/examples/"):
-            check(len(objs) > 0, f"{rel}: renders nothing")
+        elif rel == "deploy/examples/ipc-pod":
+            check_ipc_example(objs, rel)
         else:
             failures.append(f"{rel}: a kustomization this test does not know how to check")
     for f in failures:
