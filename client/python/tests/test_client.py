@@ -2,7 +2,7 @@
 
 Run by ctest (python_client) with /usr/bin/python3 and the environment
 MLAKV_SERVER (server binary), MLAKV_PY_GEN (generated stubs),
-MLAKV_VECTORS_DIR (../shared/vectors), PYTHONPATH=client/python.
+MLAKV_VECTORS_DIR_DEFAULT (../shared/vectors; MLAKV_VECTORS_DIR wins), PYTHONPATH=client/python.
 """
 
 import glob
@@ -16,9 +16,9 @@ import mlakv
 from mlakv import safetensors
 from server_process import ServerProcess
 
-VECTORS_DIR = os.environ.get(
-    "MLAKV_VECTORS_DIR",
-    os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "vectors"))
+# ../shared/vectors beside the project; MLAKV_VECTORS_DIR in the environment wins (as for the C++ tests).
+VECTORS_DIR = (os.environ.get("MLAKV_VECTORS_DIR") or os.environ.get("MLAKV_VECTORS_DIR_DEFAULT")
+               or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "..", "shared", "vectors"))
 CALL_TIMEOUT_S = 60.0
 
 
