@@ -8,6 +8,7 @@
 // and the helpers below pin each rounding explicitly on the device.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -211,7 +212,7 @@ MLAKV_HD float E4M3ToFloat(uint8_t b) {
 // and the ulps of C in the sum are the code minus 2k.
 MLAKV_HD uint8_t FloatToE2M1(float v) {
   const uint32_t u = FloatBits(v);
-  const float m = Saturate(MulRn(BitsToFloat(u & 0x7FFFFFFFu), 0.125f));
+  const float m = Saturate(MulRn(fabsf(v), 0.125f));
   constexpr uint32_t kLo = 0x3E000000u;      // 2^-3: binade of [0, 2) / 8, step 0.5 / 8
   constexpr uint32_t kHi = 0x3F000000u;      // 2^-1: binade of [4, 8] / 8, step 2 / 8
   constexpr uint32_t kShift = 22u << 23;     // times 2^22: C's ulp is the step
@@ -278,7 +279,7 @@ MLAKV_HD uint8_t CkvBlockScale(float amax, const ScaleConstants& k, float* out_s
 
 // Step 1: max |x| with NaN ignored (fmaxf: the accumulator is never NaN).
 MLAKV_HD float AbsMaxAccumulate(float acc, float x) {
-  return MaxDroppingNan(BitsToFloat(FloatBits(x) & 0x7FFFFFFFu), acc);
+  return MaxDroppingNan(fabsf(x), acc);
 }
 
 // Step 5 for a pair of channels (2k, 2k+1) -> byte k: even channel in the low nibble.

@@ -11,10 +11,11 @@
 //   step 3  lane j stores 8 packed bytes at ckv_cache[entry, 8j..8j+7], its
 //           scale byte at ckv_sf_cache[entry, j] and 2 kpe bytes at
 //           kpe_cache[entry, 2j..2j+1]: per warp, 256 + 32 + 64 contiguous bytes.
-// A warp handles kRowsPerWarp rows per iteration of a grid-stride loop, issuing
-// all their loads before the first use so that enough bytes are in flight.
-// The row's placement (batch -> indptr -> kv_indices) is a chain of three
-// dependent loads; it is issued after the row's own loads so both overlap.
+// A warp handles kRowsPerWarp rows per iteration of a grid-stride loop:
+// lane r follows row r's placement (batch -> kv_indptr -> kv_indices, three
+// dependent loads) so one lookup pass serves all the rows, and the entries are
+// broadcast with shuffles. Rows go two at a time, both loaded before use; the
+// first pair's loads are issued before the lookup so that the two overlap.
 #include <cuda_runtime.h>
 
 #include "kernels/cuda_check.h"
@@ -110,6 +111,7 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
 template <DType kDType, bool kVectorized, int kRowsPerWarp>
 __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock)
     QuantizeAppendKernel(const QuantizeAppendParams p) {
+  static_assert(kRowsPerWarp >= 1 && kRowsPerWarp <= kWarpSize, "lane r looks up row r's entry");
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
@@ -121,25 +123,31 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock)
   __syncthreads();
 
   for (int64_t first = warp * kRowsPerWarp; first < p.num_rows; first += num_warps * kRowsPerWarp) {
-    LaneRow rows[kRowsPerWarp];
-    int64_t entries[kRowsPerWarp];
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      if (first + r < p.num_rows) LoadLaneRow<kVectorized>(p, first + r, lane, rows[r]);
+    const int rows = static_cast<int>(p.num_rows - first < kRowsPerWarp ? p.num_rows - first : kRowsPerWarp);
+    // Rows are taken two at a time, both loaded before either is used. The
+    // first pair's loads go out before the placement lookup, so they overlap.
+    LaneRow pair[2];
+    LoadLaneRow<kVectorized>(p, first, lane, pair[0]);
+    if (rows > 1) LoadLaneRow<kVectorized>(p, first + 1, lane, pair[1]);
+    // Placement of all the warp's rows at once: lane r follows row r's chain
+    // of three dependent loads (batch -> kv_indptr -> kv_indices).
+    int64_t my_entry = -2;
+    if (lane < rows) my_entry = CacheEntryOfRow(p, __ldg(p.batch_indices + first + lane), __ldg(p.positions + first + lane));
+    const unsigned skipped = __ballot_sync(0xFFFFFFFFu, my_entry == -1);
+    if (skipped != 0 && lane == 0 && p.skipped_rows != nullptr) {
+      atomicAdd(p.skipped_rows, static_cast<unsigned>(__popc(skipped)));  // never written (SPEC "Bounds")
     }
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      entries[r] = first + r < p.num_rows
-                       ? CacheEntryOfRow(p, __ldg(p.batch_indices + first + r), __ldg(p.positions + first + r))
-                       : -2;
-    }
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      if (entries[r] >= 0) {
-        QuantizeAndStore<kDType>(p, k, out_scale_of, entries[r], lane, rows[r]);
-      } else if (entries[r] == -1 && lane == 0 && p.skipped_rows != nullptr) {
-        atomicAdd(p.skipped_rows, 1u);  // out of bounds: skipped, never written (SPEC "Bounds")
+    for (int r = 0; r < kRowsPerWarp; r += 2) {
+      if (r >= rows) break;
+      if (r > 0) {
+        LoadLaneRow<kVectorized>(p, first + r, lane, pair[0]);
+        if (r + 1 < rows) LoadLaneRow<kVectorized>(p, first + r + 1, lane, pair[1]);
       }
+      const int64_t e0 = __shfl_sync(0xFFFFFFFFu, my_entry, r);
+      const int64_t e1 = __shfl_sync(0xFFFFFFFFu, my_entry, (r + 1) % kWarpSize);
+      if (e0 >= 0) QuantizeAndStore<kDType>(p, k, out_scale_of, e0, lane, pair[0]);
+      if (r + 1 < rows && e1 >= 0) QuantizeAndStore<kDType>(p, k, out_scale_of, e1, lane, pair[1]);
     }
   }
 }
@@ -165,7 +173,9 @@ cudaError_t LaunchRows(const QuantizeAppendParams& p, const QuantizeAppendConfig
   switch (config.rows_per_warp) {
     case 1: return Launch<kDType, kVectorized, 1>(p, config, stream);
     case 2: return Launch<kDType, kVectorized, 2>(p, config, stream);
-    default: return Launch<kDType, kVectorized, 4>(p, config, stream);
+    case 4: return Launch<kDType, kVectorized, 4>(p, config, stream);
+    case 8: return Launch<kDType, kVectorized, 8>(p, config, stream);
+    default: return Launch<kDType, kVectorized, 16>(p, config, stream);
   }
 }
 
@@ -173,7 +183,9 @@ cudaError_t LaunchRows(const QuantizeAppendParams& p, const QuantizeAppendConfig
 
 QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
   QuantizeAppendConfig c;
-  c.rows_per_warp = num_rows >= 65536 ? 2 : 1;
+  // Few rows: one per warp, for the most warps in flight. Many rows: one
+  // placement lookup serves 8 rows (lanes 0..7 run the chains side by side).
+  c.rows_per_warp = num_rows >= 16384 ? 8 : 1;
   return c;
 }
 
@@ -189,7 +201,8 @@ absl::Status QuantizeAppendWithConfig(const QuantizeAppendParams& p, const Quant
     return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: rows must be float16 or bfloat16, got ",
                                                    DTypeName(p.dtype)));
   }
-  if ((config.rows_per_warp != 1 && config.rows_per_warp != 2 && config.rows_per_warp != 4) ||
+  const int rpw = config.rows_per_warp;
+  if ((rpw != 1 && rpw != 2 && rpw != 4 && rpw != 8 && rpw != 16) ||
       config.warps_per_block < 1 || config.warps_per_block > kMaxWarpsPerBlock || config.blocks_per_sm < 1) {
     return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: unsupported config rows_per_warp=",
                                                    config.rows_per_warp, " warps_per_block=", config.warps_per_block,
