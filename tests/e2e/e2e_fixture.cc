@@ -1,9 +1,11 @@
 #include "tests/e2e/e2e_fixture.h"
 
+#include <cstdlib>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/tensor_view.h"
+#include "tests/testing/vector_files.h"
 
 namespace mlakv::e2e {
 
@@ -11,6 +13,18 @@ std::string TestPoolsConfig(uint32_t num_layers) {
   return absl::StrCat("pools { name: \"default\" num_layers: ", num_layers, " page_size: ", kPageSize,
                       " num_pages: ", kPages, " }\n", "pools { name: \"", kTinyPool, "\" num_layers: 2 page_size: ",
                       kPageSize, " num_pages: ", kTinyPages, " }\n");
+}
+
+std::string SuiteDevice() {
+  const char* device = std::getenv("MLAKV_E2E_DEVICE");
+  return device != nullptr && *device != '\0' ? device : "cpu";
+}
+
+void E2eTest::SetUp() {
+  if (SuiteDevice() != "cpu" && !testing::HaveCuda()) {
+    GTEST_SKIP() << "no CUDA device visible; MLAKV_E2E_DEVICE=" << SuiteDevice() << " needs one";
+  }
+  StartServer(SuiteDevice());
 }
 
 void E2eTest::StartServer(const std::string& device, uint32_t num_layers) {

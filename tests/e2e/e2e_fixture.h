@@ -22,12 +22,16 @@ inline constexpr uint32_t kTinyPages = 4;
 inline constexpr float kCkvScale = 8.0f / (6.0f * 448.0f);
 inline constexpr float kKpeScale = 8.0f / 448.0f;
 
+// The server's --device for the suite: $MLAKV_E2E_DEVICE, else "cpu".
+std::string SuiteDevice();
+
 // The config above, with `num_layers` layers in the default pool.
 std::string TestPoolsConfig(uint32_t num_layers = kLayers);
 
 class E2eTest : public ::testing::Test {
  protected:
-  void SetUp() override { StartServer("cpu"); }
+  // Starts the server on SuiteDevice(); skips when that is a GPU and none is visible.
+  void SetUp() override;
   void StartServer(const std::string& device, uint32_t num_layers = kLayers);
 
   // Pool occupancy: checks free + used == total and returns used.
