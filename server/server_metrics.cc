@@ -152,14 +152,4 @@ void ServerMetrics::AuthFailed(const std::string& reason) { auth_failures_->Add(
 
 void ServerMetrics::SetDraining(bool draining) { draining_->Set({}, draining ? 1 : 0); }
 
-double ServerMetrics::Counter(const std::string& name, const LabelValues& labels) const {
-  if (name == "mlakv_rpcs_total") return rpcs_->Value(labels);
-  if (name == "mlakv_rpc_errors_total") return rpc_errors_->Value(labels);
-  if (name == "mlakv_appended_rows_total") return rows_->Value(labels);
-  if (name == "mlakv_appended_bytes_total") return bytes_->Value(labels);
-  if (name == "mlakv_kernel_calls_total") return kernel_calls_->Value(labels);
-  if (name == "mlakv_auth_failures_total") return auth_failures_->Value(labels);
-  return -1;
-}
-
 }  // namespace mlakv::server

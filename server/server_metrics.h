@@ -64,8 +64,6 @@ class ServerMetrics {
   void AuthFailed(const std::string& reason);
   void SetDraining(bool draining);
 
-  // For tests.
-  double Counter(const std::string& name, const LabelValues& labels) const;
 
  private:
   ServerMetrics() = default;
