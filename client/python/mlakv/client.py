@@ -69,11 +69,12 @@ class Client:
     call. timeout: deadline of every call in seconds (None: no deadline).
     credentials: grpc.ChannelCredentials for TLS (None: plaintext).
     chunk_bytes: target bytes per Append message (default 4 MB).
+    options: extra gRPC channel arguments, e.g. [("grpc.keepalive_time_ms", 30000)].
     """
 
     def __init__(self, target, *, token=None, timeout=None, credentials=None,
-                 chunk_bytes=DEFAULT_CHUNK_BYTES):
-        options = [("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES)]
+                 chunk_bytes=DEFAULT_CHUNK_BYTES, options=()):
+        options = [("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES)] + list(options)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
@@ -111,14 +112,18 @@ class Client:
         return _health_status(self._call(self._health, _health_request(service)))
 
     def wait_ready(self, timeout=30.0):
-        """Waits until the server answers SERVING; raises Error(DEADLINE_EXCEEDED) otherwise."""
+        """Waits until the server answers SERVING; raises Error(DEADLINE_EXCEEDED) otherwise.
+
+        Calls wait for the connection (wait_for_ready), so a server that is
+        still starting is retried at gRPC's reconnect backoff (1 s, 1.6 s, ...).
+        """
         deadline = time.monotonic() + timeout
         last = "no answer"
         while True:
             left = deadline - time.monotonic()
             try:
                 status = _health_status(self._health(_health_request(""), timeout=max(0.1, min(left, 2.0)),
-                                                     metadata=self._metadata))
+                                                     metadata=self._metadata, wait_for_ready=True))
                 if status == "SERVING":
                     return
                 last = "health status " + status

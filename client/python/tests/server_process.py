@@ -29,7 +29,7 @@ def _free_port():
 
 
 class ServerProcess:
-    def __init__(self, *extra_args, binary=None, device="cpu"):
+    def __init__(self, *extra_args, binary=None, device="cpu", credentials=None):
         self.binary = binary or os.environ.get("MLAKV_SERVER")
         if not self.binary:
             raise RuntimeError("MLAKV_SERVER is not set (path of the mlakv-server binary)")
@@ -37,6 +37,7 @@ class ServerProcess:
             raise RuntimeError("MLAKV_SERVER=%s is not an executable (build target mlakv-server)" % self.binary)
         self.args = list(extra_args)
         self.device = device
+        self.credentials = credentials  # grpc.ChannelCredentials when the server serves TLS
         self.proc = None
         self.port = None
         self.log = None
@@ -64,19 +65,24 @@ class ServerProcess:
                 return self
             last = self.log_text()
             self.stop()
+            os.unlink(self.log.name)
+            self.log = None
         raise RuntimeError("mlakv-server did not become SERVING; last log:\n" + last[-4000:])
 
     def _wait_serving(self):
+        # A fresh channel per try: one channel that failed to connect would
+        # wait out gRPC's reconnect backoff (1 s, 1.6 s, 2.6 s, ...) between tries.
         deadline = time.monotonic() + START_TIMEOUT_S
-        with mlakv.Client(self.target) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    return False
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            with mlakv.Client(self.target, credentials=self.credentials, timeout=1.0) as client:
                 try:
-                    client.wait_ready(timeout=0.5)
-                    return True
+                    if client.health() == "SERVING":
+                        return True
                 except mlakv.Error:
                     pass
+            time.sleep(0.05)
         return False
 
     def stop(self):

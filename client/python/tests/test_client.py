@@ -451,6 +451,59 @@ class SmallPoolTest(ServerTestCase):
         self.assertEqual(self.client.pool().pages_free, 64)
 
 
+class TlsTokenTest(unittest.TestCase):
+    """TLS with a bearer token: Client(token=..., credentials=...) is accepted, a missing
+    or wrong token is UNAUTHENTICATED, and health stays open (as kubelet probes need)."""
+
+    TOKEN = "s3cret-token-for-tests"
+
+    @classmethod
+    def setUpClass(cls):
+        import shutil
+        import subprocess
+        import tempfile
+        if not shutil.which("openssl"):
+            raise unittest.SkipTest("openssl not installed (it makes the test certificate)")
+        cls.dir = tempfile.mkdtemp(prefix="mlakv-tls-")
+        cls.cert, key = os.path.join(cls.dir, "cert.pem"), os.path.join(cls.dir, "key.pem")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", key, "-out", cls.cert], check=True, capture_output=True, timeout=60)
+        token_file = os.path.join(cls.dir, "token")
+        with open(token_file, "w") as f:
+            f.write(cls.TOKEN + "\n")
+        with open(cls.cert, "rb") as f:
+            cls.creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+        cls.server = ServerProcess("--tls_cert", cls.cert, "--tls_key", key, "--auth_token_file", token_file,
+                                   credentials=cls.creds)
+        cls.server.start()
+
+    @classmethod
+    def tearDownClass(cls):
+        import shutil
+        cls.server.stop()
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def client(self, token):
+        return mlakv.Client(self.server.target, token=token, credentials=self.creds, timeout=CALL_TIMEOUT_S)
+
+    def test_token_accepted(self):
+        rng = np.random.default_rng(13)
+        ckv, kpe = random_rows(rng, 3)
+        with self.client(self.TOKEN) as c:
+            self.assertEqual(c.append("tls", 0, ckv, kpe, ckv_scale=0.01, kpe_scale=0.05).rows_written, 3)
+            self.assertEqual(c.export("tls", 0)["kpe"].shape, (3, 64))
+            self.assertEqual(c.free("tls"), 1)
+
+    def test_missing_or_wrong_token_unauthenticated(self):
+        for token in (None, "wrong"):
+            with self.subTest(token=token), self.client(token) as c:
+                with self.assertRaises(mlakv.Error) as ctx:
+                    c.pools()
+                self.assertEqual(ctx.exception.code, grpc.StatusCode.UNAUTHENTICATED, str(ctx.exception))
+                self.assertEqual(c.health(), "SERVING")
+
+
 class OptionalDtypesTest(ServerTestCase):
     def test_torch_tensors(self):
         try:
