@@ -30,7 +30,7 @@ struct LoadOptions {
   enum class Mode { kAppend, kDecode };
   Mode mode = Mode::kAppend;
   int concurrency = 1;             // workers, one connection each
-  uint32_t rows_per_message = 3640;  // append: rows per request per layer (3640 x 1152 B ~ 4 MiB)
+  uint32_t rows_per_message = 3584;  // append: rows per request per layer (3584 x 1152 B = 3.94 MiB: one message)
   double batch_fraction = 0;       // append: share of requests sent as AppendBatch, [0, 1]
   uint32_t sequences = 256;        // decode: sequences per AppendBatch (per worker)
   uint32_t layers = 1;             // layers 0..layers-1 written by every request

@@ -20,7 +20,8 @@ ABSL_FLAG(std::string, mode, "append",
           "bench: append (rows_per_message rows x layers per request to one sequence per worker) or decode "
           "(AppendBatch of --sequences sequences x 1 token x --layers layers per request)");
 ABSL_FLAG(int32_t, concurrency, 1, "bench: concurrent workers, each with its own connection");
-ABSL_FLAG(int32_t, rows_per_message, 3640, "bench append: rows per request per layer (3640 bf16 rows ~ 4 MiB)");
+ABSL_FLAG(int32_t, rows_per_message, 3584,
+          "bench append: rows per request per layer (3584 bf16 rows x 1 layer = 3.94 MiB, one Append message)");
 ABSL_FLAG(double, batch_fraction, 0, "bench append: share of requests sent as AppendBatch instead of Append, [0, 1]");
 ABSL_FLAG(double, duration_s, 10, "bench: stop after this many seconds (0: only --requests bounds the run)");
 ABSL_FLAG(int64_t, requests, 0, "bench: stop after this many requests in all (0: only --duration_s bounds the run)");
