@@ -3,7 +3,8 @@
 # mlakv-server on a loopback port, without any .proto file: lists services and
 # methods, describes a service and a message, calls GetPool with a JSON body,
 # streams an Append (two JSON messages, rows as base64 bytes), reads the stored
-# bytes back (server stream), checks an error status, and Health/Check -> SERVING.
+# bytes back (server stream), checks an error status, Health/Check -> SERVING, and
+# over TLS with a bearer token (accepted; a wrong one is UNAUTHENTICATED).
 # Every step asserts on buf's output. buf is installed by scripts/install_buf.sh;
 # if it cannot be installed the test FAILS.
 #
@@ -172,4 +173,37 @@ bufc -d '{}' "$url/grpc.health.v1.Health/Check"
 expect_json 'j["status"] == "SERVING"'
 
 stop_server
+
+echo "== 10. TLS + bearer token: the token must reach the reflection calls too (--reflect-header)"
+if ! command -v openssl >/dev/null; then fail "openssl not found (Debian: openssl; scripts/install_deps.sh installs it)"; fi
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 -subj /CN=127.0.0.1 \
+  -addext subjectAltName=IP:127.0.0.1 -keyout "$work/key.pem" -out "$work/cert.pem" 2>/dev/null ||
+  fail "openssl could not make a test certificate"
+echo "tok-$$" >"$work/token"
+port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+"$server_bin" --listen "127.0.0.1:$port" --device cpu --tls_cert "$work/cert.pem" --tls_key "$work/key.pem" \
+  --auth_token_file "$work/token" >"$work/server.log" 2>&1 &
+pid=$!
+url="https://127.0.0.1:$port"
+tls=(--cacert "$work/cert.pem")
+for _ in $(seq 300); do
+  kill -0 "$pid" 2>/dev/null || { cat "$work/server.log" >&2; fail "TLS server exited"; }
+  timeout 5 "$buf" curl --protocol grpc "${tls[@]}" -H "authorization: Bearer tok-$$" --reflect-header '*' \
+    "$url/grpc.health.v1.Health/Check" 2>/dev/null | grep -q SERVING && break
+  sleep 0.1
+done
+bufc "${tls[@]}" -H "authorization: Bearer tok-$$" --reflect-header '*' --list-services "$url"
+expect_text mlakv.v1.KvCache
+show_cmd "${tls[@]}" -H 'authorization: Bearer wrong' --reflect-header "authorization: Bearer tok-$$" \
+  "$url/mlakv.v1.KvCache/ListSequences"
+set +e
+timeout 60 "$buf" curl --protocol grpc "${tls[@]}" -H 'authorization: Bearer wrong' \
+  --reflect-header "authorization: Bearer tok-$$" "$url/mlakv.v1.KvCache/ListSequences" >"$work/out" 2>&1
+status=$?
+set -e
+cat "$work/out" >&2
+[ "$status" -eq 128 ] || fail "buf curl exit status $status, expected 128 (UNAUTHENTICATED << 3)"
+expect_text unauthenticated
+stop_server
+
 echo "PASS: buf curl listed, described and called mlakv.v1.KvCache and grpc.health.v1.Health via reflection"
