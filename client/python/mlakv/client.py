@@ -20,6 +20,8 @@ from mlakv.v1 import kv_cache_pb2_grpc as pb_grpc
 
 # Target size of one Append message (ckv + kpe bytes of all its layers).
 DEFAULT_CHUNK_BYTES = 4 << 20
+# Bytes of an AppendRequest besides the rows (ids, counts, per-layer tags), bounded.
+_MESSAGE_OVERHEAD = 1024
 # Largest message this client accepts (ReadSequence chunks are ~4 MB plus framing).
 _MAX_RECEIVE_BYTES = 64 << 20
 
@@ -215,7 +217,8 @@ class Client:
             ckv, kpe = ckv[None], kpe[None]
         if start is None:
             start = self._start_from(self._layer_lengths(sequence, pool), layers)
-        per_message = max(1, self.chunk_bytes // (_rows.row_bytes() * len(layers)))
+        # Rows per message so that a message, framing included, stays within chunk_bytes.
+        per_message = max(1, (self.chunk_bytes - _MESSAGE_OVERHEAD) // (_rows.row_bytes() * len(layers)))
         cs, ks = _scale(ckv_scale), _scale(kpe_scale)
 
         def messages():

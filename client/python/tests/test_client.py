@@ -246,18 +246,18 @@ class ChunkingTest(ServerTestCase):
         with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S) as c:
             sizes = self.count_messages(c)
             resp = c.append("big", 0, ckv, kpe, ckv_scale=0.01, kpe_scale=0.05)
-        per = (4 << 20) // 1152
+        per = ((4 << 20) - 1024) // 1152  # 3640 rows: 4193280 bytes of rows
         self.assertEqual(len(sizes), 3)
         self.assertEqual(self.starts, [0, per, 2 * per])
         for s in sizes:
-            self.assertLessEqual(s, (4 << 20) + 1024)
+            self.assertLessEqual(s, 4 << 20)
         self.assertEqual(resp.rows_written, n)
         self.assertEqual(resp.sequence.layer_lengths[0], n)
         a = self.client.export("big", 0)
         self.assertEqual(a["kpe"].shape, (n, 64))
         self.client.free("big")  # the default pool (256 pages of 64) holds one such sequence at a time
         # The same rows in many small messages store the same bytes.
-        with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, chunk_bytes=100 * 1152) as c:
+        with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, chunk_bytes=100 * 1152 + 1024) as c:
             sizes = self.count_messages(c)
             c.append("small-chunks", 0, ckv, kpe)
         self.assertEqual(len(sizes), 100)
@@ -440,7 +440,7 @@ class SmallPoolTest(ServerTestCase):
         self.assertIn("tiny", e.message)
         self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.sequence, "other", pool="tiny")
         # A stream whose later message overflows: the whole stream is rolled back.
-        with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, chunk_bytes=8 * 1152) as c:
+        with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, chunk_bytes=8 * 1152 + 1024) as c:
             self.assertCode(grpc.StatusCode.RESOURCE_EXHAUSTED, c.append, "fill", 0, more, more_kpe,
                             pool="tiny")
         after = self.client.pool("tiny")
