@@ -246,10 +246,6 @@ class Client:
         req = pb.AppendBatchRequest(pool=pool)
         dtype = None
         cs, ks = _scale(ckv_scale), _scale(kpe_scale)
-        missing = [it.sequence for it in items if it.start is None]
-        futures = {s: self._stub.GetSequence.future(pb.GetSequenceRequest(pool=pool, sequence=s),
-                                                     timeout=self.timeout, metadata=self._metadata)
-                   for s in dict.fromkeys(missing)}
         for it in items:
             if not it.layers:
                 raise client_error("sequence %r: no layers given" % it.sequence)
@@ -269,6 +265,15 @@ class Client:
                     raise client_error("%shas %d rows, other layers %d" % (what, n, count))
                 entry.layers.add(layer=layer, ckv=ckv.tobytes(), kpe=kpe.tobytes(), ckv_scale=cs, kpe_scale=ks)
             entry.row_count = count
+            if it.start is not None:
+                entry.start = it.start
+        req.dtype = dtype if dtype is not None else pb.ROW_DTYPE_UNSPECIFIED
+        # Starts left to the server's state: every sequence's lengths, asked concurrently.
+        missing = {it.sequence for it in items if it.start is None}
+        futures = {s: self._stub.GetSequence.future(pb.GetSequenceRequest(pool=pool, sequence=s),
+                                                     timeout=self.timeout, metadata=self._metadata)
+                   for s in sorted(missing)}
+        for it, entry in zip(items, req.sequences):
             if it.start is None:
                 try:
                     lengths = list(futures[it.sequence].result().layer_lengths)
@@ -277,9 +282,6 @@ class Client:
                         raise Error.from_rpc_error(err) from None
                     lengths = []
                 entry.start = self._start_from(lengths, it.layers.keys())
-            else:
-                entry.start = it.start
-        req.dtype = dtype if dtype is not None else pb.ROW_DTYPE_UNSPECIFIED
         return self._call(self._stub.AppendBatch, req)
 
     # -- reads ------------------------------------------------------------
