@@ -3,6 +3,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -90,11 +91,27 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
     server->bound_address_ = WithPort(options.listen, port);
   }
   server->server_->GetHealthCheckService()->SetServingStatus(true);
+  // Idle-TTL reaper: checks every quarter of the shortest TTL (0.1 s .. 1 s).
+  absl::Duration period = absl::InfiniteDuration();
+  for (const auto& pool : server->pools_) {
+    if (pool->idle_ttl() > absl::ZeroDuration()) period = std::min(period, pool->idle_ttl() / 4);
+  }
+  if (period != absl::InfiniteDuration()) {
+    period = std::clamp(period, absl::Milliseconds(100), absl::Seconds(1));
+    KvCacheServer* self = server.get();
+    server->reaper_ = std::thread([self, period] {
+      while (!self->stop_reaper_.WaitForNotificationWithTimeout(period)) {
+        for (const auto& pool : self->pools_) pool->FreeIdle(absl::Now());
+      }
+    });
+  }
   return server;
 }
 
 KvCacheServer::~KvCacheServer() {
   Shutdown(absl::Seconds(5));
+  if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
   // In this order: no call can reach the service once the grpc::Server is
   // gone, and no reactor is left to post work to a pool once the service is.
   server_.reset();

@@ -10,9 +10,11 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "mlakv/v1/config.pb.h"
 #include "server/kv_cache_service.h"
@@ -61,6 +63,9 @@ class KvCacheServer {
   std::string bound_address_;
   int bound_port_ = 0;
   bool shut_down_ = false;
+  // Frees idle sequences of pools with an idle TTL (none: not started).
+  absl::Notification stop_reaper_;
+  std::thread reaper_;
 };
 
 }  // namespace mlakv::server

@@ -462,16 +462,13 @@ class KvCacheService::ReadReactor : public grpc::ServerWriteReactor<v1::ReadSequ
       uint64_t per_message = req->tokens_per_message() != 0 ? req->tokens_per_message()
                                                             : std::max<uint64_t>(1, kTargetReadMessageBytes / per_token);
       const uint64_t cap = std::max<uint64_t>(1, (service->options_.max_message_bytes - 4096) / per_token);
-      per_message = std::min(per_message, cap);
-      for (int32_t layer : *planned) {
-        for (uint64_t s = req->start(); s < static_cast<uint64_t>(req->start()) + count; s += per_message) {
-          const uint64_t n = std::min<uint64_t>(per_message, static_cast<uint64_t>(req->start()) + count - s);
-          chunks_.push_back({layer, static_cast<uint32_t>(s), static_cast<uint32_t>(n)});
-        }
-      }
+      per_message_ = static_cast<uint32_t>(std::min(per_message, cap));
+      layers_ = std::move(*planned);
+      start_ = req->start();
+      count_ = count;
       return absl::OkStatus();
     }();
-    if (!status.ok() || chunks_.empty()) {
+    if (!status.ok() || count_ == 0 || layers_.empty()) {
       Done(status);
       return;
     }
@@ -483,7 +480,7 @@ class KvCacheService::ReadReactor : public grpc::ServerWriteReactor<v1::ReadSequ
       Done(absl::CancelledError("the client stopped reading"));
       return;
     }
-    if (next_ < chunks_.size()) {
+    if (layer_index_ < layers_.size()) {
       Next();
     } else {
       Done(absl::OkStatus());
@@ -499,9 +496,23 @@ class KvCacheService::ReadReactor : public grpc::ServerWriteReactor<v1::ReadSequ
     uint32_t count;
   };
 
+  // The next chunk: up to per_message_ tokens of the current layer; then the
+  // next layer. Advances the cursor.
+  Chunk TakeChunk() {
+    const uint32_t n = std::min(per_message_, count_ - offset_);
+    Chunk c{layers_[layer_index_], start_ + offset_, n};
+    offset_ += n;
+    if (offset_ == count_) {
+      offset_ = 0;
+      ++layer_index_;
+    }
+    ++sent_;
+    return c;
+  }
+
   void Next() {
     pool_->worker().Post([this] {
-      absl::Status status = Produce(chunks_[next_++]);
+      absl::Status status = Produce(TakeChunk());
       if (!status.ok()) {
         Done(status);
         return;
@@ -553,7 +564,8 @@ class KvCacheService::ReadReactor : public grpc::ServerWriteReactor<v1::ReadSequ
   }
 
   void Done(const absl::Status& status) {
-    LogCall("ReadSequence", absl::StrCat(detail_, " chunks=", next_, "/", chunks_.size()), status);
+    LogCall("ReadSequence", absl::StrCat(detail_, " layers=", layers_.size(), " start=", start_, " count=", count_,
+                                         " messages=", sent_), status);
     Finish(ToGrpcStatus(status));
   }
 
@@ -561,8 +573,13 @@ class KvCacheService::ReadReactor : public grpc::ServerWriteReactor<v1::ReadSequ
   std::string detail_;
   Pool* pool_ = nullptr;
   bool dequantize_ = false;
-  std::vector<Chunk> chunks_;
-  size_t next_ = 0;
+  std::vector<int32_t> layers_;  // layers to read, in order
+  uint32_t start_ = 0;           // first token
+  uint32_t count_ = 0;           // tokens per layer
+  uint32_t per_message_ = 1;     // tokens per response message
+  size_t layer_index_ = 0;       // cursor: layer being read
+  uint32_t offset_ = 0;          // cursor: tokens of it already sent
+  uint64_t sent_ = 0;            // messages produced
   v1::ReadSequenceResponse resp_;
 };
 

@@ -28,6 +28,8 @@ bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+int64_t NowNs() { return absl::ToUnixNanos(absl::Now()); }
+
 }  // namespace
 
 // ---- AppendTransaction -------------------------------------------------------
@@ -182,7 +184,7 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
             absl::StrCat(who, ": dtype is unset; set ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
       }
       const uint64_t end = static_cast<uint64_t>(r.start) + r.row_count;
-      const uint64_t needed_tokens = std::max<uint64_t>(r.layers.empty() ? 0 : end, r.reserve_tokens);
+      const uint64_t needed_tokens = std::max<uint64_t>(r.row_count == 0 || r.layers.empty() ? 0 : end, r.reserve_tokens);
       if (needed_tokens > static_cast<uint64_t>(max_tokens_)) {
         return absl::ResourceExhaustedError(absl::StrCat(
             who, " would need ", needed_tokens, " tokens but pool '", name(), "' holds at most ", max_tokens_,
@@ -395,6 +397,7 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
   }
   seq.set_busy(false);
   seq.set_committed(true);
+  seq.Touch(NowNs());
   txn.undo_.clear();
   txn.finished_ = true;
   return SnapshotOf(seq);
@@ -487,6 +490,7 @@ absl::StatusOr<SequenceSnapshot> Pool::GetSequence(const std::string& id) const 
   absl::ReaderMutexLock lock(&mu_);
   absl::StatusOr<Sequence*> seq = FindCommitted(id);
   if (!seq.ok()) return seq.status();
+  (*seq)->Touch(NowNs());
   return SnapshotOf(**seq);
 }
 
@@ -535,11 +539,32 @@ absl::StatusOr<uint32_t> Pool::FreeSequence(const std::string& id) {
     return absl::AbortedError(absl::StrCat("sequence '", id, "' of pool '", name(),
                                            "' has an append in progress; free it when the append has finished"));
   }
+  return EraseSequence(seq);
+}
+
+uint32_t Pool::EraseSequence(Sequence* seq) {
   for (int32_t l = 0; l < options_.num_layers; ++l) layers_[l].tokens -= seq->layer_length(l);
   std::vector<int32_t> cut = sequences_.DetachTail(seq, 0);
   ReleasePages(cut);
   sequences_.Erase(seq);
   return static_cast<uint32_t>(cut.size());
+}
+
+int Pool::FreeIdle(absl::Time now) {
+  if (options_.idle_ttl <= absl::ZeroDuration()) return 0;
+  const int64_t cutoff = absl::ToUnixNanos(now - options_.idle_ttl);
+  absl::MutexLock lock(&mu_);
+  std::vector<Sequence*> idle;
+  for (const Sequence* seq : sequences_.ListAfter("", std::numeric_limits<size_t>::max())) {
+    if (!seq->busy() && seq->last_used_ns() < cutoff) idle.push_back(const_cast<Sequence*>(seq));
+  }
+  for (Sequence* seq : idle) {
+    const std::string id = seq->id();
+    const uint32_t pages = EraseSequence(seq);
+    spdlog::info("pool '{}': freed sequence '{}' ({} pages), idle for more than {}", name(), id, pages,
+                 absl::FormatDuration(options_.idle_ttl));
+  }
+  return static_cast<int>(idle.size());
 }
 
 absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, uint32_t length) {
@@ -563,6 +588,7 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, u
     }
   }
   ReleasePages(sequences_.DetachTail(seq, static_cast<size_t>(CeilDiv(length, options_.page_size))));
+  seq->Touch(NowNs());
   return SnapshotOf(*seq);
 }
 
@@ -574,6 +600,7 @@ absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const std::string& id, std::
   absl::StatusOr<Sequence*> found = FindCommitted(id);
   if (!found.ok()) return found.status();
   const Sequence& seq = **found;
+  seq.Touch(NowNs());
   std::vector<int32_t> out;
   if (layers.empty()) {
     for (int32_t l = 0; l < options_.num_layers; ++l) out.push_back(l);

@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kernels/tensor_view.h"
 #include "server/append_transaction.h"
 #include "server/cache_backend.h"
@@ -117,6 +118,9 @@ class Pool {
       float kpe_scale = 0.0f;
     };
     std::vector<std::optional<Scales>> layer_scales;
+    // Sequences not used (appended, read, truncated, queried by id) for this
+    // long are freed by FreeIdle; zero keeps them until freed.
+    absl::Duration idle_ttl = absl::ZeroDuration();
     // ---- operations: wraps the backend once created (metrics' kernel timing,
     // InstrumentedBackend); null leaves it as is.
     std::function<std::unique_ptr<CacheBackend>(std::unique_ptr<CacheBackend>)> wrap_backend;
@@ -174,6 +178,12 @@ class Pool {
   absl::Status ReadRows(const std::string& id, int32_t layer, uint32_t start, uint32_t count, const EntryRows& out,
                         LayerSnapshot* layer_state) const;
 
+  // Frees every committed sequence without an append in flight that was last
+  // used before now - idle_ttl (nothing when idle_ttl is zero). Returns how
+  // many were freed. KvCacheServer calls it periodically.
+  int FreeIdle(absl::Time now);
+  absl::Duration idle_ttl() const { return options_.idle_ttl; }
+
   // Checks free + used == total and that every used page has exactly one
   // owner whose page table names it (tests call this after every step).
   absl::Status CheckInvariants() const;
@@ -197,6 +207,8 @@ class Pool {
   absl::StatusOr<Sequence*> FindCommitted(const std::string& id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int64_t EntryOf(const Sequence& seq, uint32_t position) const;
   void ReleasePages(std::span<const int32_t> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases a committed, idle sequence's pages and tokens and erases it.
+  uint32_t EraseSequence(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   const std::string device_;

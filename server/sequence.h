@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -37,6 +38,12 @@ class Sequence {
     return len <= first ? 0 : static_cast<uint32_t>(std::min<uint64_t>(len - first, page_size));
   }
 
+  // When the sequence was last appended to, read, truncated or queried by id
+  // (nanoseconds since the Unix epoch); atomic so that readers holding the
+  // pool's mutex shared may touch it.
+  int64_t last_used_ns() const { return last_used_ns_.load(std::memory_order_relaxed); }
+  void Touch(int64_t now_ns) const { last_used_ns_.store(now_ns, std::memory_order_relaxed); }
+
   // True while an append holds the sequence exclusively (see docs/server.md).
   bool busy() const { return busy_; }
   void set_busy(bool busy) { busy_ = busy; }
@@ -51,6 +58,7 @@ class Sequence {
   std::vector<uint32_t> layer_lengths_;  // [num_layers]
   bool busy_ = false;
   bool committed_ = false;
+  mutable std::atomic<int64_t> last_used_ns_{0};
 };
 
 }  // namespace mlakv::server

@@ -144,10 +144,7 @@ absl::StatusOr<std::vector<Pool::Options>> PoolOptionsFromConfig(const v1::Serve
         if (!entry) entry = *s;
       }
     }
-    if (pc.sequence_idle_ttl_seconds() != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, "sequence_idle_ttl_seconds is not supported by this server yet; remove it (sequences live until freed)"));
-    }
+    o.idle_ttl = absl::Seconds(pc.sequence_idle_ttl_seconds());
     out.push_back(std::move(o));
   }
   return out;

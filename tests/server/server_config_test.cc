@@ -50,6 +50,13 @@ TEST(ServerConfigTest, ScalesFromListAndAllLayers) {
   EXPECT_EQ(s[2]->ckv_scale, 0.5f);
 }
 
+TEST(ServerConfigTest, IdleTtl) {
+  auto pools = PoolOptionsFromConfig(Parse("pools { name: 'p' sequence_idle_ttl_seconds: 30 }"), "cpu");
+  ASSERT_TRUE(pools.ok()) << pools.status();
+  EXPECT_EQ(pools->front().idle_ttl, absl::Seconds(30));
+  EXPECT_EQ(PoolOptionsFromConfig(Parse("pools { name: 'p' }"), "cpu")->front().idle_ttl, absl::ZeroDuration());
+}
+
 TEST(ServerConfigTest, RejectionsNameTheProblem) {
   struct Case {
     const char* text;
@@ -67,7 +74,6 @@ TEST(ServerConfigTest, RejectionsNameTheProblem) {
        "listed twice"},
       {"pools { name: 'p' all_layers { ckv_scale: -1 kpe_scale: 1 } }", "all_layers"},
       {"pools { name: 'p' page_size: 65536 num_pages: 65536 }", "2^31"},
-      {"pools { name: 'p' sequence_idle_ttl_seconds: 5 }", "not supported"},
   };
   for (const Case& c : cases) {
     absl::Status s = Check(c.text);

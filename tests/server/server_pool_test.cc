@@ -11,9 +11,18 @@ namespace {
 
 constexpr float kCkv = 0.125f, kKpe = 0.5f;
 
+Pool::Options CpuOptions(int32_t layers, int32_t page_size, int32_t pages) {
+  Pool::Options o;
+  o.name = "p";
+  o.device = "cpu";
+  o.num_layers = layers;
+  o.page_size = page_size;
+  o.num_pages = pages;
+  return o;
+}
+
 std::unique_ptr<Pool> MakePool(int32_t layers = 2, int32_t page_size = 4, int32_t pages = 8) {
-  auto pool = Pool::Create({.name = "p", .device = "cpu", .num_layers = layers, .page_size = page_size,
-                            .num_pages = pages, .layer_scales = {}});
+  auto pool = Pool::Create(CpuOptions(layers, page_size, pages));
   EXPECT_TRUE(pool.ok()) << pool.status();
   return pool.ok() ? std::move(*pool) : nullptr;
 }
@@ -136,11 +145,55 @@ TEST(PoolTest, ReadRowsReturnsWhatWasStagedAndCommitted) {
             absl::StatusCode::kAborted);
 }
 
+TEST(PoolTest, MessageWithoutRowsAllocatesOnlyItsReservation) {
+  auto pool = MakePool();
+  auto txn = pool->BeginAppend("s");
+  ASSERT_TRUE(txn.ok());
+  RowBytes none(0, 7);
+  SequenceRowsIn rows = RowsFor(none, 20, 0, {0});  // start 20, no rows: no hole, no pages
+  rows.reserve_tokens = 5;
+  ASSERT_TRUE(StageOne(*pool, **txn, rows).ok());
+  EXPECT_EQ((*txn)->pages_allocated(), 2u);
+  const SequenceSnapshot s = pool->Commit(**txn);
+  EXPECT_EQ(s.capacity_tokens, 8u);
+  EXPECT_EQ(s.length, 0u);
+  EXPECT_TRUE(pool->Snapshot().layers[0].scales_set) << "named scales are taken even without rows";
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST(PoolTest, FreeIdleFreesOnlySequencesIdleLongerThanTheTtl) {
+  Pool::Options options = CpuOptions(1, 4, 8);
+  options.idle_ttl = absl::Seconds(60);
+  auto created = Pool::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Pool& pool = **created;
+  RowBytes b(5, 8);
+  for (const char* id : {"old", "busy", "fresh"}) {
+    auto txn = pool.BeginAppend(id);
+    ASSERT_TRUE(txn.ok());
+    ASSERT_TRUE(StageOne(pool, **txn, RowsFor(b, 0, 5, {0})).ok());
+    pool.Commit(**txn);
+  }
+  EXPECT_EQ(pool.FreeIdle(absl::Now()), 0) << "nothing is idle yet";
+  auto busy = pool.BeginAppend("busy");  // an append in flight protects it
+  ASSERT_TRUE(busy.ok());
+  EXPECT_EQ(pool.FreeIdle(absl::Now() + absl::Seconds(61)), 2);  // "old" and "fresh"
+  EXPECT_EQ(pool.GetSequence("old").status().code(), absl::StatusCode::kNotFound);
+  pool.Abort(**busy);
+  EXPECT_TRUE(pool.GetSequence("busy").ok());  // querying it counts as use
+  EXPECT_EQ(pool.FreeIdle(absl::Now() + absl::Seconds(30)), 0);
+  EXPECT_EQ(pool.FreeIdle(absl::Now() + absl::Seconds(61)), 1);
+  EXPECT_EQ(pool.Snapshot().pages_used, 0);
+  EXPECT_EQ(pool.Snapshot().layers[0].tokens, 0u);
+  EXPECT_TRUE(pool.CheckInvariants().ok()) << pool.CheckInvariants();
+}
+
 TEST(PoolTest, RejectsBadOptions) {
-  EXPECT_FALSE(Pool::Create({.name = "p", .device = "cpu", .num_layers = 0, .page_size = 4, .num_pages = 1}).ok());
-  EXPECT_FALSE(Pool::Create({.name = "p", .device = "tpu", .num_layers = 1, .page_size = 4, .num_pages = 1}).ok());
-  EXPECT_FALSE(
-      Pool::Create({.name = "p", .device = "cpu", .num_layers = 1, .page_size = 65536, .num_pages = 65536}).ok());
+  EXPECT_FALSE(Pool::Create(CpuOptions(0, 4, 1)).ok());
+  Pool::Options tpu = CpuOptions(1, 4, 1);
+  tpu.device = "tpu";
+  EXPECT_FALSE(Pool::Create(tpu).ok());
+  EXPECT_FALSE(Pool::Create(CpuOptions(1, 65536, 65536)).ok());
 }
 
 }  // namespace

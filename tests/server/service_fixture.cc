@@ -9,8 +9,11 @@ void ServiceFixture::StartServer(const std::string& device, const std::string& p
   v1::ServerConfig config;
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString("pools { " + pool_text + " } " + extra, &config))
       << pool_text;
-  absl::StatusOr<std::unique_ptr<KvCacheServer>> server =
-      KvCacheServer::Create({.config = config, .listen = listen, .default_device = device});
+  KvCacheServer::Options options;
+  options.config = config;
+  options.listen = listen;
+  options.default_device = device;
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Create(options);
   ASSERT_TRUE(server.ok()) << server.status();
   server_ = std::move(*server);
   stub_ = v1::KvCache::NewStub(server_->InProcessChannel());
