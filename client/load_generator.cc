@@ -49,6 +49,7 @@ struct LoadGenerator::Worker {
   std::map<std::string, int64_t> errors_by_code;
   std::map<std::string, std::string> first_error_message;
   int64_t requests = 0, errors = 0, row_bytes = 0, rows = 0;
+  std::string free_error;  // first failed free when the sequences were recycled
 };
 
 double LoadResult::LatencyPercentile(double p) const {
@@ -163,7 +164,19 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
   while (!stop.load(std::memory_order_relaxed)) {
     if (options_.duration_s > 0 && std::chrono::steady_clock::now() >= deadline) break;
     if (options_.requests > 0 && issued.fetch_add(1) >= options_.requests) break;
-    if (position + rows > context_tokens_) position = 0;  // rewrite from the start: bounded pages
+    if (position + rows > context_tokens_) {
+      // The sequences are full: free them (untimed) and start fresh ones, as
+      // new requests would; a run of any length holds a bounded number of pages.
+      for (uint32_t s = 0; s < sequences; ++s) {
+        absl::StatusOr<uint32_t> freed = client.Free(options_.pool, SequenceId(index, s));
+        if (!freed.ok() && !absl::IsNotFound(freed.status()) && worker.free_error.empty()) {
+          worker.free_error = absl::StrCat("free ", SequenceId(index, s), ": ",
+                                           absl::StatusCodeToString(freed.status().code()), ": ",
+                                           freed.status().message());
+        }
+      }
+      position = 0;
+    }
     const bool use_batch = decode || unit(rng) < options_.batch_fraction;
 
     const auto begin = std::chrono::steady_clock::now();
@@ -216,6 +229,9 @@ LoadResult LoadGenerator::Run(const std::atomic<bool>& stop) {
     result.first_error_message.insert(w.first_error_message.begin(), w.first_error_message.end());
   }
   std::sort(result.latency_us.begin(), result.latency_us.end());
+  for (const Worker& w : workers) {
+    if (result.cleanup_error.empty()) result.cleanup_error = w.free_error;
+  }
 
   // Free everything this run may have created; NOT_FOUND means it never was.
   const uint32_t sequences = options_.mode == LoadOptions::Mode::kDecode ? options_.sequences : 1;

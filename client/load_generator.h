@@ -9,9 +9,10 @@
 //    ~4 MB messages) or, for a `batch_fraction` share, as an AppendBatch;
 //  - decode: each request is one AppendBatch of `sequences` sequences x 1
 //    token x `layers` layers (one decode step of a batch).
-// Positions advance with every request and wrap back to 0 (a rewrite, which
-// the service allows) before a sequence outgrows its share of the pool's free
-// pages, so a run of any length holds a bounded number of pages.
+// Positions advance with every request; before a sequence outgrows its share
+// of the pool's free pages, the worker frees its sequences (outside the timed
+// request) and starts again at 0, so every append writes fresh positions, as
+// new prefills do, and a run of any length holds a bounded number of pages.
 #pragma once
 
 #include <atomic>
@@ -58,7 +59,7 @@ struct LoadResult {
   std::map<std::string, int64_t> errors_by_code;  // "RESOURCE_EXHAUSTED" -> count
   std::map<std::string, std::string> first_error_message;  // per code
   int sequences_freed = 0;
-  std::string cleanup_error;  // empty when every created sequence was freed
+  std::string cleanup_error;  // empty when every free (recycling and final cleanup) succeeded
 
   // Nearest-rank percentile of latency_us (0 when there were no requests).
   double LatencyPercentile(double p) const;
@@ -76,7 +77,7 @@ class LoadGenerator {
   LoadResult Run(const std::atomic<bool>& stop);
 
   const LoadProgress& progress() const { return progress_; }
-  // Tokens each sequence reaches before its positions wrap to 0.
+  // Tokens each sequence reaches before the worker frees it and starts over.
   uint32_t context_tokens() const { return context_tokens_; }
 
  private:

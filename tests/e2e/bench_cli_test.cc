@@ -41,6 +41,18 @@ TEST_F(BenchCli, DecodeStepRunsCleanAndFreesItsSequences) {
   EXPECT_EQ(PagesUsed(), 0u);
 }
 
+TEST_F(BenchCli, RecyclesSequencesWhenThePoolShareIsFull) {
+  // "tiny" gives one worker 3 of its 4 pages (48 tokens): every third request
+  // of 16 rows starts a fresh sequence after freeing the full one.
+  const nlohmann::json j = RunBench(*server_, {"--pool", kTinyPool, "--rows_per_message", "16", "--layers", "2",
+                                               "--requests", "10", "--batch_fraction", "0.5"});
+  EXPECT_EQ(j["requests"], 10) << j.dump();
+  EXPECT_EQ(j["errors"], 0) << j.dump();
+  EXPECT_EQ(j["context_tokens"], 48) << j.dump();
+  EXPECT_EQ(j["cleanup_error"], "") << j.dump();
+  EXPECT_EQ(PagesUsed(kTinyPool), 0u);
+}
+
 TEST_F(BenchCli, DurationBoundStopsTheRun) {
   const nlohmann::json j = RunBench(*server_, {"--duration_s", "1", "--rows_per_message", "16"});
   EXPECT_EQ(j["errors"], 0) << j.dump();
