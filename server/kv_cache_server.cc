@@ -90,6 +90,9 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
     server->bound_port_ = port;
     server->bound_address_ = WithPort(options.listen, port);
   }
+  // SERVING for the whole server ("") and for the KvCache service by name;
+  // Shutdown turns both NOT_SERVING.
+  server->server_->GetHealthCheckService()->SetServingStatus(v1::KvCache::service_full_name(), true);
   server->server_->GetHealthCheckService()->SetServingStatus(true);
   // Idle-TTL reaper: checks every quarter of the shortest TTL (0.1 s .. 1 s).
   absl::Duration period = absl::InfiniteDuration();

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <thread>
 
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/quantize_rows.h"
 #include "server/pool.h"
 #include "tests/server/service_fixture.h"
@@ -382,6 +383,19 @@ TEST_F(ServiceTest, AppendBatchWritesSixtyFourSequencesInOneCall) {
     ExpectStored("seq" + std::to_string(i), 1, static_cast<uint32_t>(prefix[i].n),
                  Expected(step[i], kCkvScale, kKpeScale));
     if (prefix[i].n > 0) ExpectStored("seq" + std::to_string(i), 0, 0, Expected(prefix[i], kCkvScale, kKpeScale));
+  }
+}
+
+TEST_F(ServiceTest, HealthServesUntilShutdown) {
+  auto health = grpc::health::v1::Health::NewStub(server().InProcessChannel());
+  for (const char* service : {"", "mlakv.v1.KvCache"}) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    const grpc::Status s = health->Check(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << "'" << service << "': " << Describe(s);
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING) << "'" << service << "'";
   }
 }
 
