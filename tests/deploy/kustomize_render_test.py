@@ -12,7 +12,9 @@ rules`).
 
 --protoc: validates the ConfigMap's server.textproto against
   mlakv.v1.ServerConfig (protoc --encode). --server: every flag the manifests
-  pass must be one that mlakv-server defines (its --helpfull).
+  pass must be one that mlakv-server defines (its --helpfull), and the server
+  must start with the ConfigMap's config (devices moved to the CPU, caches cut
+  to 64 MiB).
 Fails (never skips) when kubectl, or its kustomize, is missing.
 """
 import argparse
@@ -22,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import yaml
 
@@ -89,7 +92,33 @@ def mounted_file(pod, container, path, where):
     return None
 
 
-def check_server(objs, where, tls, protoc, server_flags):
+def check_server_accepts(server_path, text, where):
+    """mlakv-server starts with the shipped config (devices moved to the CPU and
+    cache sizes cut to 64 MiB, since this machine has no GPU)."""
+    text = re.sub(r'device: "cuda:\d+"', 'device: "cpu"', text)
+    text = re.sub(r"cache_bytes: \d+", "cache_bytes: 67108864", text)
+    with tempfile.NamedTemporaryFile("w", suffix=".textproto", delete=False) as f:
+        f.write(text)
+    log = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen([server_path, "--config", f.name, "--listen", "127.0.0.1:0"], stdout=log,
+                         stderr=subprocess.STDOUT)
+    ready = False
+    for _ in range(400):
+        log.seek(0)
+        if "ready:" in log.read() or p.poll() is not None:
+            break
+        time.sleep(0.05)
+    log.seek(0)
+    out = log.read()
+    ready = "ready:" in out
+    if p.poll() is None:
+        p.terminate()
+        p.wait(20)
+    os.unlink(f.name)
+    check(ready, f"{where}: mlakv-server refuses the ConfigMap's config: {out.strip()}")
+
+
+def check_server(objs, where, tls, protoc, server_flags, server_path=None):
     kinds = sorted(o["kind"] for o in objs)
     check(kinds == ["ConfigMap", "Deployment", "Service", "ServiceAccount"],
           f"{where}: kinds {kinds}")
@@ -150,6 +179,8 @@ def check_server(objs, where, tls, protoc, server_flags):
                      "mlakv/v1/config.proto"], input=text.encode(), capture_output=True)
                 check(enc.returncode == 0,
                       f"{where}: server.textproto is not a valid ServerConfig: {enc.stderr.decode().strip()}")
+            if text is not None and server_path:
+                check_server_accepts(server_path, text, where)
 
     # Metrics: flag, port, annotations agree.
     ml = flag_value(args, "metrics_listen")
@@ -274,9 +305,9 @@ def main():
     check(expected <= set(rendered), f"missing kustomizations: {expected - set(rendered)}")
     for rel, objs in rendered.items():
         if rel == "deploy/base":
-            check_server(objs, rel, False, a.protoc, server_flags)
+            check_server(objs, rel, False, a.protoc, server_flags, a.server)
         elif rel == "deploy/overlays/tls":
-            check_server(objs, rel, True, a.protoc, server_flags)
+            check_server(objs, rel, True, a.protoc, server_flags, a.server)
         elif rel == "deploy/monitoring":
             if rendered.get("deploy/base"):
                 check_monitoring(objs, rendered["deploy/base"])
