@@ -195,7 +195,7 @@ int RunCuda(int repeats, bool sweep, const std::string& only) {
   std::vector<QuantizeAppendConfig> configs = {QuantizeAppendConfig{}};
   if (sweep) {
     configs.clear();
-    for (int rpw : {1, 2, 8, 16}) configs.push_back(QuantizeAppendConfig{rpw, 8, 8});
+    for (int rpw : {1, 2, 4, 8}) configs.push_back(QuantizeAppendConfig{rpw, 8, 8});
     configs.push_back(QuantizeAppendConfig{8, 4, 16});
   }
   for (const Case& c : Cases()) {

@@ -108,8 +108,13 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
   reinterpret_cast<uint16_t*>(p.kpe_cache + KpeOffset(entry))[lane] = format::QuantizeKpePair(rope.x, rope.y, k);
 }
 
+// Four resident blocks of 256 threads per SM caps registers at 64, which this
+// kernel fits without spilling (a cap of 48 for five blocks spills and ran
+// 25% slower on the H200; see docs/performance.md).
+constexpr int kMinBlocksPerSm = 4;
+
 template <DType kDType, bool kVectorized, int kRowsPerWarp>
-__global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock)
+__global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm)
     QuantizeAppendKernel(const QuantizeAppendParams p) {
   static_assert(kRowsPerWarp >= 1 && kRowsPerWarp <= kWarpSize, "lane r looks up row r's entry");
   const int lane = threadIdx.x % kWarpSize;
@@ -174,8 +179,7 @@ cudaError_t LaunchRows(const QuantizeAppendParams& p, const QuantizeAppendConfig
     case 1: return Launch<kDType, kVectorized, 1>(p, config, stream);
     case 2: return Launch<kDType, kVectorized, 2>(p, config, stream);
     case 4: return Launch<kDType, kVectorized, 4>(p, config, stream);
-    case 8: return Launch<kDType, kVectorized, 8>(p, config, stream);
-    default: return Launch<kDType, kVectorized, 16>(p, config, stream);
+    default: return Launch<kDType, kVectorized, 8>(p, config, stream);
   }
 }
 
@@ -202,7 +206,7 @@ absl::Status QuantizeAppendWithConfig(const QuantizeAppendParams& p, const Quant
                                                    DTypeName(p.dtype)));
   }
   const int rpw = config.rows_per_warp;
-  if ((rpw != 1 && rpw != 2 && rpw != 4 && rpw != 8 && rpw != 16) ||
+  if ((rpw != 1 && rpw != 2 && rpw != 4 && rpw != 8) ||
       config.warps_per_block < 1 || config.warps_per_block > kMaxWarpsPerBlock || config.blocks_per_sm < 1) {
     return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: unsupported config rows_per_warp=",
                                                    config.rows_per_warp, " warps_per_block=", config.warps_per_block,
