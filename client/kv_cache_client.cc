@@ -252,17 +252,24 @@ absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& appen
   grpc::ClientContext context;
   PrepareContext(context, options_.timeout);
   v1::AppendResponse response;
+  // Initial metadata travels with the first message, and the last message
+  // carries the half-close: a one-message append is one batch on the wire.
+  context.set_initial_metadata_corked(true);
   std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer = stub_->Append(&context, &response);
   // An append of zero rows is still one message: it creates the sequence and
   // may reserve pages.
   uint32_t first = 0;
+  bool half_closed = false;
   do {
     const uint32_t count = std::min(rows_per_message, append.rows - first);
-    // Write fails only when the stream is already broken; Finish says why.
-    if (!writer->Write(AppendMessage(append, first, count, first == 0))) break;
+    const bool last = first + count >= append.rows;
+    const v1::AppendRequest message = AppendMessage(append, first, count, first == 0);
+    // A write fails only when the stream is already broken; Finish says why.
+    if (!writer->Write(message, last ? grpc::WriteOptions().set_last_message() : grpc::WriteOptions())) break;
+    half_closed = last;
     first += count;
   } while (first < append.rows);
-  writer->WritesDone();
+  if (!half_closed) writer->WritesDone();
   if (absl::Status s = FromGrpcStatus(writer->Finish()); !s.ok()) return s;
   return response;
 }
