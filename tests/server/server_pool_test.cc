@@ -188,6 +188,59 @@ TEST(PoolTest, FreeIdleFreesOnlySequencesIdleLongerThanTheTtl) {
   EXPECT_TRUE(pool.CheckInvariants().ok()) << pool.CheckInvariants();
 }
 
+// Random appends (valid and not: holes, bad layers, wrong byte counts, other
+// scales, too many pages), multi-message transactions committed or aborted,
+// frees and truncates: after every step free + used == total, every used page
+// has one owner, and per-layer token counts add up.
+TEST(PoolTest, RandomOperationsKeepInvariants) {
+  auto pool = MakePool(/*layers=*/3, /*page_size=*/4, /*pages=*/24);
+  std::mt19937 gen(12345);
+  const RowBytes rows(12, 9);
+  auto pick = [&](int n) { return static_cast<int>(gen() % n); };
+  int committed = 0, failed = 0;
+  for (int step = 0; step < 1500; ++step) {
+    const std::string id = "s" + std::to_string(pick(6));
+    const int op = pick(10);
+    if (op < 7) {
+      auto txn = pool->BeginAppend(id);
+      if (!txn.ok()) continue;
+      bool ok = true;
+      for (int m = 0, messages = 1 + pick(3); m < messages && ok; ++m) {
+        const uint32_t n = static_cast<uint32_t>(pick(13));
+        const absl::StatusOr<SequenceSnapshot> seq = pool->GetSequence(id);
+        const uint32_t len = seq.ok() ? seq->layer_lengths[0] : 0;
+        SequenceRowsIn r = RowsFor(rows, static_cast<uint32_t>(pick(static_cast<int>(len) + 3)), n,
+                                   {pick(4)},  // layer 3 is out of range
+                                   pick(8) == 0 ? 1.0f : kCkv, kKpe);
+        r.layers[0].ckv = std::string_view(rows.ckv).substr(0, n * 1024 - (pick(10) == 0 && n > 0 ? 2 : 0));
+        r.layers[0].kpe = std::string_view(rows.kpe).substr(0, n * 128);
+        if (pick(10) == 0) r.reserve_tokens = static_cast<uint32_t>(pick(120));
+        ok = StageOne(*pool, **txn, r).ok();
+        ASSERT_TRUE(pool->CheckInvariants().ok()) << "step " << step << ": " << pool->CheckInvariants();
+      }
+      if (ok && pick(4) != 0) {
+        pool->Commit(**txn);
+        ++committed;
+      } else {
+        pool->Abort(**txn);
+        ++failed;
+      }
+    } else if (op < 8) {
+      (void)pool->FreeSequence(id);
+    } else {
+      (void)pool->TruncateSequence(id, static_cast<uint32_t>(pick(20)));
+    }
+    ASSERT_TRUE(pool->CheckInvariants().ok()) << "step " << step << ": " << pool->CheckInvariants();
+  }
+  EXPECT_GT(committed, 50);
+  EXPECT_GT(failed, 50);
+  for (int i = 0; i < 6; ++i) (void)pool->FreeSequence("s" + std::to_string(i));
+  const PoolSnapshot snap = pool->Snapshot();
+  EXPECT_EQ(snap.pages_used, 0);
+  EXPECT_EQ(snap.sequences, 0u);
+  for (const LayerSnapshot& l : snap.layers) EXPECT_EQ(l.tokens, 0u);
+}
+
 TEST(PoolTest, RejectsBadOptions) {
   EXPECT_FALSE(Pool::Create(CpuOptions(0, 4, 1)).ok());
   Pool::Options tpu = CpuOptions(1, 4, 1);
