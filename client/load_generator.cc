@@ -13,14 +13,14 @@ namespace {
 
 constexpr size_t kCkvDim = 512;
 constexpr size_t kKpeDim = 64;
-// Scales the bench names for a layer that has none yet: they suit the random
-// rows below (|x| < 8): 8 / (6 x 448) and 8 / 448.
+// Scales the bench names for a layer that has none yet; they suit the values
+// of RandomRowBytes (|x| < 8): 8 / (6 x 448) and 8 / 448.
 constexpr float kBenchCkvScale = 8.0f / (6.0f * 448.0f);
 constexpr float kBenchKpeScale = 8.0f / 448.0f;
 
-// `count` random non-zero finite values as fp16 or bf16 bits: random sign and
-// mantissa, exponent for magnitudes in [2^-5, 2^3).
-std::string RandomRows(size_t count, v1::RowDType dtype, uint64_t seed) {
+}  // namespace
+
+std::string RandomRowBytes(size_t count, v1::RowDType dtype, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::string bytes(count * 2, '\0');
   for (size_t i = 0; i < count; ++i) {
@@ -39,8 +39,6 @@ std::string RandomRows(size_t count, v1::RowDType dtype, uint64_t seed) {
   }
   return bytes;
 }
-
-}  // namespace
 
 struct LoadGenerator::Worker {
   std::string ckv, kpe;                    // random rows, reused by every request and layer
@@ -129,8 +127,8 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
 
   // Random rows: `rows` rows for append, one row per sequence for decode.
   const size_t buffer_rows = decode ? sequences : rows;
-  worker.ckv = RandomRows(buffer_rows * kCkvDim, options_.dtype, 2 * index + 1);
-  worker.kpe = RandomRows(buffer_rows * kKpeDim, options_.dtype, 2 * index + 2);
+  worker.ckv = RandomRowBytes(buffer_rows * kCkvDim, options_.dtype, 2 * index + 1);
+  worker.kpe = RandomRowBytes(buffer_rows * kKpeDim, options_.dtype, 2 * index + 2);
 
   worker.batch.set_pool(options_.pool);
   worker.batch.set_dtype(options_.dtype);

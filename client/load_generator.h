@@ -42,6 +42,10 @@ struct LoadOptions {
   std::string id_prefix;           // sequence ids are id_prefix + "-w<worker>-s<index>"
 };
 
+// `count` random non-zero finite fp16 or bf16 values (random sign and
+// mantissa, magnitudes in [2^-5, 2^3)), as little-endian bytes.
+std::string RandomRowBytes(size_t count, v1::RowDType dtype, uint64_t seed);
+
 // Counters the workers update while they run (read them for a progress line).
 struct LoadProgress {
   std::atomic<int64_t> requests{0};

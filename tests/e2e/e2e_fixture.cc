@@ -1,9 +1,9 @@
 #include "tests/e2e/e2e_fixture.h"
 
 #include <cstdlib>
-#include <random>
 
 #include "absl/strings/str_cat.h"
+#include "client/load_generator.h"
 #include "kernels/tensor_view.h"
 #include "tests/testing/vector_files.h"
 
@@ -45,21 +45,9 @@ uint32_t E2eTest::PagesUsed(const std::string& pool) {
   return info->pages_used();
 }
 
-std::string RandomBf16Rows(size_t rows, size_t width, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::string bytes(rows * width * 2, '\0');
-  for (size_t i = 0; i < rows * width; ++i) {
-    const uint64_t r = rng();
-    // Sign, exponent for |x| in [2^-5, 2^3), random mantissa: never zero.
-    const uint16_t bits = static_cast<uint16_t>((r & 1) << 15 | (122 + (r >> 1) % 8) << 7 | ((r >> 8) & 0x7f));
-    bytes[2 * i] = static_cast<char>(bits & 0xff);
-    bytes[2 * i + 1] = static_cast<char>(bits >> 8);
-  }
-  return bytes;
-}
-
 TestRows TestRows::Random(uint32_t rows, uint64_t seed) {
-  return {rows, RandomBf16Rows(rows, 512, 2 * seed), RandomBf16Rows(rows, 64, 2 * seed + 1)};
+  return {rows, RandomRowBytes(size_t{rows} * 512, v1::ROW_DTYPE_BFLOAT16, 2 * seed),
+          RandomRowBytes(size_t{rows} * 64, v1::ROW_DTYPE_BFLOAT16, 2 * seed + 1)};
 }
 
 TestRows TestRows::Slice(uint32_t first, uint32_t count) const {

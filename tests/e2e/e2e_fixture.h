@@ -41,10 +41,8 @@ class E2eTest : public ::testing::Test {
   std::unique_ptr<KvCacheClient> client_;
 };
 
-// Random non-zero finite bf16 rows: `rows` x `width` elements, as bytes.
-std::string RandomBf16Rows(size_t rows, size_t width, uint64_t seed);
-
-// Rows of one layer: ckv and kpe bytes plus the scales named with them.
+// Random non-zero bf16 rows of one layer (ckv and kpe bytes), named with the
+// test scales.
 struct TestRows {
   uint32_t rows = 0;
   std::string ckv, kpe;
