@@ -210,8 +210,7 @@ MLAKV_HD float E4M3ToFloat(uint8_t b) {
 // 1/4 on [1/2, 1]; adding C = 2^(19 + k), whose ulp is that step (k = 0, 1, 2
 // for m's binade, clamped), rounds m to the grid ties-to-even in the adder,
 // and the ulps of C in the sum are the code minus 2k.
-MLAKV_HD uint8_t FloatToE2M1(float v) {
-  const uint32_t u = FloatBits(v);
+MLAKV_HD uint32_t FloatToE2M1Magnitude(float v) {
   const float m = Saturate(MulRn(fabsf(v), 0.125f));
   constexpr uint32_t kLo = 0x3E000000u;      // 2^-3: binade of [0, 2) / 8, step 0.5 / 8
   constexpr uint32_t kHi = 0x3F000000u;      // 2^-1: binade of [4, 8] / 8, step 2 / 8
@@ -221,8 +220,13 @@ MLAKV_HD uint8_t FloatToE2M1(float v) {
   c = c > kHi + kShift ? kHi + kShift : c;   // C = 2^(19 + k), k in {0, 1, 2}
   const uint32_t ulps = FloatBits(AddRn(m, BitsToFloat(c))) - c;
   const uint32_t two_k = (c >> 22) - 2u * (127u + 19u);
-  uint32_t code = ulps + two_k;
-  code = code > 7u ? 7u : code;  // m == 1 (|v| >= 8) rounds to 8 = code 8
+  const uint32_t code = ulps + two_k;
+  return code > 7u ? 7u : code;  // m == 1 (|v| >= 8) rounds to 8 = code 8
+}
+
+// The whole nibble: magnitude code and sign.
+MLAKV_HD uint8_t FloatToE2M1(float v) {
+  const uint32_t u = FloatBits(v);
 #if defined(__CUDA_ARCH__)
   // v is always a __fmul_rn product on the device, whose NaN is canonical
   // (sign clear), so the sign bit can be taken as it is.
@@ -230,7 +234,7 @@ MLAKV_HD uint8_t FloatToE2M1(float v) {
 #else
   const uint32_t sign = (v == v) ? (u >> 28) & 0x8u : 0u;
 #endif
-  return static_cast<uint8_t>(sign | code);
+  return static_cast<uint8_t>(sign | FloatToE2M1Magnitude(v));
 }
 
 // The float32 value of an E2M1 nibble.

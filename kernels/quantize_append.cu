@@ -92,13 +92,38 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
   // Channel c's code goes to bits 4(c % 8).. of word c / 8: byte k holds
   // channels 2k (low nibble) and 2k+1 (high nibble), SPEC step 5.
   uint2 packed = make_uint2(0, 0);
+  uint32_t bits[kBlock];
 #pragma unroll
   for (int c = 0; c < kBlock; ++c) {
-    const uint32_t code = format::FloatToE2M1(format::MulRn(x[c], out_scale));
+    const float v = format::MulRn(x[c], out_scale);
+    bits[c] = __float_as_uint(v);
+    const uint32_t code = format::FloatToE2M1Magnitude(v);
     if (c < 8) {
       packed.x += code << (4 * c);
     } else {
       packed.y += code << (4 * (c - 8));
+    }
+  }
+  // The sign of channel c (bit 31 of its product; a NaN product is canonical,
+  // sign clear, as SPEC wants) goes to bit 3 of its nibble. Byte 3 of each
+  // product holds the sign at bit 7: the even channels' byte 3s gathered into
+  // one word put their signs at bits 7, 15, 23, 31, and shifted right by 4 at
+  // bits 3, 11, 19, 27 -- their low nibbles' tops; the odd channels' land on
+  // bits 7, 15, 23, 31 -- their high nibbles' tops -- unshifted. Six byte
+  // permutes per 8 channels instead of a shift and a merge per channel.
+  auto gather_top_bytes = [](uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    return __byte_perm(__byte_perm(a, b, 0x0073), __byte_perm(c, d, 0x0073), 0x5410);
+  };
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t* q = bits + 8 * h;
+    const uint32_t even = gather_top_bytes(q[0], q[2], q[4], q[6]);
+    const uint32_t odd = gather_top_bytes(q[1], q[3], q[5], q[7]);
+    const uint32_t signs = ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
+    if (h == 0) {
+      packed.x |= signs;
+    } else {
+      packed.y |= signs;
     }
   }
   const float2 rope = WidenPair<kDType>(r.kpe);

@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "kernels/dequantize.h"
 #include "kernels/quantize_append.h"
+#include "kernels/quantize_append_config.h"
 #include "kernels/quantize_rows.h"
 #include "tests/testing/paged_scenario.h"
 #include "tests/testing/vector_files.h"
@@ -52,7 +53,9 @@ struct CudaRun {
   absl::Status status;
 };
 
-CudaRun RunCuda(PagedScenario& s) {
+// With `config`, launches through QuantizeAppendWithConfig instead of the
+// public entry (which picks the configuration itself).
+CudaRun RunCuda(PagedScenario& s, const QuantizeAppendConfig* config = nullptr) {
   DeviceVector<uint16_t> ckv(s.ckv), kpe(s.kpe);
   DeviceVector<int32_t> batch(s.batch_indices), pos(s.positions), indices(s.kv_indices), indptr(s.kv_indptr),
       last(s.kv_last_page_len);
@@ -63,14 +66,26 @@ CudaRun RunCuda(PagedScenario& s) {
     return TensorView::Contiguous(v.get(), DType::kInt32, {static_cast<int64_t>(n)});
   };
   CudaRun run;
-  run.status = QuantizeAppendCuda(
+  const TensorView views[] = {
       TensorView::Rows(ckv.get(), s.options.dtype, s.num_rows, 512, s.ckv_row_stride),
       TensorView::Rows(kpe.get(), s.options.dtype, s.num_rows, 64, s.kpe_row_stride), i32(batch, s.num_rows),
       i32(pos, s.num_rows), TensorView::Contiguous(cc.get(), DType::kUInt8, {P, S, 256}),
       TensorView::Contiguous(sf.get(), DType::kFloat8E4M3, {P, S, 32}),
       TensorView::Contiguous(kc.get(), DType::kFloat8E4M3, {P, S, 64}), i32(indices, s.kv_indices.size()),
-      i32(indptr, s.kv_indptr.size()), i32(last, s.kv_last_page_len.size()), s.ckv_scale, s.kpe_scale, nullptr,
-      skipped.get());
+      i32(indptr, s.kv_indptr.size()), i32(last, s.kv_last_page_len.size())};
+  if (config == nullptr) {
+    run.status = QuantizeAppendCuda(views[0], views[1], views[2], views[3], views[4], views[5], views[6], views[7],
+                                    views[8], views[9], s.ckv_scale, s.kpe_scale, nullptr, skipped.get());
+  } else {
+    absl::StatusOr<QuantizeAppendParams> params =
+        MakeQuantizeAppendParams(views[0], views[1], views[2], views[3], views[4], views[5], views[6], views[7],
+                                 views[8], views[9], s.ckv_scale, s.kpe_scale);
+    run.status = params.status();
+    if (params.ok()) {
+      params->skipped_rows = skipped.get();
+      run.status = QuantizeAppendWithConfig(*params, *config, nullptr);
+    }
+  }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   run.ckv_cache = cc.ToHost();
   run.ckv_sf_cache = sf.ToHost();
@@ -143,6 +158,35 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(info.param.dtype == DType::kBFloat16 ? "bf16" : "f16") + "_page" +
              std::to_string(info.param.page_size) + "_pad" + std::to_string(info.param.extra_row_stride);
     });
+
+// Every configuration the launcher or a benchmark can pick writes the same
+// bytes (including rows per warp that do not divide the row count).
+TEST(CudaConfigs, EveryLaunchConfigurationWritesTheCpuBytes) {
+  SKIP_WITHOUT_GPU();
+  std::vector<QuantizeAppendConfig> configs;
+  for (int rpw : {1, 2, 4, 8}) configs.push_back(QuantizeAppendConfig{rpw, 8, 8});
+  configs.push_back(QuantizeAppendConfig{8, 3, 1});  // few, odd-sized blocks: long grid-stride loops
+  for (const DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    ScenarioOptions o;
+    o.dtype = dtype;
+    o.page_size = 16;
+    o.batch = 9;
+    o.max_new_tokens = 333;
+    PagedScenario cpu = MakeScenario(o);
+    ASSERT_TRUE(cpu.RunCpu().ok());
+    for (const QuantizeAppendConfig& config : configs) {
+      PagedScenario s = MakeScenario(o);
+      CudaRun gpu = RunCuda(s, &config);
+      ASSERT_TRUE(gpu.status.ok()) << gpu.status;
+      const std::string where = "rows_per_warp " + std::to_string(config.rows_per_warp) + " warps " +
+                                std::to_string(config.warps_per_block);
+      EXPECT_EQ(gpu.skipped, 0u) << where;
+      EXPECT_EQ(gpu.ckv_cache, cpu.ckv_cache) << where;
+      EXPECT_EQ(gpu.ckv_sf_cache, cpu.ckv_sf_cache) << where;
+      EXPECT_EQ(gpu.kpe_cache, cpu.kpe_cache) << where;
+    }
+  }
+}
 
 TEST(CudaLarge, GridStrideLoopCoversMoreRowsThanOneWave) {
   SKIP_WITHOUT_GPU();
