@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <map>
 #include <random>
+
+#include "kernels/quantize_rows.h"
 
 namespace mlakv::server {
 namespace {
@@ -239,6 +242,104 @@ TEST(PoolTest, RandomOperationsKeepInvariants) {
   EXPECT_EQ(snap.pages_used, 0);
   EXPECT_EQ(snap.sequences, 0u);
   for (const LayerSnapshot& l : snap.layers) EXPECT_EQ(l.tokens, 0u);
+}
+
+// A model of what every committed position must hold (which source row, with
+// which scales) against random appends, rewrites, aborts (which must restore
+// rewritten rows), truncates and frees; the cache is compared byte for byte.
+TEST(PoolTest, RandomAppendsAndAbortsStoreExactlyTheCommittedRows) {
+  auto pool = MakePool(/*layers=*/2, /*page_size=*/3, /*pages=*/40);
+  std::mt19937 gen(777);
+  auto pick = [&](int n) { return static_cast<int>(gen() % n); };
+  std::vector<RowBytes> sources;
+  for (uint32_t i = 0; i < 4; ++i) sources.emplace_back(8, 100 + i);
+  struct Cell {
+    int source = 0;  // which RowBytes
+    int row = 0;     // which row of it
+    float ckv = 0, kpe = 0;
+  };
+  using Layers = std::vector<std::vector<Cell>>;  // [layer][position]
+  std::map<std::string, Layers> model;
+  auto expected_bytes = [&](const Cell& c) {
+    const uint16_t* ckv = reinterpret_cast<const uint16_t*>(sources[c.source].ckv.data()) + c.row * 512;
+    const uint16_t* kpe = reinterpret_cast<const uint16_t*>(sources[c.source].kpe.data()) + c.row * 64;
+    auto q = QuantizeRows(TensorView::Contiguous(const_cast<uint16_t*>(ckv), DType::kBFloat16, {1, 512}),
+                          TensorView::Contiguous(const_cast<uint16_t*>(kpe), DType::kBFloat16, {1, 64}), c.ckv,
+                          c.kpe, KernelDevice::kCpu);
+    EXPECT_TRUE(q.ok()) << q.status();
+    return *q;
+  };
+  auto verify = [&](int step) {
+    for (const auto& [id, layers] : model) {
+      for (int32_t l = 0; l < 2; ++l) {
+        const uint32_t n = static_cast<uint32_t>(layers[l].size());
+        if (n == 0) continue;
+        std::vector<uint8_t> ckv(n * 256), sf(n * 32), kpe(n * 64);
+        LayerSnapshot st;
+        ASSERT_TRUE(pool->ReadRows(id, l, 0, n, {ckv.data(), sf.data(), kpe.data()}, &st).ok()) << step;
+        for (uint32_t p = 0; p < n; ++p) {
+          const QuantizedRows want = expected_bytes(layers[l][p]);
+          ASSERT_EQ(std::memcmp(want.ckv_packed.data(), ckv.data() + p * 256, 256), 0)
+              << "step " << step << " " << id << " layer " << l << " pos " << p;
+          ASSERT_EQ(std::memcmp(want.ckv_sf.data(), sf.data() + p * 32, 32), 0) << step;
+          ASSERT_EQ(std::memcmp(want.kpe.data(), kpe.data() + p * 64, 64), 0) << step;
+        }
+      }
+    }
+  };
+  int aborted_rewrites = 0;
+  for (int step = 0; step < 600; ++step) {
+    const std::string id = "s" + std::to_string(pick(4));
+    const int op = pick(10);
+    if (op < 7) {
+      auto txn = pool->BeginAppend(id);
+      ASSERT_TRUE(txn.ok());
+      Layers staged = model.count(id) ? model[id] : Layers(2);
+      bool ok = true, rewrote = false;
+      for (int m = 0, messages = 1 + pick(3); m < messages && ok; ++m) {
+        const int32_t l = pick(2);
+        const int src = pick(4);
+        const uint32_t n = 1 + static_cast<uint32_t>(pick(8));
+        const uint32_t start = static_cast<uint32_t>(pick(static_cast<int>(staged[l].size()) + 1));
+        const bool other_scales = pick(10) == 0;
+        const float ckv = other_scales ? 1.0f : kCkv, kpe = other_scales ? 1.0f : kKpe;
+        SequenceRowsIn r;
+        r.start = start;
+        r.row_count = n;
+        r.layers.push_back({.layer = l,
+                            .ckv = std::string_view(sources[src].ckv).substr(0, n * 1024),
+                            .kpe = std::string_view(sources[src].kpe).substr(0, n * 128),
+                            .ckv_scale = ckv,
+                            .kpe_scale = kpe});
+        ok = StageOne(*pool, **txn, r).ok();
+        if (!ok) break;
+        const LayerSnapshot st = pool->Snapshot().layers[l];
+        if (staged[l].size() < start + n) staged[l].resize(start + n);
+        for (uint32_t i = 0; i < n; ++i) staged[l][start + i] = {src, static_cast<int>(i), st.ckv_scale, st.kpe_scale};
+        rewrote = rewrote || (model.count(id) && start < model[id][l].size());
+      }
+      if (ok && pick(3) != 0) {
+        pool->Commit(**txn);
+        model[id] = staged;
+      } else {
+        pool->Abort(**txn);
+        aborted_rewrites += rewrote ? 1 : 0;
+      }
+    } else if (op < 8) {
+      if (pool->FreeSequence(id).ok()) model.erase(id);
+    } else if (model.count(id)) {
+      const uint32_t len = static_cast<uint32_t>(pick(12));
+      if (pool->TruncateSequence(id, len).ok()) {
+        for (auto& layer : model[id]) {
+          if (layer.size() > len) layer.resize(len);
+        }
+      }
+    }
+    ASSERT_TRUE(pool->CheckInvariants().ok()) << "step " << step << ": " << pool->CheckInvariants();
+    if (step % 25 == 0) verify(step);
+  }
+  verify(600);
+  EXPECT_GT(aborted_rewrites, 10) << "the workload should exercise restoring rewritten rows";
 }
 
 TEST(PoolTest, RejectsBadOptions) {
