@@ -156,91 +156,74 @@ absl::Status KvCacheClient::CheckHealth(absl::Duration timeout) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<v1::Pool>> KvCacheClient::ListPools() {
+template <typename Request, typename Response>
+absl::StatusOr<Response> KvCacheClient::Call(UnaryMethod<Request, Response> method, const Request& request) {
   grpc::ClientContext context;
   PrepareContext(context, options_.timeout);
-  v1::ListPoolsResponse response;
-  if (absl::Status s = FromGrpcStatus(stub_->ListPools(&context, v1::ListPoolsRequest(), &response)); !s.ok()) {
-    return s;
-  }
-  return std::vector<v1::Pool>(response.pools().begin(), response.pools().end());
+  Response response;
+  if (absl::Status s = FromGrpcStatus((stub_.get()->*method)(&context, request, &response)); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::Pool>> KvCacheClient::ListPools() {
+  absl::StatusOr<v1::ListPoolsResponse> response = Call(&v1::KvCache::Stub::ListPools, v1::ListPoolsRequest());
+  if (!response.ok()) return response.status();
+  return std::vector<v1::Pool>(response->pools().begin(), response->pools().end());
 }
 
 absl::StatusOr<v1::Pool> KvCacheClient::GetPool(const std::string& pool) {
-  grpc::ClientContext context;
-  PrepareContext(context, options_.timeout);
   v1::GetPoolRequest request;
   request.set_pool(pool);
-  v1::Pool response;
-  if (absl::Status s = FromGrpcStatus(stub_->GetPool(&context, request, &response)); !s.ok()) return s;
-  return response;
+  return Call(&v1::KvCache::Stub::GetPool, request);
 }
 
 absl::StatusOr<v1::Sequence> KvCacheClient::GetSequence(const std::string& pool, const std::string& sequence) {
-  grpc::ClientContext context;
-  PrepareContext(context, options_.timeout);
   v1::GetSequenceRequest request;
   request.set_pool(pool);
   request.set_sequence(sequence);
-  v1::Sequence response;
-  if (absl::Status s = FromGrpcStatus(stub_->GetSequence(&context, request, &response)); !s.ok()) return s;
-  return response;
+  return Call(&v1::KvCache::Stub::GetSequence, request);
 }
 
 absl::StatusOr<std::vector<v1::SequenceSummary>> KvCacheClient::ListSequences(const std::string& pool) {
   std::vector<v1::SequenceSummary> all;
-  std::string token;
+  v1::ListSequencesRequest request;
+  request.set_pool(pool);
+  request.set_page_size(1000);
   do {
-    grpc::ClientContext context;
-    PrepareContext(context, options_.timeout);
-    v1::ListSequencesRequest request;
-    request.set_pool(pool);
-    request.set_page_size(1000);
-    request.set_page_token(token);
-    v1::ListSequencesResponse response;
-    if (absl::Status s = FromGrpcStatus(stub_->ListSequences(&context, request, &response)); !s.ok()) return s;
-    all.insert(all.end(), response.sequences().begin(), response.sequences().end());
-    if (!response.next_page_token().empty() && response.next_page_token() == token) {
+    absl::StatusOr<v1::ListSequencesResponse> response = Call(&v1::KvCache::Stub::ListSequences, request);
+    if (!response.ok()) return response.status();
+    all.insert(all.end(), response->sequences().begin(), response->sequences().end());
+    if (!response->next_page_token().empty() && response->next_page_token() == request.page_token()) {
       return absl::InternalError("list sequences: server returned the same page token twice");
     }
-    token = response.next_page_token();
-  } while (!token.empty());
+    request.set_page_token(response->next_page_token());
+  } while (!request.page_token().empty());
   return all;
 }
 
 absl::StatusOr<v1::Page> KvCacheClient::GetPage(const std::string& pool, uint32_t page) {
-  grpc::ClientContext context;
-  PrepareContext(context, options_.timeout);
   v1::GetPageRequest request;
   request.set_pool(pool);
   request.set_page(page);
-  v1::Page response;
-  if (absl::Status s = FromGrpcStatus(stub_->GetPage(&context, request, &response)); !s.ok()) return s;
-  return response;
+  return Call(&v1::KvCache::Stub::GetPage, request);
 }
 
 absl::StatusOr<uint32_t> KvCacheClient::Free(const std::string& pool, const std::string& sequence) {
-  grpc::ClientContext context;
-  PrepareContext(context, options_.timeout);
   v1::FreeSequenceRequest request;
   request.set_pool(pool);
   request.set_sequence(sequence);
-  v1::FreeSequenceResponse response;
-  if (absl::Status s = FromGrpcStatus(stub_->FreeSequence(&context, request, &response)); !s.ok()) return s;
-  return response.pages_freed();
+  absl::StatusOr<v1::FreeSequenceResponse> response = Call(&v1::KvCache::Stub::FreeSequence, request);
+  if (!response.ok()) return response.status();
+  return response->pages_freed();
 }
 
 absl::StatusOr<v1::Sequence> KvCacheClient::Truncate(const std::string& pool, const std::string& sequence,
                                                      uint32_t length) {
-  grpc::ClientContext context;
-  PrepareContext(context, options_.timeout);
   v1::TruncateSequenceRequest request;
   request.set_pool(pool);
   request.set_sequence(sequence);
   request.set_length(length);
-  v1::Sequence response;
-  if (absl::Status s = FromGrpcStatus(stub_->TruncateSequence(&context, request, &response)); !s.ok()) return s;
-  return response;
+  return Call(&v1::KvCache::Stub::TruncateSequence, request);
 }
 
 absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& append) {
@@ -275,11 +258,7 @@ absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& appen
 }
 
 absl::StatusOr<v1::AppendBatchResponse> KvCacheClient::AppendBatch(const v1::AppendBatchRequest& request) {
-  grpc::ClientContext context;
-  PrepareContext(context, options_.timeout);
-  v1::AppendBatchResponse response;
-  if (absl::Status s = FromGrpcStatus(stub_->AppendBatch(&context, request, &response)); !s.ok()) return s;
-  return response;
+  return Call(&v1::KvCache::Stub::AppendBatch, request);
 }
 
 absl::StatusOr<StoredLayer> KvCacheClient::ReadLayer(const std::string& pool, const std::string& sequence,

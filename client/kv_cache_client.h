@@ -120,8 +120,14 @@ class KvCacheClient {
   v1::KvCache::Stub& stub() { return *stub_; }
 
  private:
+  template <typename Request, typename Response>
+  using UnaryMethod = grpc::Status (v1::KvCache::Stub::*)(grpc::ClientContext*, const Request&, Response*);
+
   KvCacheClient(Options options, std::shared_ptr<grpc::Channel> channel);
   void PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const;
+  // One unary call with the deadline of Options::timeout.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> Call(UnaryMethod<Request, Response> method, const Request& request);
 
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;
