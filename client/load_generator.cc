@@ -151,7 +151,7 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
   append.sequence = SequenceId(index, 0);
   append.rows = rows;
   append.dtype = options_.dtype;
-  for (uint32_t layer = 0; layer < options_.layers; ++layer) {
+  for (uint32_t layer = 0; layer < options_.layers && !decode; ++layer) {  // decode sends only AppendBatch
     append.layers.push_back({layer, worker.ckv, worker.kpe, ckv_scales_[layer], kpe_scales_[layer]});
   }
 

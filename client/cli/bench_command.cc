@@ -72,13 +72,17 @@ absl::StatusOr<LoadOptions> OptionsFromFlags() {
     return absl::InvalidArgumentError("the run must be bounded: --duration_s > 0 or --requests > 0");
   }
   options.pool = absl::GetFlag(FLAGS_pool);
-  options.id_prefix = absl::StrCat("bench-", getpid(), "-", std::chrono::steady_clock::now().time_since_epoch().count() % 1000000);
+  // Unique enough that two runs against one server never share a sequence.
+  options.id_prefix = absl::StrCat("bench-", getpid(), "-",
+                                   std::chrono::steady_clock::now().time_since_epoch().count() % 1000000);
   return options;
 }
 
 nlohmann::json ResultJson(const LoadOptions& options, const LoadResult& r, uint32_t context_tokens) {
   nlohmann::json errors = nlohmann::json::object();
-  for (const auto& [code, n] : r.errors_by_code) errors[code] = {{"count", n}, {"first_message", r.first_error_message.at(code)}};
+  for (const auto& [code, n] : r.errors_by_code) {
+    errors[code] = {{"count", n}, {"first_message", r.first_error_message.at(code)}};
+  }
   return {{"mode", options.mode == LoadOptions::Mode::kDecode ? "decode" : "append"},
           {"concurrency", options.concurrency},
           {"rows_per_request_per_layer", options.mode == LoadOptions::Mode::kDecode ? 1 : options.rows_per_message},

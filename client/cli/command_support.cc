@@ -62,7 +62,8 @@ std::string ToJson(const google::protobuf::Message& message) {
 }
 
 bool ParseUint32(std::string_view text, uint32_t* value) {
-  return !text.empty() && text[0] != '-' && text[0] != '+' && absl::SimpleAtoi(absl::string_view(text.data(), text.size()), value);
+  return !text.empty() && text[0] != '-' && text[0] != '+' &&
+         absl::SimpleAtoi(absl::string_view(text.data(), text.size()), value);
 }
 
 std::string DescribeLayerRuns(const std::vector<uint32_t>& per_layer) {

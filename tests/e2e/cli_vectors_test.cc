@@ -41,7 +41,9 @@ QuantizedRows ReadExport(const std::string& path, std::string* problem) {
 class CliVectorRoundTrip : public E2eTest, public ::testing::WithParamInterface<std::string> {
  protected:
   void SetUp() override {
-    if (GetParam() != "cpu" && !testing::HaveCuda()) GTEST_SKIP() << "no CUDA device visible; " << GetParam() << " needs one";
+    if (GetParam() != "cpu" && !testing::HaveCuda()) {
+      GTEST_SKIP() << "no CUDA device visible; " << GetParam() << " needs one";
+    }
     files_ = testing::VectorFileNames();
     ASSERT_FALSE(files_.empty()) << "no *.safetensors in " << testing::VectorsDir();
     StartServer(GetParam(), std::max<uint32_t>(kLayers, files_.size()));

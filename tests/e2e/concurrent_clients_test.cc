@@ -43,14 +43,16 @@ TEST_F(ConcurrentClients, EightClientsFiftyAppendsKeepInvariants) {
         for (uint32_t n : lengths[c]) {
           const TestRows slice = rows[c].Slice(position, n);
           // Layers 0 and 1 in one message, as a prefill worker sends them.
-          absl::StatusOr<v1::AppendResponse> r = client->Append(BothLayersAppend("", absl::StrCat("client-", c), position, slice));
+          absl::StatusOr<v1::AppendResponse> r =
+              client->Append(BothLayersAppend("", absl::StrCat("client-", c), position, slice));
           if (!r.ok()) {
             failures[c] = r.status();
             return;
           }
           position += n;
           if (r->sequence().length() != position) {
-            failures[c] = absl::InternalError(absl::StrCat("length ", r->sequence().length(), " after append to ", position));
+            failures[c] =
+                absl::InternalError(absl::StrCat("length ", r->sequence().length(), " after append to ", position));
             return;
           }
         }

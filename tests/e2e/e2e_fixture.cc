@@ -51,7 +51,8 @@ TestRows TestRows::Random(uint32_t rows, uint64_t seed) {
 }
 
 TestRows TestRows::Slice(uint32_t first, uint32_t count) const {
-  return {count, ckv.substr(size_t{first} * 1024, size_t{count} * 1024), kpe.substr(size_t{first} * 128, size_t{count} * 128)};
+  return {count, ckv.substr(size_t{first} * 1024, size_t{count} * 1024),
+          kpe.substr(size_t{first} * 128, size_t{count} * 128)};
 }
 
 QuantizedRows TestRows::Expected() const {

@@ -97,7 +97,8 @@ TEST_F(SequenceLifecycle, PoolExhaustionIsResourceExhaustedAndWritesNothing) {
   // The CLI reports it with the code's name and exit status 1.
   const std::string file = testing::VectorsDir() + "/" + testing::VectorFileNames().at(0);
   const CommandResult cli = server_->RunCli({"append", "--pool", kTinyPool, "--sequence", "c", "--layer", "1",
-                                             "--input", file, "--start", "0", "--ckv_scale", absl::StrFormat("%.9g", kCkvScale),
+                                             "--input", file, "--start", "0",
+                                             "--ckv_scale", absl::StrFormat("%.9g", kCkvScale),
                                              "--kpe_scale", absl::StrFormat("%.9g", kKpeScale)});
   if (testing::LoadVectorCase(testing::VectorFileNames().at(0)).rows > kPageSize) {
     EXPECT_EQ(cli.exit_code, 1) << cli.Describe();
