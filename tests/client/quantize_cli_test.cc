@@ -156,11 +156,7 @@ TEST(QuantizeCli, MissingArgumentsIsUsageError) {
 #endif
 
 INSTANTIATE_TEST_SUITE_P(AllFiles, QuantizeCliTest, ::testing::ValuesIn(testing::VectorFileNames()),
-                         [](const auto& info) {
-                           std::string n = info.param.substr(0, info.param.find('.'));
-                           for (char& ch : n) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-                           return n;
-                         });
+                         testing::VectorTestName);
 
 }  // namespace
 }  // namespace mlakv

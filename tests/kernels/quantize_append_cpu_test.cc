@@ -79,11 +79,7 @@ TEST_P(CpuVectorTest, MatchesExpectedBytesThroughShuffledPages) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFiles, CpuVectorTest, ::testing::ValuesIn(VectorFileNames()),
-                         [](const auto& info) {
-                           std::string n = info.param.substr(0, info.param.find('.'));
-                           for (char& ch : n) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-                           return n;
-                         });
+                         testing::VectorTestName);
 
 // ---- placement: only addressed entries change ------------------------------
 

@@ -106,11 +106,7 @@ TEST_P(CudaVectorTest, MatchesExpectedBytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFiles, CudaVectorTest, ::testing::ValuesIn(testing::VectorFileNames()),
-                         [](const auto& info) {
-                           std::string n = info.param.substr(0, info.param.find('.'));
-                           for (char& ch : n) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-                           return n;
-                         });
+                         testing::VectorTestName);
 
 struct RandomCase {
   DType dtype;

@@ -74,4 +74,10 @@ std::string DescribeMismatch(const QuantizedRows& expect, const QuantizedRows& g
 
 bool HaveCuda() { return CudaDeviceCount() > 0; }
 
+std::string VectorTestName(const ::testing::TestParamInfo<std::string>& info) {
+  std::string n = info.param.substr(0, info.param.find('.'));
+  for (char& ch : n) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+  return n;
+}
+
 }  // namespace mlakv::testing

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "client/safetensors_file.h"
+#include "gtest/gtest.h"
 #include "kernels/quantize_rows.h"
 #include "kernels/tensor_view.h"
 
@@ -33,5 +34,8 @@ std::string DescribeMismatch(const QuantizedRows& expect, const QuantizedRows& g
 
 // True when a CUDA device is visible.
 bool HaveCuda();
+
+// gtest name of a TEST_P over vector file names: "bf16_edges.safetensors" -> "bf16_edges".
+std::string VectorTestName(const ::testing::TestParamInfo<std::string>& info);
 
 }  // namespace mlakv::testing
