@@ -62,6 +62,8 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
         absl::StrCat("max_message_bytes ", max_message, " is below 65536; one row message needs more"));
   }
   service_options.max_message_bytes = max_message;
+  server->regions_ = std::make_unique<RegionRegistry>(RegionRegistry::Options{.allow_ipc = options.allow_ipc});
+  service_options.regions = server->regions_.get();
   server->service_ = std::make_unique<KvCacheService>(service_options);
 
   EnableHealthAndReflection();
@@ -119,6 +121,7 @@ KvCacheServer::~KvCacheServer() {
   // gone, and no reactor is left to post work to a pool once the service is.
   server_.reset();
   service_.reset();
+  regions_.reset();  // unmaps / closes every region (CUDA handles before the pools' contexts go)
   pools_.clear();  // each pool drains its worker, then frees its caches
 }
 

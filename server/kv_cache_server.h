@@ -19,6 +19,7 @@
 #include "mlakv/v1/config.pb.h"
 #include "server/kv_cache_service.h"
 #include "server/pool.h"
+#include "server/region_registry.h"
 #include "server/server_metrics.h"
 
 namespace mlakv::server {
@@ -29,6 +30,7 @@ class KvCacheServer {
     v1::ServerConfig config;             // pools, limits (an empty pool list: the embedded default pool)
     std::string listen;                  // host:port; port 0 picks a free port; empty: in-process only
     std::string default_device = "auto";  // for pools without a device: auto | cpu | cuda:N
+    bool allow_ipc = false;  // --allow_ipc: shm / CUDA IPC regions (else their calls are PERMISSION_DENIED)
     // ---- operations (docs/deploy.md) ----
     // Credentials of the listening port (server_credentials.h); null: plaintext.
     std::shared_ptr<grpc::ServerCredentials> credentials;
@@ -58,6 +60,7 @@ class KvCacheServer {
   KvCacheServer() = default;
 
   std::vector<std::unique_ptr<Pool>> pools_;
+  std::unique_ptr<RegionRegistry> regions_;  // released after the service, before the pools
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string bound_address_;

@@ -58,18 +58,23 @@ absl::StatusOr<std::optional<DType>> ToDType(v1::RowDType dtype) {
   }
 }
 
-SequenceRowsIn ToRows(uint32_t start, uint32_t row_count, const google::protobuf::RepeatedPtrField<v1::LayerRows>& layers,
-                      uint32_t reserve_tokens) {
+// The rows of one sequence as Pool::Stage takes them: LayerRows' bytes, or
+// the rows their RegionRefs name (resolved by `regions`; `hold` keeps them
+// valid while the append is in flight).
+absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t start, uint32_t row_count,
+                                      const google::protobuf::RepeatedPtrField<v1::LayerRows>& layers,
+                                      uint32_t reserve_tokens, const RegionRegistry& regions, const Pool& pool,
+                                      RegionHold* hold) {
   SequenceRowsIn r;
   r.start = start;
   r.row_count = row_count;
   r.reserve_tokens = reserve_tokens;
   for (const v1::LayerRows& lr : layers) {
-    r.layers.push_back({.layer = lr.layer(),
-                        .ckv = lr.ckv(),
-                        .kpe = lr.kpe(),
-                        .ckv_scale = lr.ckv_scale(),
-                        .kpe_scale = lr.kpe_scale()});
+    LayerRowsIn in;
+    absl::Status s = regions.ResolveRows(absl::StrCat("sequence '", sequence, "' layer ", lr.layer()), lr, row_count,
+                                         pool.device(), &in, hold);
+    if (!s.ok()) return s;
+    r.layers.push_back(in);
   }
   return r;
 }
@@ -259,10 +264,12 @@ grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContex
   }
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   Pool* p = *pool;
-  p->worker().Post([p, req, resp, reactor, detail, dtype = *dtype] {
+  const RegionRegistry* regions = options_.regions;
+  p->worker().Post([p, req, resp, reactor, detail, dtype = *dtype, regions] {
     std::vector<std::unique_ptr<AppendTransaction>> txns;
     std::vector<AppendTransaction*> raw_txns;
     std::vector<SequenceRowsIn> rows;
+    RegionHold hold;  // regions named by the rows, until the call ends
     absl::Status status;
     for (const v1::SequenceRows& s : req->sequences()) {
       absl::StatusOr<std::unique_ptr<AppendTransaction>> txn = p->BeginAppend(s.sequence());
@@ -272,7 +279,13 @@ grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContex
       }
       raw_txns.push_back(txn->get());
       txns.push_back(std::move(*txn));
-      rows.push_back(ToRows(s.start(), s.row_count(), s.layers(), 0));
+      absl::StatusOr<SequenceRowsIn> r = ToRows(s.sequence(), s.start(), s.row_count(), s.layers(), 0, *regions, *p,
+                                                &hold);
+      if (!r.ok()) {
+        status = r.status();
+        break;
+      }
+      rows.push_back(std::move(*r));
     }
     if (status.ok()) {
       std::vector<const SequenceRowsIn*> row_ptrs;
@@ -371,9 +384,12 @@ class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendR
         if (!txn.ok()) return txn.status();
         txn_ = std::move(*txn);
       }
-      const SequenceRowsIn rows = ToRows(req_.start(), req_.row_count(), req_.layers(), req_.reserve_tokens());
+      absl::StatusOr<SequenceRowsIn> rows = ToRows(sequence_, req_.start(), req_.row_count(), req_.layers(),
+                                                   req_.reserve_tokens(), *service_->options_.regions, *pool_,
+                                                   &regions_held_);
+      if (!rows.ok()) return rows.status();
       AppendTransaction* txn = txn_.get();
-      const SequenceRowsIn* rows_ptr = &rows;
+      const SequenceRowsIn* rows_ptr = &*rows;
       return pool_->Stage({&txn, 1}, {&rows_ptr, 1}, *dtype);
     }();
     if (!status.ok()) {
@@ -420,6 +436,9 @@ class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendR
   std::string pool_field_;
   std::string sequence_;
   std::unique_ptr<AppendTransaction> txn_;
+  // Regions the stream's messages named: held until the stream ends, so an
+  // UnregisterRegion meanwhile never unmaps memory this append reads.
+  RegionHold regions_held_;
   int messages_ = 0;
   std::atomic<bool> cancelled_{false};
 };
@@ -586,6 +605,50 @@ class KvCacheService::ReadReactor : public grpc::ServerWriteReactor<v1::ReadSequ
 grpc::ServerWriteReactor<v1::ReadSequenceResponse>* KvCacheService::ReadSequence(
     grpc::CallbackServerContext* ctx, const v1::ReadSequenceRequest* req) {
   return new ReadReactor(this, ctx, req);
+}
+
+// ---- regions (docs/server.md "Regions") ---------------------------------------------
+
+grpc::ServerUnaryReactor* KvCacheService::RegisterShmRegion(grpc::CallbackServerContext* ctx,
+                                                            const v1::RegisterShmRegionRequest* req,
+                                                            v1::Region* resp) {
+  const std::string detail = absl::StrCat("name='", req->name(), "' shm_name='", req->shm_name(), "' offset=",
+                                          req->offset(), " byte_size=", req->byte_size());
+  if (draining()) return FinishUnary(ctx, "RegisterShmRegion", detail, Draining());
+  absl::StatusOr<v1::Region> region = options_.regions->RegisterShm(*req);
+  if (region.ok()) *resp = std::move(*region);
+  return FinishUnary(ctx, "RegisterShmRegion", detail, region.status());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::RegisterCudaRegion(grpc::CallbackServerContext* ctx,
+                                                             const v1::RegisterCudaRegionRequest* req,
+                                                             v1::Region* resp) {
+  const std::string detail = absl::StrCat("name='", req->name(), "' device_id=", req->device_id(),
+                                          " byte_size=", req->byte_size());
+  if (draining()) return FinishUnary(ctx, "RegisterCudaRegion", detail, Draining());
+  absl::StatusOr<v1::Region> region = options_.regions->RegisterCuda(*req);
+  if (region.ok()) *resp = std::move(*region);
+  return FinishUnary(ctx, "RegisterCudaRegion", detail, region.status());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                                           const v1::UnregisterRegionRequest* req,
+                                                           v1::UnregisterRegionResponse* resp) {
+  const std::string detail = absl::StrCat("name='", req->name(), "'");
+  if (draining()) return FinishUnary(ctx, "UnregisterRegion", detail, Draining());
+  absl::StatusOr<uint32_t> holders = options_.regions->Unregister(req->name());
+  if (holders.ok()) resp->set_appends_in_flight(*holders);
+  return FinishUnary(ctx, "UnregisterRegion", detail, holders.status());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ListRegions(grpc::CallbackServerContext* ctx,
+                                                      const v1::ListRegionsRequest*, v1::ListRegionsResponse* resp) {
+  if (draining()) return FinishUnary(ctx, "ListRegions", "", Draining());
+  absl::StatusOr<std::vector<v1::Region>> regions = options_.regions->List();
+  if (regions.ok()) {
+    for (v1::Region& r : *regions) *resp->add_regions() = std::move(r);
+  }
+  return FinishUnary(ctx, "ListRegions", "", regions.status());
 }
 
 }  // namespace mlakv::server

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
 #include "server/pool.h"
+#include "server/region_registry.h"
 
 namespace mlakv::server {
 
@@ -26,6 +27,7 @@ class KvCacheService final : public mlakv::v1::KvCache::CallbackService {
     std::vector<Pool*> pools;   // not owned; outlive the service
     std::string default_pool;   // the pool an empty `pool` field means
     uint32_t max_message_bytes = 64 << 20;  // largest message sent (ReadSequence chunks are capped below it)
+    RegionRegistry* regions = nullptr;  // not owned, outlives the service; never null
   };
 
   explicit KvCacheService(Options options);
@@ -58,6 +60,15 @@ class KvCacheService final : public mlakv::v1::KvCache::CallbackService {
                                          v1::FreeSequenceResponse* resp) override;
   grpc::ServerUnaryReactor* TruncateSequence(grpc::CallbackServerContext* ctx,
                                              const v1::TruncateSequenceRequest* req, v1::Sequence* resp) override;
+  // Regions: inline (shm_open + mmap, cudaIpcOpenMemHandle happen once per registration).
+  grpc::ServerUnaryReactor* RegisterShmRegion(grpc::CallbackServerContext* ctx, const v1::RegisterShmRegionRequest* req,
+                                              v1::Region* resp) override;
+  grpc::ServerUnaryReactor* RegisterCudaRegion(grpc::CallbackServerContext* ctx,
+                                               const v1::RegisterCudaRegionRequest* req, v1::Region* resp) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx, const v1::UnregisterRegionRequest* req,
+                                             v1::UnregisterRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx, const v1::ListRegionsRequest* req,
+                                        v1::ListRegionsResponse* resp) override;
 
  private:
   class AppendReactor;

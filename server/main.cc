@@ -31,6 +31,9 @@ ABSL_FLAG(std::string, log_level, "info", "trace, debug (one line per request), 
 ABSL_FLAG(int32_t, drain_grace_s, 10,
           "on SIGTERM/SIGINT, how long calls in flight may run before they are cancelled (keep it below the pod's "
           "terminationGracePeriodSeconds)");
+ABSL_FLAG(bool, allow_ipc, false,
+          "accept RegisterShmRegion / RegisterCudaRegion and appends naming regions: the server then reads memory "
+          "of other processes on this host (docs/server.md \"Regions\"); off: those calls are PERMISSION_DENIED");
 // ---- operations (docs/deploy.md): metrics, TLS, token, health probe port ----
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port serving Prometheus text metrics at GET /metrics (e.g. 0.0.0.0:9090); empty: no metrics endpoint");
@@ -109,7 +112,8 @@ int RunServer() {
 
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server =
       KvCacheServer::Create({.config = config, .listen = listen, .default_device = device,
-                             .credentials = *credentials, .metrics = metrics->get()});
+                             .allow_ipc = absl::GetFlag(FLAGS_allow_ipc), .credentials = *credentials,
+                             .metrics = metrics->get()});
   if (!server.ok()) {
     spdlog::critical("cannot start: {}", std::string(server.status().message()));
     return 1;

@@ -119,6 +119,8 @@ class ServiceFixture {
   void StartServer(const std::string& device, const std::string& pool_text, const std::string& extra = "",
                    const std::string& listen = "");
   void StopServer() { server_.reset(); }
+  // Servers started from now on run with --allow_ipc (regions) or without.
+  void set_allow_ipc(bool allow) { allow_ipc_ = allow; }
 
   v1::KvCache::Stub& stub() { return *stub_; }
   KvCacheServer& server() { return *server_; }
@@ -139,6 +141,7 @@ class ServiceFixture {
  private:
   std::unique_ptr<KvCacheServer> server_;
   std::unique_ptr<v1::KvCache::Stub> stub_;
+  bool allow_ipc_ = false;
 };
 
 }  // namespace mlakv::server::testing

@@ -1,0 +1,220 @@
+#include "server/region_registry.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/nvfp4_format.h"
+#include "server/shm_region.h"
+
+namespace mlakv::server {
+namespace {
+
+constexpr size_t kMaxNameBytes = 256;
+constexpr size_t kCudaIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t) and sizeof(cudaIpcEventHandle_t)
+// Both row dtypes (fp16, bf16) have 2-byte elements, so a row's bytes do not
+// depend on which one the append names (Pool::Stage checks the dtype).
+constexpr uint64_t kElementBytes = 2;
+
+}  // namespace
+
+absl::Status RegionRegistry::CheckAllowed(const char* what) const {
+  if (options_.allow_ipc) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat(what, " is refused: this server was started without --allow_ipc (regions let another process's "
+                   "memory be read by the server; enable them only where producers are trusted)"));
+}
+
+absl::Status RegionRegistry::CheckNewName(const std::string& name) const {
+  if (name.empty() || name.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region name of ", name.size(), " bytes; a region name has 1..", kMaxNameBytes, " bytes"));
+  }
+  if (regions_.contains(name)) {
+    return absl::AlreadyExistsError(absl::StrCat("region '", name, "' is already registered (",
+                                                 regions_.at(name)->Describe(),
+                                                 "); unregister it first or pick another name"));
+  }
+  return absl::OkStatus();
+}
+
+v1::Region RegionRegistry::ToProto(const std::string& name, const Region& region, long use_count) const {
+  v1::Region out;
+  out.set_name(name);
+  out.set_byte_size(region.byte_size());
+  out.set_appends_in_flight(static_cast<uint32_t>(std::max(0L, use_count - 1)));
+  if (region.kind() == Region::Kind::kShm) {
+    const auto& shm = static_cast<const ShmRegion&>(region);
+    out.set_kind(v1::REGION_KIND_SHM);
+    out.set_shm_name(shm.shm_name());
+    out.set_shm_offset(shm.offset());
+  } else {
+    out.set_kind(v1::REGION_KIND_CUDA);
+    out.set_device_id(region.device());
+  }
+  return out;
+}
+
+absl::StatusOr<v1::Region> RegionRegistry::RegisterShm(const v1::RegisterShmRegionRequest& req) {
+  if (absl::Status s = CheckAllowed("RegisterShmRegion"); !s.ok()) return s;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (absl::Status s = CheckNewName(req.name()); !s.ok()) return s;
+  }
+  // Mapped outside the lock; the name is checked again before it is taken.
+  absl::StatusOr<std::unique_ptr<ShmRegion>> region =
+      ShmRegion::Create({.shm_name = req.shm_name(), .offset = req.offset(), .byte_size = req.byte_size()});
+  if (!region.ok()) {
+    return absl::Status(region.status().code(),
+                        absl::StrCat("region '", req.name(), "': ", region.status().message()));
+  }
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckNewName(req.name()); !s.ok()) return s;
+  std::shared_ptr<const Region> shared(std::move(*region));
+  regions_.emplace(req.name(), shared);
+  return ToProto(req.name(), *shared, 1);
+}
+
+absl::StatusOr<v1::Region> RegionRegistry::RegisterCuda(const v1::RegisterCudaRegionRequest& req) {
+  if (absl::Status s = CheckAllowed("RegisterCudaRegion"); !s.ok()) return s;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    if (absl::Status s = CheckNewName(req.name()); !s.ok()) return s;
+  }
+  if (req.raw_handle().size() != kCudaIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("region '", req.name(), "': raw_handle has ",
+                                                   req.raw_handle().size(), " bytes; a cudaIpcMemHandle_t has ",
+                                                   kCudaIpcHandleBytes));
+  }
+  if (!req.raw_event_handle().empty() && req.raw_event_handle().size() != kCudaIpcHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("region '", req.name(), "': raw_event_handle has ",
+                                                   req.raw_event_handle().size(),
+                                                   " bytes; a cudaIpcEventHandle_t has ", kCudaIpcHandleBytes,
+                                                   " (or leave it empty)"));
+  }
+  if (req.byte_size() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("region '", req.name(), "': byte_size is 0"));
+  }
+  return absl::UnimplementedError(absl::StrCat("region '", req.name(),
+                                               "': CUDA IPC regions are not implemented in this build yet; "
+                                               "register a shared-memory region or send bytes"));
+}
+
+absl::StatusOr<uint32_t> RegionRegistry::Unregister(const std::string& name) {
+  if (absl::Status s = CheckAllowed("UnregisterRegion"); !s.ok()) return s;
+  std::shared_ptr<const Region> region;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(name);
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region '", name, "' is not registered"));
+    region = std::move(it->second);
+    regions_.erase(it);
+  }
+  // `region` is the registry's former reference; the others are appends'.
+  return static_cast<uint32_t>(std::max(0L, region.use_count() - 1));
+}
+
+absl::StatusOr<std::vector<v1::Region>> RegionRegistry::List() const {
+  if (absl::Status s = CheckAllowed("ListRegions"); !s.ok()) return s;
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<v1::Region> out;
+  for (const auto& [name, region] : regions_) out.push_back(ToProto(name, *region, region.use_count()));
+  return out;
+}
+
+void RegionRegistry::Clear() {
+  std::map<std::string, std::shared_ptr<const Region>> dropped;
+  absl::MutexLock lock(&mu_);
+  dropped.swap(regions_);
+}
+
+absl::StatusOr<std::string_view> RegionRegistry::ResolveOne(const std::string& who, const char* field,
+                                                            const v1::RegionRef& ref, uint64_t row_bytes,
+                                                            uint32_t row_count, const std::string& pool_device,
+                                                            RegionHold* hold) const {
+  const std::string what = absl::StrCat(who, ": ", field, "_ref region '", ref.region(), "'");
+  std::shared_ptr<const Region> region;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = regions_.find(ref.region());
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat(what, " is not registered (RegisterShmRegion / RegisterCudaRegion)"));
+    }
+    region = it->second;
+  }
+  const uint64_t stride = ref.row_stride_bytes() == 0 ? row_bytes : ref.row_stride_bytes();
+  if (stride < row_bytes || stride % kElementBytes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": row_stride_bytes ", ref.row_stride_bytes(),
+                                                   " must be 0 (packed) or a multiple of 2 that is at least the ",
+                                                   row_bytes, " bytes of a row"));
+  }
+  const uint64_t size = region->byte_size();
+  // offset + (rows - 1) x stride + row_bytes <= size, without overflow.
+  const bool inside = ref.offset() <= size &&
+                      (row_count == 0 || (row_bytes <= size - ref.offset() &&
+                                          (row_count - 1) <= (size - ref.offset() - row_bytes) / stride));
+  if (!inside) {
+    return absl::OutOfRangeError(absl::StrCat(what, ": offset ", ref.offset(), " + ", row_count, " rows of ",
+                                              row_bytes, " bytes at stride ", stride,
+                                              " reaches past the region's ", size, " bytes"));
+  }
+  if (region->kind() == Region::Kind::kCuda) {
+    if (pool_device == "cpu") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, " is CUDA memory on cuda:", region->device(),
+          " but the pool is on the cpu backend, which cannot read device memory; register a shared-memory region "
+          "or send the rows as bytes"));
+    }
+    return absl::UnimplementedError(absl::StrCat(what, ": appends from CUDA regions are not implemented yet"));
+  }
+  if (std::find(hold->regions.begin(), hold->regions.end(), region) == hold->regions.end()) {
+    hold->regions.push_back(region);
+  }
+  const uint8_t* first = region->data() + ref.offset();
+  if (stride == row_bytes) {
+    return std::string_view(reinterpret_cast<const char*>(first), row_count * row_bytes);
+  }
+  // Strided host rows: packed into one buffer the append holds (the staging
+  // paths take packed rows).
+  auto packed = std::make_unique<std::string>(row_count * row_bytes, '\0');
+  for (uint32_t i = 0; i < row_count; ++i) {
+    std::memcpy(packed->data() + i * row_bytes, first + i * stride, row_bytes);
+  }
+  std::string_view view(*packed);
+  hold->gathered.push_back(std::move(packed));
+  return view;
+}
+
+absl::Status RegionRegistry::ResolveRows(const std::string& who, const v1::LayerRows& in, uint32_t row_count,
+                                         const std::string& pool_device, LayerRowsIn* out, RegionHold* hold) const {
+  out->layer = in.layer();
+  out->ckv = in.ckv();
+  out->kpe = in.kpe();
+  out->ckv_scale = in.ckv_scale();
+  out->kpe_scale = in.kpe_scale();
+  if (!in.has_ckv_ref() && !in.has_kpe_ref()) return absl::OkStatus();
+  if (absl::Status s = CheckAllowed("an append naming a region"); !s.ok()) return s;
+  if (in.has_ckv_ref()) {
+    if (!in.ckv().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": carries both ckv bytes and ckv_ref; send the rows one way"));
+    }
+    absl::StatusOr<std::string_view> v = ResolveOne(who, "ckv", in.ckv_ref(), format::kCkvDim * kElementBytes,
+                                                    row_count, pool_device, hold);
+    if (!v.ok()) return v.status();
+    out->ckv = *v;
+  }
+  if (in.has_kpe_ref()) {
+    if (!in.kpe().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": carries both kpe bytes and kpe_ref; send the rows one way"));
+    }
+    absl::StatusOr<std::string_view> v = ResolveOne(who, "kpe", in.kpe_ref(), format::kKpeDim * kElementBytes,
+                                                    row_count, pool_device, hold);
+    if (!v.ok()) return v.status();
+    out->kpe = *v;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace mlakv::server

@@ -1,0 +1,77 @@
+// RegionRegistry: the regions (host shared memory, CUDA IPC allocations) that
+// producers on this host registered by name, and the resolution of an
+// append's RegionRefs into the row views Pool::Stage takes
+// (docs/server.md "Regions").
+//
+// Every call is refused with PERMISSION_DENIED unless the server runs with
+// --allow_ipc. Regions are shared: Unregister drops the registry's reference
+// and the name at once, appends in flight keep theirs (RegionHold) and the
+// memory is released (munmap, cudaIpcCloseMemHandle) when the last one ends.
+// Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "mlakv/v1/kv_cache.pb.h"
+#include "server/pool.h"
+#include "server/region.h"
+
+namespace mlakv::server {
+
+// What keeps the rows of an append valid while it is in flight: the regions
+// it named and the packed copies of strided host rows.
+struct RegionHold {
+  std::vector<std::shared_ptr<const Region>> regions;
+  std::vector<std::unique_ptr<std::string>> gathered;
+};
+
+class RegionRegistry {
+ public:
+  struct Options {
+    bool allow_ipc = false;  // --allow_ipc: without it every call is PERMISSION_DENIED
+  };
+
+  explicit RegionRegistry(Options options) : options_(options) {}
+
+  bool allow_ipc() const { return options_.allow_ipc; }
+
+  // Maps the shared-memory object; ALREADY_EXISTS for a name in use.
+  absl::StatusOr<v1::Region> RegisterShm(const v1::RegisterShmRegionRequest& req);
+  // Opens the cudaIpcMemHandle_t (64 bytes, else INVALID_ARGUMENT).
+  absl::StatusOr<v1::Region> RegisterCuda(const v1::RegisterCudaRegionRequest& req);
+  // Forgets `name` (NOT_FOUND if unknown); returns how many appends in flight still hold it.
+  absl::StatusOr<uint32_t> Unregister(const std::string& name);
+  absl::StatusOr<std::vector<v1::Region>> List() const;
+  // Drops every region (shutdown); appends still holding one keep it.
+  void Clear();
+
+  // Fills out->ckv / out->kpe from `in`: its bytes, or the rows its
+  // ckv_ref / kpe_ref name (`row_count` rows of 2-byte elements). Host rows
+  // are viewed in place when packed and copied into `hold` when strided.
+  // `pool_device` is the appending pool's device ("cpu" or "cuda:N").
+  // `who` starts error messages ("sequence 's' layer 0").
+  absl::Status ResolveRows(const std::string& who, const v1::LayerRows& in, uint32_t row_count,
+                           const std::string& pool_device, LayerRowsIn* out, RegionHold* hold) const;
+
+ private:
+  absl::Status CheckAllowed(const char* what) const;
+  absl::Status CheckNewName(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  v1::Region ToProto(const std::string& name, const Region& region, long use_count) const;
+  absl::StatusOr<std::string_view> ResolveOne(const std::string& who, const char* field, const v1::RegionRef& ref,
+                                              uint64_t row_bytes, uint32_t row_count, const std::string& pool_device,
+                                              RegionHold* hold) const;
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<const Region>> regions_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace mlakv::server

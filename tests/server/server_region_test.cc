@@ -1,0 +1,417 @@
+// Regions on the cpu backend, in process: POSIX shared-memory objects written
+// with rows, registered, and named by appends (Append and AppendBatch, packed
+// and strided rows) store exactly the bytes the same rows sent as bytes store;
+// every refusal (no --allow_ipc, duplicate, unknown, out of range, bad handle
+// size, malformed refs) with its code and nothing written; unregister while
+// an append stream holds the region. Pool invariants after every test.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "tests/server/service_fixture.h"
+
+namespace mlakv::server::testing {
+namespace {
+
+constexpr float kCkvScale = 0.0625f;
+constexpr float kKpeScale = 0.03125f;
+constexpr uint64_t kCkvRow = 512 * 2;
+constexpr uint64_t kKpeRow = 64 * 2;
+
+// A POSIX shared-memory object of `bytes` bytes, mapped read-write; unlinked
+// and unmapped at the end of the test.
+class ShmObject {
+ public:
+  explicit ShmObject(uint64_t bytes) : bytes_(bytes) {
+    static std::atomic<int> counter{0};
+    name_ = "/mlakv-region-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
+    const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << name_ << ": " << std::strerror(errno);
+    if (fd < 0) return;
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0) << std::strerror(errno);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    EXPECT_NE(p, MAP_FAILED) << std::strerror(errno);
+    data_ = p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
+  }
+  ~ShmObject() {
+    if (data_ != nullptr) munmap(data_, bytes_);
+    shm_unlink(name_.c_str());
+  }
+  const std::string& name() const { return name_; }
+  uint8_t* data() { return data_; }
+
+ private:
+  std::string name_;
+  uint64_t bytes_;
+  uint8_t* data_ = nullptr;
+};
+
+v1::RegionRef Ref(const std::string& region, uint64_t offset, uint64_t stride = 0) {
+  v1::RegionRef r;
+  r.set_region(region);
+  r.set_offset(offset);
+  r.set_row_stride_bytes(stride);
+  return r;
+}
+
+// An Append message whose layers name `ckv` / `kpe` instead of carrying bytes.
+v1::AppendRequest RegionMessage(const std::string& sequence, uint32_t start, uint32_t rows, DType dtype,
+                                const std::vector<uint32_t>& layers, const v1::RegionRef& ckv,
+                                const v1::RegionRef& kpe) {
+  v1::AppendRequest m;
+  m.set_sequence(sequence);
+  m.set_start(start);
+  m.set_row_count(rows);
+  m.set_dtype(ProtoDType(dtype));
+  for (uint32_t l : layers) {
+    v1::LayerRows* lr = m.add_layers();
+    lr->set_layer(l);
+    *lr->mutable_ckv_ref() = ckv;
+    *lr->mutable_kpe_ref() = kpe;
+    lr->set_ckv_scale(kCkvScale);
+    lr->set_kpe_scale(kKpeScale);
+  }
+  return m;
+}
+
+class RegionServiceTest : public ::testing::Test, public ServiceFixture {
+ protected:
+  void SetUp() override { Start(true); }
+  void TearDown() override {
+    absl::Status inv = pool().CheckInvariants();
+    EXPECT_TRUE(inv.ok()) << inv;
+    StopServer();
+  }
+  void Start(bool allow_ipc) {
+    set_allow_ipc(allow_ipc);
+    // 4 layers, 16-token pages, 32 pages = 512 tokens.
+    StartServer("cpu", "name: 'default' num_layers: 4 page_size: 16 num_pages: 32");
+  }
+
+  grpc::Status RegisterShm(const std::string& name, const std::string& shm_name, uint64_t offset, uint64_t bytes,
+                           v1::Region* out = nullptr) {
+    v1::RegisterShmRegionRequest req;
+    req.set_name(name);
+    req.set_shm_name(shm_name);
+    req.set_offset(offset);
+    req.set_byte_size(bytes);
+    v1::Region local;
+    grpc::ClientContext ctx;
+    return stub().RegisterShmRegion(&ctx, req, out ? out : &local);
+  }
+  grpc::Status Unregister(const std::string& name, v1::UnregisterRegionResponse* out = nullptr) {
+    v1::UnregisterRegionRequest req;
+    req.set_name(name);
+    v1::UnregisterRegionResponse local;
+    grpc::ClientContext ctx;
+    return stub().UnregisterRegion(&ctx, req, out ? out : &local);
+  }
+  grpc::Status List(v1::ListRegionsResponse* out) {
+    grpc::ClientContext ctx;
+    return stub().ListRegions(&ctx, v1::ListRegionsRequest(), out);
+  }
+
+  // Layers `layers` of sequences `a` and `b` store the same bytes.
+  void ExpectSameStored(const std::string& a, const std::string& b, const std::vector<uint32_t>& layers,
+                        uint32_t count) {
+    for (uint32_t l : layers) {
+      Stored sa = Read(a, l, 0, count);
+      Stored sb = Read(b, l, 0, count);
+      ASSERT_TRUE(sa.status.ok()) << Describe(sa.status);
+      ASSERT_TRUE(sb.status.ok()) << Describe(sb.status);
+      EXPECT_EQ(sa.rows.rows, count);
+      EXPECT_EQ(sa.rows.ckv_packed, sb.rows.ckv_packed) << "layer " << l;
+      EXPECT_EQ(sa.rows.ckv_sf, sb.rows.ckv_sf) << "layer " << l;
+      EXPECT_EQ(sa.rows.kpe, sb.rows.kpe) << "layer " << l;
+    }
+  }
+};
+
+TEST_F(RegionServiceTest, ShmAppendStoresTheSameBytesAsBytesAppend) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    const std::string tag = dtype == DType::kBFloat16 ? "bf16" : "fp16";
+    const Rows rows = RandomRows(37, 11, dtype);
+    // ckv rows at 4096 (after a header the producer keeps), kpe rows after them.
+    const uint64_t ckv_off = 4096, kpe_off = ckv_off + rows.n * kCkvRow;
+    ShmObject shm(kpe_off + rows.n * kKpeRow);
+    std::memcpy(shm.data() + ckv_off, rows.ckv.data(), rows.n * kCkvRow);
+    std::memcpy(shm.data() + kpe_off, rows.kpe.data(), rows.n * kKpeRow);
+    v1::Region reg;
+    grpc::Status s = RegisterShm("r-" + tag, shm.name(), 0, 0, &reg);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    EXPECT_EQ(reg.kind(), v1::REGION_KIND_SHM);
+    EXPECT_EQ(reg.byte_size(), kpe_off + rows.n * kKpeRow);
+
+    v1::AppendResponse resp;
+    s = Append({RegionMessage("ipc-" + tag, 0, rows.n, dtype, {0, 2}, Ref("r-" + tag, ckv_off),
+                              Ref("r-" + tag, kpe_off))},
+               &resp);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    EXPECT_EQ(resp.rows_written(), 2u * rows.n);
+    s = AppendRows("bytes-" + tag, 0, rows, {0, 2}, kCkvScale, kKpeScale);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    ExpectSameStored("ipc-" + tag, "bytes-" + tag, {0, 2}, rows.n);
+    s = Unregister("r-" + tag);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
+}
+
+TEST_F(RegionServiceTest, StridedRowsAtARegionOffset) {
+  // The producer's layout: per row ckv, kpe, 64 bytes of padding; the region
+  // starts 8192 bytes into the object (not page-aligned offsets inside it).
+  const Rows rows = RandomRows(21, 12);
+  const uint64_t stride = kCkvRow + kKpeRow + 64, region_off = 8192 + 100, first = 36;
+  ShmObject shm(region_off + first + rows.n * stride);
+  for (int64_t i = 0; i < rows.n; ++i) {
+    uint8_t* row = shm.data() + region_off + first + i * stride;
+    std::memcpy(row, rows.ckv.data() + i * 512, kCkvRow);
+    std::memcpy(row + kCkvRow, rows.kpe.data() + i * 64, kKpeRow);
+  }
+  grpc::Status s = RegisterShm("strided", shm.name(), region_off, first + rows.n * stride);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  s = Append({RegionMessage("ipc", 0, rows.n, rows.dtype, {1}, Ref("strided", first, stride),
+                            Ref("strided", first + kCkvRow, stride))});
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  s = AppendRows("bytes", 0, rows, {1}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ExpectSameStored("ipc", "bytes", {1}, rows.n);
+}
+
+TEST_F(RegionServiceTest, AppendBatchFromARegion) {
+  // Three sequences, 2 rows each, one region; the third sends bytes.
+  const Rows rows = RandomRows(6, 13);
+  ShmObject shm(rows.n * (kCkvRow + kKpeRow));
+  std::memcpy(shm.data(), rows.ckv.data(), rows.n * kCkvRow);
+  std::memcpy(shm.data() + rows.n * kCkvRow, rows.kpe.data(), rows.n * kKpeRow);
+  grpc::Status s = RegisterShm("batch", shm.name(), 0, 0);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  v1::AppendBatchRequest req;
+  req.set_dtype(ProtoDType(rows.dtype));
+  for (int i = 0; i < 3; ++i) {
+    v1::SequenceRows* sr = req.add_sequences();
+    sr->set_sequence("b" + std::to_string(i));
+    sr->set_row_count(2);
+    v1::LayerRows* lr = sr->add_layers();
+    lr->set_layer(3);
+    lr->set_ckv_scale(kCkvScale);
+    lr->set_kpe_scale(kKpeScale);
+    if (i < 2) {
+      *lr->mutable_ckv_ref() = Ref("batch", i * 2 * kCkvRow);
+      *lr->mutable_kpe_ref() = Ref("batch", rows.n * kCkvRow + i * 2 * kKpeRow);
+    } else {
+      lr->set_ckv(rows.ckv_bytes(4, 2));
+      lr->set_kpe(rows.kpe_bytes(4, 2));
+    }
+  }
+  v1::AppendBatchResponse resp;
+  grpc::ClientContext ctx;
+  s = stub().AppendBatch(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.rows_written(), 6u);
+  s = AppendRows("bytes", 0, rows, {3}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  Stored all = Read("bytes", 3, 0, 6);
+  ASSERT_TRUE(all.status.ok()) << Describe(all.status);
+  for (int i = 0; i < 3; ++i) {
+    Stored one = Read("b" + std::to_string(i), 3, 0, 2);
+    ASSERT_TRUE(one.status.ok()) << Describe(one.status);
+    EXPECT_EQ(0, std::memcmp(one.rows.ckv_packed.data(), all.rows.ckv_packed.data() + i * 2 * 256, 2 * 256)) << i;
+    EXPECT_EQ(0, std::memcmp(one.rows.ckv_sf.data(), all.rows.ckv_sf.data() + i * 2 * 32, 2 * 32)) << i;
+    EXPECT_EQ(0, std::memcmp(one.rows.kpe.data(), all.rows.kpe.data() + i * 2 * 64, 2 * 64)) << i;
+  }
+}
+
+TEST_F(RegionServiceTest, EverythingRefusedWithoutAllowIpc) {
+  StopServer();
+  Start(false);
+  ShmObject shm(1 << 16);
+  grpc::Status s = RegisterShm("r", shm.name(), 0, 0);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
+  EXPECT_NE(s.error_message().find("--allow_ipc"), std::string::npos) << Describe(s);
+  v1::RegisterCudaRegionRequest creq;
+  creq.set_name("c");
+  creq.set_raw_handle(std::string(64, '\0'));
+  creq.set_byte_size(1024);
+  v1::Region region;
+  {
+    grpc::ClientContext ctx;
+    s = stub().RegisterCudaRegion(&ctx, creq, &region);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
+  }
+  s = Unregister("r");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
+  v1::ListRegionsResponse list;
+  s = List(&list);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
+  s = Append({RegionMessage("s", 0, 1, DType::kBFloat16, {0}, Ref("r", 0), Ref("r", kCkvRow))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
+  EXPECT_EQ(GetPool().pages_used(), 0u);
+}
+
+TEST_F(RegionServiceTest, DuplicateNameIsAlreadyExists) {
+  ShmObject shm(1 << 16);
+  grpc::Status s = RegisterShm("dup", shm.name(), 0, 0);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  s = RegisterShm("dup", shm.name(), 4096, 4096);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << Describe(s);
+  v1::RegisterCudaRegionRequest creq;
+  creq.set_name("dup");
+  creq.set_raw_handle(std::string(64, '\0'));
+  creq.set_byte_size(1024);
+  v1::Region region;
+  grpc::ClientContext ctx;
+  s = stub().RegisterCudaRegion(&ctx, creq, &region);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << Describe(s);
+  v1::ListRegionsResponse list;
+  s = List(&list);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ASSERT_EQ(list.regions_size(), 1);
+  EXPECT_EQ(list.regions(0).name(), "dup");
+  EXPECT_EQ(list.regions(0).shm_offset(), 0u);
+  EXPECT_EQ(list.regions(0).byte_size(), 1u << 16);
+}
+
+TEST_F(RegionServiceTest, UnknownRegionIsNotFoundAndWritesNothing) {
+  grpc::Status s = Unregister("nope");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+  s = Append({RegionMessage("s", 0, 4, DType::kBFloat16, {0}, Ref("nope", 0), Ref("nope", 0))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+  EXPECT_NE(s.error_message().find("'nope'"), std::string::npos) << Describe(s);
+  s = RegisterShm("r", "/mlakv-region-test-does-not-exist", 0, 0);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+  EXPECT_EQ(GetPool().pages_used(), 0u);
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("s", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(RegionServiceTest, OutOfRangeRegistrationsAndRefs) {
+  const uint64_t size = 4 * (kCkvRow + kKpeRow);
+  ShmObject shm(size);
+  grpc::Status s = RegisterShm("r", shm.name(), 0, size + 1);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  s = RegisterShm("r", shm.name(), 100, size - 99);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  s = RegisterShm("r", shm.name(), size, 0);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  s = RegisterShm("r", shm.name(), 0, 0);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  // 4 rows fit: ckv at 0, kpe at 4 x 1024. One byte further does not.
+  s = Append({RegionMessage("s", 0, 4, DType::kBFloat16, {0}, Ref("r", 0), Ref("r", 4 * kCkvRow + 1))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  s = Append({RegionMessage("s", 0, 5, DType::kBFloat16, {0}, Ref("r", 0), Ref("r", 4 * kCkvRow))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  s = Append({RegionMessage("s", 0, 2, DType::kBFloat16, {0}, Ref("r", 0, 4 * kCkvRow), Ref("r", 4 * kCkvRow))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  s = Append({RegionMessage("s", 0, 1, DType::kBFloat16, {0}, Ref("r", UINT64_MAX), Ref("r", 0))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  EXPECT_EQ(GetPool().pages_used(), 0u);
+  s = Append({RegionMessage("s", 0, 4, DType::kBFloat16, {0}, Ref("r", 0), Ref("r", 4 * kCkvRow))});
+  EXPECT_TRUE(s.ok()) << Describe(s);
+}
+
+TEST_F(RegionServiceTest, MalformedRequestsAreInvalidArgument) {
+  ShmObject shm(1 << 16);
+  v1::RegisterCudaRegionRequest creq;
+  creq.set_name("c");
+  creq.set_byte_size(1024);
+  for (size_t bytes : {0, 63, 65, 128}) {
+    creq.set_raw_handle(std::string(bytes, '\x5a'));
+    v1::Region region;
+    grpc::ClientContext ctx;
+    grpc::Status s = stub().RegisterCudaRegion(&ctx, creq, &region);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bytes << ": " << Describe(s);
+    EXPECT_NE(s.error_message().find("64"), std::string::npos) << Describe(s);
+  }
+  for (const std::string& bad : {std::string(""), std::string("no-slash"), std::string("/a/b"), std::string("/")}) {
+    grpc::Status s = RegisterShm("r", bad, 0, 0);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "'" << bad << "': " << Describe(s);
+  }
+  grpc::Status s = RegisterShm("", shm.name(), 0, 0);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  s = RegisterShm("r", shm.name(), 0, 0);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  // Stride below a row, odd stride.
+  s = Append({RegionMessage("s", 0, 2, DType::kBFloat16, {0}, Ref("r", 0, kCkvRow - 2), Ref("r", 8192))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  s = Append({RegionMessage("s", 0, 2, DType::kBFloat16, {0}, Ref("r", 0), Ref("r", 8192, kKpeRow + 1))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  // Bytes and a ref for the same tensor.
+  v1::AppendRequest both = RegionMessage("s", 0, 1, DType::kBFloat16, {0}, Ref("r", 0), Ref("r", 8192));
+  both.mutable_layers(0)->set_ckv(std::string(kCkvRow, '\0'));
+  s = Append({both});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  // dtype unset is still refused by the usual validation.
+  v1::AppendRequest no_dtype = RegionMessage("s", 0, 1, DType::kBFloat16, {0}, Ref("r", 0), Ref("r", 8192));
+  no_dtype.set_dtype(v1::ROW_DTYPE_UNSPECIFIED);
+  s = Append({no_dtype});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_EQ(GetPool().pages_used(), 0u);
+}
+
+TEST_F(RegionServiceTest, UnregisterWhileAnAppendHoldsTheRegion) {
+  const Rows rows = RandomRows(40, 14);
+  const uint64_t kpe_off = 20 * kCkvRow;
+  auto shm = std::make_unique<ShmObject>(20 * (kCkvRow + kKpeRow));
+  std::memcpy(shm->data(), rows.ckv.data(), 20 * kCkvRow);
+  std::memcpy(shm->data() + kpe_off, rows.kpe.data(), 20 * kKpeRow);
+  grpc::Status s = RegisterShm("held", shm->name(), 0, 0);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+
+  // Stream: message 1 reads rows [0, 20) from the region; the stream stays open.
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer = stub().Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(RegionMessage("seq", 0, 20, rows.dtype, {0}, Ref("held", 0), Ref("held", kpe_off))));
+  // Wait (bounded) until the server has processed it and holds the region.
+  bool held = false;
+  for (int i = 0; i < 500 && !held; ++i) {
+    v1::ListRegionsResponse list;
+    s = List(&list);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    held = list.regions_size() == 1 && list.regions(0).appends_in_flight() == 1;
+    if (!held) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(held) << "the open stream never showed up as holding the region";
+
+  v1::UnregisterRegionResponse unreg;
+  s = Unregister("held", &unreg);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(unreg.appends_in_flight(), 1u);
+  v1::ListRegionsResponse list;
+  ASSERT_TRUE(List(&list).ok());
+  EXPECT_EQ(list.regions_size(), 0);
+  // The producer removes its object; the server's mapping (held by the stream) stays valid.
+  shm.reset();
+
+  // Another append naming it now: NOT_FOUND, nothing written.
+  s = Append({RegionMessage("other", 0, 20, rows.dtype, {0}, Ref("held", 0), Ref("held", kpe_off))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+
+  // The held stream goes on with bytes and commits.
+  ASSERT_TRUE(writer->Write(AppendMessage("", 20, rows, 20, 20, {0}, kCkvScale, kKpeScale)));
+  writer->WritesDone();
+  s = writer->Finish();
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.sequence().length(), 0u);  // only layer 0 written; length is the min over layers
+  EXPECT_EQ(resp.sequence().layer_lengths(0), 40u);
+
+  s = AppendRows("bytes", 0, rows, {0}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ExpectSameStored("seq", "bytes", {0}, rows.n);
+  // The name is free again.
+  ShmObject again(1 << 12);
+  s = RegisterShm("held", again.name(), 0, 0);
+  EXPECT_TRUE(s.ok()) << Describe(s);
+}
+
+}  // namespace
+}  // namespace mlakv::server::testing
