@@ -32,6 +32,13 @@ struct AppendSegment {
   int32_t rows = 0;
   int32_t request = 0;  // index into the page table's requests (kv_indptr)
   int32_t start = 0;    // position of the first row inside its request
+  // Rows in device memory (a CUDA region; only the cuda backend takes them):
+  // ckv / kpe are device pointers on `device`, rows *_stride_bytes apart
+  // (the fields above say "host, contiguous" otherwise).
+  int device = -1;                                   // -1: host rows
+  int64_t ckv_stride_bytes = 0;                      // device rows: bytes between rows (>= 1024, even)
+  int64_t kpe_stride_bytes = 0;                      // device rows: bytes between rows (>= 128, even)
+  const void* wait_events[2] = {nullptr, nullptr};  // device rows: cudaEvent_t to wait on before reading
 };
 
 // Rows for one layer, against one host page table.

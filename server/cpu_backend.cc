@@ -72,6 +72,9 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
     const LayerCaches& c = layers_[la.layer];
     for (const AppendSegment& seg : la.segments) {
       if (seg.rows <= 0) continue;
+      if (seg.device >= 0) {
+        return absl::InternalError("cpu backend: rows in device memory (the region registry refuses them; a bug)");
+      }
       QuantizeAppendParams p;
       p.append_ckv = seg.ckv;
       p.append_kpe = seg.kpe;

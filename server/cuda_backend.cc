@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -132,6 +133,9 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   struct Slots {
     size_t ckv, kpe, batch, pos, indptr, indices;
     int64_t rows;
+    // The layer's only segment lives in device memory (a CUDA region): the
+    // kernel reads it in place, no ckv/kpe slots.
+    const AppendSegment* direct = nullptr;
   };
   std::vector<Slots> slots(layers.size());
   size_t total = 0;
@@ -142,14 +146,26 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
     }
     if (la.kv_indptr.empty()) return absl::InternalError("cuda backend: empty kv_indptr");
     int64_t rows = 0;
-    for (const AppendSegment& seg : la.segments) rows += std::max(0, seg.rows);
+    int non_empty = 0;
+    const AppendSegment* last = nullptr;
+    for (const AppendSegment& seg : la.segments) {
+      if (seg.rows <= 0) continue;
+      rows += seg.rows;
+      ++non_empty;
+      last = &seg;
+      if (seg.device >= 0 && seg.device != options_.device_ordinal) {
+        return absl::InternalError(absl::StrCat("cuda backend on cuda:", options_.device_ordinal,
+                                                ": rows on cuda:", seg.device, " (the region registry refuses them)"));
+      }
+    }
     const size_t esize = static_cast<size_t>(DTypeSize(la.dtype));
     Slots& s = slots[li];
     s.rows = rows;
+    if (non_empty == 1 && last->device >= 0) s.direct = last;
     s.ckv = total;
-    total += AlignUp(rows * kCkvDim * esize);
+    total += s.direct ? 0 : AlignUp(rows * kCkvDim * esize);
     s.kpe = total;
-    total += AlignUp(rows * kKpeDim * esize);
+    total += s.direct ? 0 : AlignUp(rows * kKpeDim * esize);
     s.batch = total;
     total += AlignUp(rows * sizeof(int32_t));
     s.pos = total;
@@ -166,8 +182,17 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   if (absl::Status s = EnsureStaging(total); !s.ok()) return s;
 
   // Pack on the host and build params twice: host pointers (validated here)
-  // and device pointers (launched).
+  // and device pointers (launched). Device rows (CUDA regions) are not
+  // packed here: gathered on the stream after the staging copy, or read in
+  // place by the kernel when they are the layer's only segment.
   std::vector<QuantizeAppendParams> device_params;
+  struct Gather {
+    const AppendSegment* seg;
+    size_t ckv, kpe;  // destinations in scratch_
+    size_t esize;
+  };
+  std::vector<Gather> gathers;
+  std::vector<const void*> wait_events;
   for (size_t li = 0; li < layers.size(); ++li) {
     const LayerAppend& la = layers[li];
     const Slots& s = slots[li];
@@ -178,8 +203,19 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
     int64_t r = 0;
     for (const AppendSegment& seg : la.segments) {
       if (seg.rows <= 0) continue;
-      std::memcpy(pinned_ + s.ckv + r * kCkvDim * esize, seg.ckv, seg.rows * kCkvDim * esize);
-      std::memcpy(pinned_ + s.kpe + r * kKpeDim * esize, seg.kpe, seg.rows * kKpeDim * esize);
+      if (seg.device >= 0) {
+        for (const void* ev : seg.wait_events) {
+          if (ev != nullptr && std::find(wait_events.begin(), wait_events.end(), ev) == wait_events.end()) {
+            wait_events.push_back(ev);
+          }
+        }
+        if (s.direct == nullptr) {
+          gathers.push_back({&seg, s.ckv + r * kCkvDim * esize, s.kpe + r * kKpeDim * esize, esize});
+        }
+      } else {
+        std::memcpy(pinned_ + s.ckv + r * kCkvDim * esize, seg.ckv, seg.rows * kCkvDim * esize);
+        std::memcpy(pinned_ + s.kpe + r * kKpeDim * esize, seg.kpe, seg.rows * kKpeDim * esize);
+      }
       for (int32_t i = 0; i < seg.rows; ++i) {
         batch[r + i] = seg.request;
         pos[r + i] = seg.start + i;
@@ -219,6 +255,12 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
 
     p.append_ckv = scratch_ + s.ckv;
     p.append_kpe = scratch_ + s.kpe;
+    if (s.direct != nullptr) {  // the producer's memory, strides in elements
+      p.append_ckv = s.direct->ckv;
+      p.append_kpe = s.direct->kpe;
+      p.ckv_row_stride = s.direct->ckv_stride_bytes / static_cast<int64_t>(esize);
+      p.kpe_row_stride = s.direct->kpe_stride_bytes / static_cast<int64_t>(esize);
+    }
     p.batch_indices = reinterpret_cast<const int32_t*>(scratch_ + s.batch);
     p.positions = reinterpret_cast<const int32_t*>(scratch_ + s.pos);
     p.kv_indptr = reinterpret_cast<const int32_t*>(scratch_ + s.indptr);
@@ -232,6 +274,20 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
                              "cudaMemsetAsync of the skipped-rows counter");
   MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
                              absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
+  // CUDA regions: the producers' events first, then the gathers of device rows.
+  for (const void* ev : wait_events) {
+    MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(const_cast<void*>(ev)), 0),
+                               "cudaStreamWaitEvent on a region's IPC event");
+  }
+  for (const Gather& g : gathers) {
+    const size_t ckv_row = kCkvDim * g.esize, kpe_row = kKpeDim * g.esize;
+    MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(scratch_ + g.ckv, ckv_row, g.seg->ckv, g.seg->ckv_stride_bytes,
+                                                 ckv_row, g.seg->rows, cudaMemcpyDeviceToDevice, stream_),
+                               absl::StrCat("cudaMemcpy2DAsync of ", g.seg->rows, " ckv rows from a CUDA region"));
+    MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(scratch_ + g.kpe, kpe_row, g.seg->kpe, g.seg->kpe_stride_bytes,
+                                                 kpe_row, g.seg->rows, cudaMemcpyDeviceToDevice, stream_),
+                               absl::StrCat("cudaMemcpy2DAsync of ", g.seg->rows, " kpe rows from a CUDA region"));
+  }
   for (const QuantizeAppendParams& p : device_params) {
     if (absl::Status s = QuantizeAppend(p, stream_); !s.ok()) {
       cudaStreamSynchronize(stream_);  // leave the stream idle whatever happened

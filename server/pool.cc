@@ -294,7 +294,11 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
                                      .kpe = lr.kpe.data(),
                                      .rows = static_cast<int32_t>(r.row_count),
                                      .request = static_cast<int32_t>(i),
-                                     .start = static_cast<int32_t>(r.start)});
+                                     .start = static_cast<int32_t>(r.start),
+                                     .device = lr.rows_device,
+                                     .ckv_stride_bytes = lr.ckv_stride_bytes,
+                                     .kpe_stride_bytes = lr.kpe_stride_bytes,
+                                     .wait_events = {lr.wait_events[0], lr.wait_events[1]}});
         // Committed positions this message rewrites and whose old bytes are
         // not saved yet.
         const uint32_t rewrite_end = std::min<uint64_t>(static_cast<uint64_t>(r.start) + r.row_count, txn.committed_[l]);

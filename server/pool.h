@@ -41,6 +41,14 @@ struct LayerRowsIn {
   std::string_view kpe;      // row_count x 64 elements of the dtype
   float ckv_scale = 0.0f;    // 0 with kpe_scale 0: not named (use the layer's)
   float kpe_scale = 0.0f;
+  // ---- rows in a CUDA region (docs/server.md "Regions"); defaults: host rows, packed.
+  // >= 0: ckv.data() / kpe.data() are device pointers on cuda:rows_device and
+  // their size() the packed byte count (validated as for bytes); rows are
+  // *_stride_bytes apart.
+  int rows_device = -1;
+  int64_t ckv_stride_bytes = 0;
+  int64_t kpe_stride_bytes = 0;
+  const void* wait_events[2] = {nullptr, nullptr};  // cudaEvent_t the pool's stream waits on first
 };
 
 // Rows of one sequence inside an append (one Append message, or one entry of

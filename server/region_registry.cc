@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/nvfp4_format.h"
+#include "server/cuda_ipc_region.h"
 #include "server/shm_region.h"
 
 namespace mlakv::server {
@@ -51,6 +52,7 @@ v1::Region RegionRegistry::ToProto(const std::string& name, const Region& region
   } else {
     out.set_kind(v1::REGION_KIND_CUDA);
     out.set_device_id(region.device());
+    out.set_has_event(static_cast<const CudaIpcRegion&>(region).event() != nullptr);
   }
   return out;
 }
@@ -95,9 +97,21 @@ absl::StatusOr<v1::Region> RegionRegistry::RegisterCuda(const v1::RegisterCudaRe
   if (req.byte_size() == 0) {
     return absl::InvalidArgumentError(absl::StrCat("region '", req.name(), "': byte_size is 0"));
   }
-  return absl::UnimplementedError(absl::StrCat("region '", req.name(),
-                                               "': CUDA IPC regions are not implemented in this build yet; "
-                                               "register a shared-memory region or send bytes"));
+  // Opened outside the lock (cudaIpcOpenMemHandle may take milliseconds).
+  absl::StatusOr<std::unique_ptr<CudaIpcRegion>> region =
+      CudaIpcRegion::Create({.raw_handle = req.raw_handle(),
+                             .device_id = req.device_id(),
+                             .byte_size = req.byte_size(),
+                             .raw_event_handle = req.raw_event_handle()});
+  if (!region.ok()) {
+    return absl::Status(region.status().code(),
+                        absl::StrCat("region '", req.name(), "': ", region.status().message()));
+  }
+  std::shared_ptr<const Region> shared(std::move(*region));
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckNewName(req.name()); !s.ok()) return s;  // `shared` closes the handle
+  regions_.emplace(req.name(), shared);
+  return ToProto(req.name(), *shared, 1);
 }
 
 absl::StatusOr<uint32_t> RegionRegistry::Unregister(const std::string& name) {
@@ -131,7 +145,8 @@ void RegionRegistry::Clear() {
 absl::StatusOr<std::string_view> RegionRegistry::ResolveOne(const std::string& who, const char* field,
                                                             const v1::RegionRef& ref, uint64_t row_bytes,
                                                             uint32_t row_count, const std::string& pool_device,
-                                                            RegionHold* hold) const {
+                                                            RegionHold* hold, int64_t* device_stride,
+                                                            const void** device_events) const {
   const std::string what = absl::StrCat(who, ": ", field, "_ref region '", ref.region(), "'");
   std::shared_ptr<const Region> region;
   {
@@ -165,12 +180,24 @@ absl::StatusOr<std::string_view> RegionRegistry::ResolveOne(const std::string& w
           " but the pool is on the cpu backend, which cannot read device memory; register a shared-memory region "
           "or send the rows as bytes"));
     }
-    return absl::UnimplementedError(absl::StrCat(what, ": appends from CUDA regions are not implemented yet"));
+    if (pool_device != absl::StrCat("cuda:", region->device())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, " is CUDA memory on cuda:", region->device(), " but the pool is on ", pool_device,
+          "; reading another GPU's region (peer access) is not supported yet: register the rows on the pool's "
+          "device"));
+    }
   }
   if (std::find(hold->regions.begin(), hold->regions.end(), region) == hold->regions.end()) {
     hold->regions.push_back(region);
   }
   const uint8_t* first = region->data() + ref.offset();
+  if (region->kind() == Region::Kind::kCuda) {
+    // A device pointer: never dereferenced here; the size is the packed byte
+    // count Pool::Stage checks, the stride travels in *stride.
+    *device_stride = static_cast<int64_t>(stride);
+    *device_events = static_cast<const CudaIpcRegion&>(*region).event();
+    return std::string_view(reinterpret_cast<const char*>(first), row_count * row_bytes);
+  }
   if (stride == row_bytes) {
     return std::string_view(reinterpret_cast<const char*>(first), row_count * row_bytes);
   }
@@ -194,13 +221,15 @@ absl::Status RegionRegistry::ResolveRows(const std::string& who, const v1::Layer
   out->kpe_scale = in.kpe_scale();
   if (!in.has_ckv_ref() && !in.has_kpe_ref()) return absl::OkStatus();
   if (absl::Status s = CheckAllowed("an append naming a region"); !s.ok()) return s;
+  int64_t ckv_device_stride = 0, kpe_device_stride = 0;  // > 0: rows in a CUDA region
+  const void* events[2] = {nullptr, nullptr};
   if (in.has_ckv_ref()) {
     if (!in.ckv().empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat(who, ": carries both ckv bytes and ckv_ref; send the rows one way"));
     }
     absl::StatusOr<std::string_view> v = ResolveOne(who, "ckv", in.ckv_ref(), format::kCkvDim * kElementBytes,
-                                                    row_count, pool_device, hold);
+                                                    row_count, pool_device, hold, &ckv_device_stride, &events[0]);
     if (!v.ok()) return v.status();
     out->ckv = *v;
   }
@@ -210,9 +239,24 @@ absl::Status RegionRegistry::ResolveRows(const std::string& who, const v1::Layer
           absl::StrCat(who, ": carries both kpe bytes and kpe_ref; send the rows one way"));
     }
     absl::StatusOr<std::string_view> v = ResolveOne(who, "kpe", in.kpe_ref(), format::kKpeDim * kElementBytes,
-                                                    row_count, pool_device, hold);
+                                                    row_count, pool_device, hold, &kpe_device_stride, &events[1]);
     if (!v.ok()) return v.status();
     out->kpe = *v;
+  }
+  // CUDA rows: both tensors must be in device memory of the pool's device
+  // (one backend call reads a row's ckv and kpe the same way).
+  const bool ckv_device = ckv_device_stride > 0, kpe_device = kpe_device_stride > 0;
+  if (ckv_device != kpe_device) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": ", ckv_device ? "ckv" : "kpe", " comes from a CUDA region but ", ckv_device ? "kpe" : "ckv",
+        " does not; name CUDA regions for both, or send both from host memory"));
+  }
+  if (ckv_device) {
+    out->rows_device = std::stoi(pool_device.substr(5));  // "cuda:N", checked against the regions above
+    out->ckv_stride_bytes = ckv_device_stride;
+    out->kpe_stride_bytes = kpe_device_stride;
+    out->wait_events[0] = events[0];
+    out->wait_events[1] = events[1] == events[0] ? nullptr : events[1];
   }
   return absl::OkStatus();
 }

@@ -67,7 +67,8 @@ class RegionRegistry {
   v1::Region ToProto(const std::string& name, const Region& region, long use_count) const;
   absl::StatusOr<std::string_view> ResolveOne(const std::string& who, const char* field, const v1::RegionRef& ref,
                                               uint64_t row_bytes, uint32_t row_count, const std::string& pool_device,
-                                              RegionHold* hold) const;
+                                              RegionHold* hold, int64_t* device_stride,
+                                              const void** device_events) const;
 
   const Options options_;
   mutable absl::Mutex mu_;
