@@ -190,6 +190,11 @@ absl::StatusOr<std::string_view> RegionRegistry::ResolveOne(const std::string& w
   if (std::find(hold->regions.begin(), hold->regions.end(), region) == hold->regions.end()) {
     hold->regions.push_back(region);
   }
+  if (region->kind() == Region::Kind::kShm) {
+    if (absl::Status s = static_cast<const ShmRegion&>(*region).CheckSize(); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+    }
+  }
   const uint8_t* first = region->data() + ref.offset();
   if (region->kind() == Region::Kind::kCuda) {
     // A device pointer: never dereferenced here; the size is the packed byte

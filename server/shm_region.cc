@@ -55,26 +55,43 @@ absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(const Options& opti
   const uint64_t map_offset = options.offset / page * page;
   const uint64_t map_bytes = options.offset - map_offset + byte_size;
   void* base = mmap(nullptr, map_bytes, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(map_offset));
-  const int err = errno;
-  close(fd);  // the mapping keeps the object alive
   if (base == MAP_FAILED) {
+    const int err = errno;
+    close(fd);
     return absl::InternalError(absl::StrCat("mmap of ", map_bytes, " bytes of shared-memory object '", name,
                                             "' at ", map_offset, ": ", std::strerror(err)));
   }
-  return std::unique_ptr<ShmRegion>(new ShmRegion(name, options.offset, byte_size, static_cast<uint8_t*>(base),
+  return std::unique_ptr<ShmRegion>(new ShmRegion(name, fd, options.offset, byte_size, static_cast<uint8_t*>(base),
                                                   map_offset, map_bytes));
 }
 
-ShmRegion::ShmRegion(std::string shm_name, uint64_t offset, uint64_t byte_size, uint8_t* map_base,
+ShmRegion::ShmRegion(std::string shm_name, int fd, uint64_t offset, uint64_t byte_size, uint8_t* map_base,
                      uint64_t map_offset, uint64_t map_bytes)
     : shm_name_(std::move(shm_name)),
+      fd_(fd),
       offset_(offset),
       byte_size_(byte_size),
       map_base_(map_base),
       map_offset_(map_offset),
       map_bytes_(map_bytes) {}
 
-ShmRegion::~ShmRegion() { munmap(map_base_, map_bytes_); }
+ShmRegion::~ShmRegion() {
+  munmap(map_base_, map_bytes_);
+  close(fd_);
+}
+
+absl::Status ShmRegion::CheckSize() const {
+  struct stat st;
+  if (fstat(fd_, &st) != 0) {
+    return absl::InternalError(absl::StrCat("fstat of shared-memory object '", shm_name_, "': ", std::strerror(errno)));
+  }
+  if (static_cast<uint64_t>(st.st_size) < offset_ + byte_size_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shared-memory object '", shm_name_, "' shrank to ", st.st_size, " bytes but the region spans [", offset_,
+        ", ", offset_ + byte_size_, "); re-register it after resizing"));
+  }
+  return absl::OkStatus();
+}
 
 std::string ShmRegion::Describe() const {
   return absl::StrCat("shm '", shm_name_, "' offset ", offset_, " bytes ", byte_size_);

@@ -5,7 +5,10 @@
 // The mapping is made once at Create (size checked against fstat) and
 // released (munmap) by the destructor, i.e. when the registry and every
 // append in flight have let go. The producer must not shrink the object while
-// it is registered (reading a truncated mapping would fault the server).
+// it is registered: reading a truncated mapping would fault the server, so
+// the descriptor stays open and CheckSize() re-checks the object's size
+// before each append reads it (what remains is the race of a shrink during
+// the read itself).
 #pragma once
 
 #include <cstdint>
@@ -38,12 +41,16 @@ class ShmRegion final : public Region {
 
   const std::string& shm_name() const { return shm_name_; }
   uint64_t offset() const { return offset_; }
+  // FAILED_PRECONDITION when the object no longer covers the region (the
+  // producer shrank it with ftruncate).
+  absl::Status CheckSize() const;
 
  private:
-  ShmRegion(std::string shm_name, uint64_t offset, uint64_t byte_size, uint8_t* map_base, uint64_t map_offset,
-            uint64_t map_bytes);
+  ShmRegion(std::string shm_name, int fd, uint64_t offset, uint64_t byte_size, uint8_t* map_base,
+            uint64_t map_offset, uint64_t map_bytes);
 
   const std::string shm_name_;
+  const int fd_;  // read-only descriptor of the object, for CheckSize
   const uint64_t offset_;
   const uint64_t byte_size_;
   uint8_t* const map_base_;   // mmap result (page-aligned)

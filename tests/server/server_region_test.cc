@@ -357,6 +357,26 @@ TEST_F(RegionServiceTest, MalformedRequestsAreInvalidArgument) {
   EXPECT_EQ(GetPool().pages_used(), 0u);
 }
 
+TEST_F(RegionServiceTest, ShrunkObjectIsFailedPreconditionNotACrash) {
+  const Rows rows = RandomRows(8, 15);
+  ShmObject shm(8 * (kCkvRow + kKpeRow));
+  std::memcpy(shm.data(), rows.ckv.data(), 8 * kCkvRow);
+  std::memcpy(shm.data() + 8 * kCkvRow, rows.kpe.data(), 8 * kKpeRow);
+  grpc::Status s = RegisterShm("shrinks", shm.name(), 0, 0);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  // The producer shrinks its object; reading the old extent would fault (SIGBUS).
+  const int fd = shm_open(shm.name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  ASSERT_EQ(ftruncate(fd, 4096), 0) << std::strerror(errno);
+  close(fd);
+  s = Append({RegionMessage("s", 0, 8, rows.dtype, {0}, Ref("shrinks", 0), Ref("shrinks", 8 * kCkvRow))});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
+  EXPECT_NE(s.error_message().find("shrank"), std::string::npos) << Describe(s);
+  EXPECT_EQ(GetPool().pages_used(), 0u);
+  s = AppendRows("still-serving", 0, rows, {0}, kCkvScale, kKpeScale);
+  EXPECT_TRUE(s.ok()) << Describe(s);
+}
+
 TEST_F(RegionServiceTest, UnregisterWhileAnAppendHoldsTheRegion) {
   const Rows rows = RandomRows(40, 14);
   const uint64_t kpe_off = 20 * kCkvRow;
