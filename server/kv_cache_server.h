@@ -50,6 +50,7 @@ class KvCacheServer {
   std::shared_ptr<grpc::Channel> InProcessChannel();
   const std::vector<std::unique_ptr<Pool>>& pools() const { return pools_; }
   KvCacheService& service() { return *service_; }
+  const RegionRegistry& regions() const { return *regions_; }
 
   // Graceful drain: health NOT_SERVING, new calls refused (UNAVAILABLE), calls
   // in flight finish (or are cancelled after `grace`), then the pools' workers

@@ -129,6 +129,7 @@ int RunServer() {
     }
     return out;
   });
+  (*metrics)->SetIpcRegionSource([s = server->get()] { return static_cast<int64_t>(s->regions().size()); });
   std::unique_ptr<MetricsHttpServer> metrics_http;
   if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =

@@ -136,6 +136,11 @@ absl::StatusOr<std::vector<v1::Region>> RegionRegistry::List() const {
   return out;
 }
 
+size_t RegionRegistry::size() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return regions_.size();
+}
+
 void RegionRegistry::Clear() {
   std::map<std::string, std::shared_ptr<const Region>> dropped;
   absl::MutexLock lock(&mu_);

@@ -52,6 +52,8 @@ class RegionRegistry {
   absl::StatusOr<std::vector<v1::Region>> List() const;
   // Drops every region (shutdown); appends still holding one keep it.
   void Clear();
+  // Regions registered now (metrics; no permission check).
+  size_t size() const;
 
   // Fills out->ckv / out->kpe from `in`: its bytes, or the rows its
   // ckv_ref / kpe_ref name (`row_count` rows of 2-byte elements). Host rows

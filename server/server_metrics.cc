@@ -86,7 +86,7 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(const std::
   ASSIGN_OR_RETURN_METRIC(m->cache_bytes_, r.AddGauge("mlakv_pool_cache_bytes",
                                                       "Device bytes held by the pool's caches.", {"pool", "device"}));
   ASSIGN_OR_RETURN_METRIC(m->ipc_regions_,
-                          r.AddGauge("mlakv_ipc_regions", "CUDA IPC regions registered by producers.", {}));
+                          r.AddGauge("mlakv_ipc_regions", "Regions (host shared memory and CUDA IPC) registered by producers.", {}));
   m->ipc_regions_->Set({}, 0);
   ASSIGN_OR_RETURN_METRIC(m->auth_failures_,
                           r.AddCounter("mlakv_auth_failures_total",

@@ -3,7 +3,7 @@
 A producer (this process) writes bf16 rows into a POSIX shared-memory object,
 registers it with `mlakv-server --allow_ipc --device cpu`, appends from it, and
 the stored bytes (ReadSequence RAW) equal those of the same rows sent as bytes.
-Also: the same server without --allow_ipc refuses with PERMISSION_DENIED, and
+The mlakv_ipc_regions gauge follows registrations. Also: the same server without --allow_ipc refuses with PERMISSION_DENIED, and
 an unregistered region is NOT_FOUND while the server keeps serving.
 
 Environment (set by ctest): MLAKV_SERVER, MLAKV_PY_GEN, PYTHONPATH=client/python.
@@ -11,9 +11,12 @@ Environment (set by ctest): MLAKV_SERVER, MLAKV_PY_GEN, PYTHONPATH=client/python
 
 import os
 import random
+import re
+import socket
 import struct
 import sys
 import unittest
+import urllib.request
 from multiprocessing import shared_memory
 
 import grpc
@@ -49,6 +52,19 @@ def read_raw(stub, sequence, layer, count):
     return ckv, sf, kpe
 
 
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ipc_regions_gauge(metrics_target):
+    with urllib.request.urlopen("http://%s/metrics" % metrics_target, timeout=TIMEOUT_S) as r:
+        text = r.read().decode()
+    m = re.search(r"^mlakv_ipc_regions (\S+)$", text, re.M)
+    return None if m is None else float(m.group(1))
+
+
 def layer_rows(layer, **kw):
     return pb.LayerRows(layer=layer, ckv_scale=0.0625, kpe_scale=0.03125, **kw)
 
@@ -62,7 +78,8 @@ class RegionProcessTest(unittest.TestCase):
         try:
             shm.buf[4096:4096 + len(ckv)] = ckv
             shm.buf[4096 + len(ckv):4096 + len(ckv) + len(kpe)] = kpe
-            with ServerProcess("--allow_ipc") as server:
+            metrics = "127.0.0.1:%d" % free_port()
+            with ServerProcess("--allow_ipc", "--metrics_listen", metrics) as server:
                 with grpc.insecure_channel(server.target) as channel:
                     stub = pb_grpc.KvCacheStub(channel)
                     region = stub.RegisterShmRegion(
@@ -70,6 +87,7 @@ class RegionProcessTest(unittest.TestCase):
                         timeout=TIMEOUT_S)
                     self.assertEqual(region.byte_size, len(ckv) + len(kpe))
                     self.assertEqual(region.kind, pb.REGION_KIND_SHM)
+                    self.assertEqual(ipc_regions_gauge(metrics), 1)
                     resp = stub.Append(iter([pb.AppendRequest(
                         sequence="ipc", row_count=n, dtype=pb.ROW_DTYPE_BFLOAT16,
                         layers=[layer_rows(0, ckv_ref=pb.RegionRef(region="prefill-0", offset=0),
@@ -83,6 +101,7 @@ class RegionProcessTest(unittest.TestCase):
                     listed = stub.ListRegions(pb.ListRegionsRequest(), timeout=TIMEOUT_S).regions
                     self.assertEqual([r.name for r in listed], ["prefill-0"])
                     stub.UnregisterRegion(pb.UnregisterRegionRequest(name="prefill-0"), timeout=TIMEOUT_S)
+                    self.assertEqual(ipc_regions_gauge(metrics), 0)
                     with self.assertRaises(grpc.RpcError) as err:
                         stub.Append(iter([pb.AppendRequest(
                             sequence="late", row_count=n, dtype=pb.ROW_DTYPE_BFLOAT16,
