@@ -390,7 +390,11 @@ class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendR
       if (!rows.ok()) return rows.status();
       AppendTransaction* txn = txn_.get();
       const SequenceRowsIn* rows_ptr = &*rows;
-      return pool_->Stage({&txn, 1}, {&rows_ptr, 1}, *dtype);
+      absl::Status staged = pool_->Stage({&txn, 1}, {&rows_ptr, 1}, *dtype);
+      // The rows are in the cache now: packed copies of strided region rows
+      // go (the regions themselves stay held until the stream ends).
+      regions_held_.gathered.clear();
+      return staged;
     }();
     if (!status.ok()) {
       if (txn_ != nullptr) pool_->Abort(*txn_);
