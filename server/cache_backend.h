@@ -18,9 +18,11 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/tensor_view.h"
 
 namespace mlakv::server {
@@ -82,6 +84,17 @@ class CacheBackend {
   virtual absl::Status ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) = 0;
   // Writes stored bytes back (restoring rows an aborted append rewrote).
   virtual absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) = 0;
+
+  // ExportPool: a cudaIpcMemHandle_t (64 bytes) of each layer's three caches,
+  // each its own allocation starting at the cache's first byte. Only device
+  // caches can be exported: FAILED_PRECONDITION by default.
+  struct LayerHandles {
+    std::string ckv, ckv_sf, kpe;
+  };
+  virtual absl::StatusOr<std::vector<LayerHandles>> ExportHandles() const {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the caches of a ", device(), " pool are not CUDA memory and cannot be exported; read them with ReadSequence"));
+  }
 };
 
 // Creates the backend for `device` ("cpu" or "cuda:N"). The caches start zeroed.

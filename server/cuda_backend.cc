@@ -101,6 +101,23 @@ CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
+absl::StatusOr<std::vector<CacheBackend::LayerHandles>> CudaBackend::ExportHandles() const {
+  DeviceGuard guard(options_.device_ordinal);
+  if (!guard.status().ok()) return guard.status();
+  std::vector<LayerHandles> out;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    LayerHandles& h = out.emplace_back();
+    for (auto [ptr, dst] : {std::pair<uint8_t*, std::string*>{layers_[l].ckv, &h.ckv}, {layers_[l].sf, &h.ckv_sf},
+                            {layers_[l].kpe, &h.kpe}}) {
+      cudaIpcMemHandle_t handle;
+      MLAKV_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, ptr),
+                                 absl::StrCat("cudaIpcGetMemHandle of a cache of layer ", l));
+      dst->assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+    }
+  }
+  return out;
+}
+
 std::string CudaBackend::device() const { return absl::StrCat("cuda:", options_.device_ordinal); }
 
 uint64_t CudaBackend::cache_bytes() const {

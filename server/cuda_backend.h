@@ -35,6 +35,7 @@ class CudaBackend : public CacheBackend {
   absl::Status Append(std::span<const LayerAppend> layers) override;
   absl::Status ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) override;
   absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) override;
+  absl::StatusOr<std::vector<LayerHandles>> ExportHandles() const override;
 
  private:
   struct LayerCaches {

@@ -27,6 +27,7 @@ class InstrumentedBackend final : public CacheBackend {
   absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) override {
     return inner_->WriteEntries(layer, entries, in);
   }
+  absl::StatusOr<std::vector<LayerHandles>> ExportHandles() const override { return inner_->ExportHandles(); }
 
  private:
   std::unique_ptr<CacheBackend> inner_;

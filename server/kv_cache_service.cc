@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <tuple>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -653,6 +654,49 @@ grpc::ServerUnaryReactor* KvCacheService::ListRegions(grpc::CallbackServerContex
     for (v1::Region& r : *regions) *resp->add_regions() = std::move(r);
   }
   return FinishUnary(ctx, "ListRegions", "", regions.status());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ExportPool(grpc::CallbackServerContext* ctx,
+                                                     const v1::ExportPoolRequest* req, v1::ExportPoolResponse* resp) {
+  const std::string detail = absl::StrCat("pool='", req->pool(), "'");
+  if (draining()) return FinishUnary(ctx, "ExportPool", detail, Draining());
+  absl::Status status = [&]() -> absl::Status {
+    if (absl::Status s = options_.regions->CheckAllowed("ExportPool"); !s.ok()) return s;
+    absl::StatusOr<Pool*> pool = FindPool(req->pool());
+    if (!pool.ok()) return pool.status();
+    absl::StatusOr<std::vector<CacheBackend::LayerHandles>> handles = (*pool)->ExportHandles();
+    if (!handles.ok()) {
+      return absl::Status(handles.status().code(),
+                          absl::StrCat("pool '", (*pool)->name(), "': ", handles.status().message()));
+    }
+    const PoolSnapshot snap = (*pool)->Snapshot();
+    const uint64_t entries = static_cast<uint64_t>(snap.pages_total) * snap.page_size;
+    resp->set_pool(snap.name);
+    resp->set_device_id(std::stoi(snap.device.substr(5)));  // "cuda:N": only cuda pools export
+    resp->set_format(v1::CACHE_FORMAT_NVFP4_MLA);
+    resp->set_num_pages(snap.pages_total);
+    resp->set_page_size(snap.page_size);
+    for (size_t l = 0; l < handles->size(); ++l) {
+      v1::ExportedLayer* out = resp->add_layers();
+      out->set_layer(static_cast<uint32_t>(l));
+      const CacheBackend::LayerHandles& h = (*handles)[l];
+      for (auto [buf, handle, stride] : {std::tuple<v1::ExportedBuffer*, const std::string*, uint32_t>{
+                                             out->mutable_ckv_cache(), &h.ckv, kCkvPackedBytes},
+                                         {out->mutable_ckv_sf_cache(), &h.ckv_sf, kCkvSfBytes},
+                                         {out->mutable_kpe_cache(), &h.kpe, kKpeBytes}}) {
+        buf->set_raw_handle(*handle);
+        buf->set_offset(0);
+        buf->set_byte_size(entries * stride);
+        buf->set_entry_stride_bytes(stride);
+      }
+      if (l < snap.layers.size() && snap.layers[l].scales_set) {
+        out->set_ckv_scale(snap.layers[l].ckv_scale);
+        out->set_kpe_scale(snap.layers[l].kpe_scale);
+      }
+    }
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "ExportPool", detail, status);
 }
 
 }  // namespace mlakv::server

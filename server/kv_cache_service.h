@@ -69,6 +69,8 @@ class KvCacheService final : public mlakv::v1::KvCache::CallbackService {
                                              v1::UnregisterRegionResponse* resp) override;
   grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx, const v1::ListRegionsRequest* req,
                                         v1::ListRegionsResponse* resp) override;
+  grpc::ServerUnaryReactor* ExportPool(grpc::CallbackServerContext* ctx, const v1::ExportPoolRequest* req,
+                                       v1::ExportPoolResponse* resp) override;
 
  private:
   class AppendReactor;

@@ -192,6 +192,9 @@ class Pool {
   int FreeIdle(absl::Time now);
   absl::Duration idle_ttl() const { return options_.idle_ttl; }
 
+  // ExportPool: the caches' CUDA IPC handles (FAILED_PRECONDITION on cpu). Any thread.
+  absl::StatusOr<std::vector<CacheBackend::LayerHandles>> ExportHandles() const { return backend_->ExportHandles(); }
+
   // Checks free + used == total and that every used page has exactly one
   // owner whose page table names it (tests call this after every step).
   absl::Status CheckInvariants() const;

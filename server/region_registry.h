@@ -42,6 +42,8 @@ class RegionRegistry {
   explicit RegionRegistry(Options options) : options_(options) {}
 
   bool allow_ipc() const { return options_.allow_ipc; }
+  // PERMISSION_DENIED naming `what` and the flag unless --allow_ipc.
+  absl::Status CheckAllowed(const char* what) const;
 
   // Maps the shared-memory object; ALREADY_EXISTS for a name in use.
   absl::StatusOr<v1::Region> RegisterShm(const v1::RegisterShmRegionRequest& req);
@@ -64,7 +66,6 @@ class RegionRegistry {
                            const std::string& pool_device, LayerRowsIn* out, RegionHold* hold) const;
 
  private:
-  absl::Status CheckAllowed(const char* what) const;
   absl::Status CheckNewName(const std::string& name) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   v1::Region ToProto(const std::string& name, const Region& region, long use_count) const;
   absl::StatusOr<std::string_view> ResolveOne(const std::string& who, const char* field, const v1::RegionRef& ref,

@@ -9,6 +9,10 @@
 //   "<128 hex of cudaIpcMemHandle_t> <128 hex of cudaIpcEventHandle_t> <allocation bytes>"
 // and waits until stdin reaches EOF (the test closes it) before freeing and
 // exiting 0. Any failure: a message on stderr and exit 1.
+//
+//   cuda_ipc_producer --read DEVICE HANDLE_HEX BYTES
+// the decode side of ExportPool: opens the cudaIpcMemHandle_t, copies its
+// first BYTES bytes to the host and writes them to stdout.
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -36,7 +40,32 @@ std::string Hex(const void* p, size_t n) {
 
 }  // namespace
 
+int Read(int device, const std::string& hex, size_t bytes) {
+  if (hex.size() != 2 * sizeof(cudaIpcMemHandle_t)) {
+    std::fprintf(stderr, "cuda_ipc_producer --read: handle must be %zu hex digits\n", 2 * sizeof(cudaIpcMemHandle_t));
+    return 2;
+  }
+  cudaIpcMemHandle_t h;
+  for (size_t i = 0; i < sizeof(h); ++i) {
+    reinterpret_cast<unsigned char*>(&h)[i] = static_cast<unsigned char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  }
+  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return Fail("cudaSetDevice", e);
+  void* dev = nullptr;
+  if (cudaError_t e = cudaIpcOpenMemHandle(&dev, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+    return Fail("cudaIpcOpenMemHandle", e);
+  }
+  std::vector<unsigned char> host(bytes);
+  if (cudaError_t e = cudaMemcpy(host.data(), dev, bytes, cudaMemcpyDeviceToHost); e != cudaSuccess) {
+    return Fail("cudaMemcpy", e);
+  }
+  cudaIpcCloseMemHandle(dev);
+  return std::fwrite(host.data(), 1, bytes, stdout) == bytes ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 5 && std::string(argv[1]) == "--read") {
+    return Read(std::atoi(argv[2]), argv[3], std::strtoull(argv[4], nullptr, 10));
+  }
   if (argc != 3) {
     std::fprintf(stderr, "usage: cuda_ipc_producer DEVICE BYTES < rows\n");
     return 2;

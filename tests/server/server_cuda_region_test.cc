@@ -7,6 +7,8 @@
 // without the event -- and the stored bytes equal those of the same rows sent
 // as bytes. Refusals: garbage handle bytes, byte_size beyond the allocation,
 // a CUDA region named by an append into a cpu pool; the server keeps serving.
+// ExportPool: a decode-side process opens the pool's cache handles and finds
+// the bytes ReadSequence returns at the entries GetSequence's page table names.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -113,6 +115,45 @@ class Producer {
   std::string mem_handle_, event_handle_;
   uint64_t allocation_bytes_ = 0;
 };
+
+std::string Hex(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out.push_back(digits[b >> 4]);
+    out.push_back(digits[b & 15]);
+  }
+  return out;
+}
+
+// The decode side of ExportPool in its own process: the first `bytes` bytes
+// behind `handle` (cuda_ipc_producer --read), or "" on failure.
+std::string ReadExported(const std::string& handle, uint64_t bytes) {
+  int out[2];
+  if (pipe(out) != 0) return "";
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+  posix_spawn_file_actions_addclose(&fa, out[0]);
+  const std::string hex = Hex(handle), size = std::to_string(bytes);
+  char* argv[] = {const_cast<char*>(ProducerPath()), const_cast<char*>("--read"), const_cast<char*>("0"),
+                  const_cast<char*>(hex.c_str()), const_cast<char*>(size.c_str()), nullptr};
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, ProducerPath(), &fa, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(out[1]);
+  std::string data;
+  if (rc == 0) {
+    char buf[1 << 16];
+    ssize_t n;
+    while ((n = read(out[0], buf, sizeof(buf))) > 0) data.append(buf, static_cast<size_t>(n));
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) data.clear();
+  }
+  close(out[0]);
+  return data.size() == bytes ? data : "";
+}
 
 v1::RegionRef Ref(const std::string& region, uint64_t offset, uint64_t stride = 0) {
   v1::RegionRef r;
@@ -252,6 +293,43 @@ TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
   // Past the region.
   s = Append({RegionMessage("far", n, rows.dtype, 0, Ref("r", 8), Ref("r", bytes.size() - n * kKpeRow + 2))});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+}
+
+TEST_F(CudaRegionServiceTest, ExportPoolDecodeSideReadsTheStoredBytes) {
+  const Rows rows = RandomRows(40, 23);
+  grpc::Status s = AppendRows("dec", 0, rows, {2}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  v1::ExportPoolResponse exp;
+  {
+    grpc::ClientContext ctx;
+    s = stub().ExportPool(&ctx, v1::ExportPoolRequest(), &exp);
+  }
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ASSERT_EQ(exp.layers_size(), 4);
+  EXPECT_EQ(exp.device_id(), 0);
+  EXPECT_EQ(exp.layers(2).ckv_scale(), kCkvScale);
+  v1::Sequence seq;
+  ASSERT_TRUE(GetSequence("dec", &seq).ok());
+  Stored stored = Read("dec", 2, 0, 40);
+  ASSERT_TRUE(stored.status.ok()) << Describe(stored.status);
+  const uint32_t ps = exp.page_size();
+  struct Cache {
+    const v1::ExportedBuffer* buf;
+    const std::vector<uint8_t>* stored;
+  } caches[] = {{&exp.layers(2).ckv_cache(), &stored.rows.ckv_packed},
+                {&exp.layers(2).ckv_sf_cache(), &stored.rows.ckv_sf},
+                {&exp.layers(2).kpe_cache(), &stored.rows.kpe}};
+  for (const Cache& c : caches) {
+    const uint32_t stride = c.buf->entry_stride_bytes();
+    ASSERT_EQ(c.buf->byte_size(), uint64_t{exp.num_pages()} * ps * stride);
+    const std::string mem = ReadExported(c.buf->raw_handle(), c.buf->byte_size());
+    ASSERT_EQ(mem.size(), c.buf->byte_size()) << "the decode-side process could not read the exported cache";
+    for (uint32_t p = 0; p < 40; ++p) {
+      const uint64_t entry = uint64_t{seq.kv_indices(p / ps)} * ps + p % ps;
+      EXPECT_EQ(0, std::memcmp(mem.data() + c.buf->offset() + entry * stride, c.stored->data() + p * stride, stride))
+          << "position " << p << " stride " << stride;
+    }
+  }
 }
 
 TEST_F(CudaRegionServiceTest, BadHandlesAreRefusedAndTheServerKeepsServing) {

@@ -377,6 +377,29 @@ TEST_F(RegionServiceTest, ShrunkObjectIsFailedPreconditionNotACrash) {
   EXPECT_TRUE(s.ok()) << Describe(s);
 }
 
+TEST_F(RegionServiceTest, ExportPoolNeedsACudaPoolAndAllowIpc) {
+  v1::ExportPoolRequest req;
+  v1::ExportPoolResponse resp;
+  {
+    grpc::ClientContext ctx;
+    grpc::Status s = stub().ExportPool(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
+    EXPECT_NE(s.error_message().find("cpu"), std::string::npos) << Describe(s);
+  }
+  {
+    req.set_pool("nope");
+    grpc::ClientContext ctx;
+    grpc::Status s = stub().ExportPool(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+  }
+  StopServer();
+  Start(false);
+  req.set_pool("");
+  grpc::ClientContext ctx;
+  grpc::Status s = stub().ExportPool(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
+}
+
 TEST_F(RegionServiceTest, UnregisterWhileAnAppendHoldsTheRegion) {
   const Rows rows = RandomRows(40, 14);
   const uint64_t kpe_off = 20 * kCkvRow;
