@@ -7,6 +7,7 @@
 // without the event -- and the stored bytes equal those of the same rows sent
 // as bytes. Refusals: garbage handle bytes, byte_size beyond the allocation,
 // a CUDA region named by an append into a cpu pool; the server keeps serving.
+// A producer that exits while its region is registered: the server keeps serving.
 // ExportPool: a decode-side process opens the pool's cache handles and finds
 // the bytes ReadSequence returns at the entries GetSequence's page table names.
 #include <fcntl.h>
@@ -96,13 +97,18 @@ class Producer {
     event_handle_ = Unhex(eh);
     allocation_bytes_ = alloc;
   }
-  ~Producer() {
+  ~Producer() { Exit(); }
+  // Lets the producer free its allocation and exit; waits for it.
+  void Exit() {
     if (to_child_ >= 0) close(to_child_);
+    to_child_ = -1;
     if (from_child_ != nullptr) std::fclose(from_child_);
+    from_child_ = nullptr;
     if (pid_ > 0) {
       int status = 0;
       waitpid(pid_, &status, 0);
     }
+    pid_ = -1;
   }
   const std::string& mem_handle() const { return mem_handle_; }
   const std::string& event_handle() const { return event_handle_; }
@@ -330,6 +336,32 @@ TEST_F(CudaRegionServiceTest, ExportPoolDecodeSideReadsTheStoredBytes) {
           << "position " << p << " stride " << stride;
     }
   }
+}
+
+TEST_F(CudaRegionServiceTest, ProducerExitingLeavesTheServerServing) {
+  const Rows rows = RandomRows(16, 24);
+  Producer producer(rows.ckv_bytes() + rows.kpe_bytes());
+  ASSERT_EQ(producer.mem_handle().size(), 64u);
+  grpc::Status s = RegisterCuda("gone", producer.mem_handle(), producer.allocation_bytes());
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  producer.Exit();  // cudaFree and exit while the server holds the handle open
+  // What the driver does with the opened handle is its business: the append
+  // either reads the last contents or fails with a status; it must not take
+  // the server down.
+  s = Append({RegionMessage("after-exit", rows.n, rows.dtype, 0, Ref("gone", 0), Ref("gone", rows.n * kCkvRow))});
+  std::printf("append from an exited producer's region: %s\n", s.ok() ? "OK" : Describe(s).c_str());
+  v1::UnregisterRegionResponse unreg;
+  {
+    v1::UnregisterRegionRequest req;
+    req.set_name("gone");
+    grpc::ClientContext ctx;
+    s = stub().UnregisterRegion(&ctx, req, &unreg);
+  }
+  EXPECT_TRUE(s.ok()) << Describe(s);
+  s = AppendRows("still-serving", 0, rows, {1}, kCkvScale, kKpeScale);
+  EXPECT_TRUE(s.ok()) << "the server stopped serving after a producer exited: " << Describe(s);
+  Stored st = Read("still-serving", 1, 0, rows.n);
+  EXPECT_TRUE(st.status.ok()) << Describe(st.status);
 }
 
 TEST_F(CudaRegionServiceTest, BadHandlesAreRefusedAndTheServerKeepsServing) {
