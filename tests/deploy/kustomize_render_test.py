@@ -249,6 +249,7 @@ def check_ipc_example(objs, where):
             check("nvidia.com/gpu" not in res.get(part, {}),
                   f"{where}: {c['name']} {part} nvidia.com/gpu (would be a second, different GPU)")
     check(pod.get("shareProcessNamespace") is True, f"{where}: shareProcessNamespace not true")
+    check("--allow_ipc" in pod["containers"][0].get("args", []), f"{where}: the server runs without --allow_ipc")
     check(pod.get("hostIPC") is not True, f"{where}: hostIPC (not needed inside one pod)")
 
 
