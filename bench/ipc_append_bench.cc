@@ -1,0 +1,194 @@
+// IPC append end to end vs the kernel alone (issue 6's measurement).
+//
+//   ipc_append_bench --server ADDR [--rows 262144] [--repeats 20]
+//
+// Acts as a prefill worker on the same GPU as a running
+// `mlakv-server --allow_ipc --device cuda:0` (a separate process: a CUDA IPC
+// handle cannot be opened by the process that exported it). It cudaMallocs
+// --rows bf16 rows (ckv then kpe), registers them as a CUDA region, then
+// times Append RPCs that name the region instead of carrying bytes — client
+// call to response, one layer, fresh positions each time (the sequence is
+// freed, untimed, between calls) — against the kernel alone on the same rows
+// in this process (CUDA events). Medians of --repeats.
+#include <cuda_runtime_api.h>
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/quantize_append.h"
+#include "mlakv/v1/kv_cache.grpc.pb.h"
+
+namespace {
+
+#define CHECK_CUDA(expr)                                                                        \
+  do {                                                                                          \
+    cudaError_t e_ = (expr);                                                                    \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string server;
+  int64_t rows = 262144;
+  int repeats = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--server") server = argv[i + 1];
+    else if (a == "--rows") rows = std::atoll(argv[i + 1]);
+    else if (a == "--repeats") repeats = std::max(5, std::atoi(argv[i + 1]));
+  }
+  if (server.empty() || rows < 1) {
+    std::fprintf(stderr, "usage: %s --server ADDR [--rows N] [--repeats N]\n", argv[0]);
+    return 2;
+  }
+  // Rows: ckv [rows, 512] then kpe [rows, 64], bf16, random and never zero.
+  const size_t ckv_bytes = static_cast<size_t>(rows) * 512 * 2, kpe_bytes = static_cast<size_t>(rows) * 64 * 2;
+  std::vector<uint16_t> host((ckv_bytes + kpe_bytes) / 2);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  for (auto& h : host) {
+    const float f = g(rng) + 0.01f;
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    h = static_cast<uint16_t>(u >> 16);
+  }
+  CHECK_CUDA(cudaSetDevice(0));
+  void* rows_dev = nullptr;
+  CHECK_CUDA(cudaMalloc(&rows_dev, ckv_bytes + kpe_bytes));
+  CHECK_CUDA(cudaMemcpy(rows_dev, host.data(), ckv_bytes + kpe_bytes, cudaMemcpyHostToDevice));
+  cudaIpcMemHandle_t handle;
+  CHECK_CUDA(cudaIpcGetMemHandle(&handle, rows_dev));
+
+  auto channel_args = grpc::ChannelArguments();
+  channel_args.SetMaxReceiveMessageSize(-1);
+  auto stub = mlakv::v1::KvCache::NewStub(
+      grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), channel_args));
+  {
+    mlakv::v1::RegisterCudaRegionRequest req;
+    req.set_name("ipc-bench");
+    req.set_raw_handle(std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
+    req.set_device_id(0);
+    req.set_byte_size(ckv_bytes + kpe_bytes);
+    mlakv::v1::Region resp;
+    grpc::ClientContext ctx;
+    const grpc::Status s = stub->RegisterCudaRegion(&ctx, req, &resp);
+    if (!s.ok()) {
+      std::fprintf(stderr, "RegisterCudaRegion: %s\n", s.error_message().c_str());
+      return 1;
+    }
+  }
+  std::vector<double> rpc_us;
+  for (int i = 0; i < repeats + 3; ++i) {
+    mlakv::v1::AppendRequest req;
+    req.set_sequence("ipc-bench");
+    req.set_start(0);
+    req.set_row_count(static_cast<uint32_t>(rows));
+    req.set_dtype(mlakv::v1::ROW_DTYPE_BFLOAT16);
+    mlakv::v1::LayerRows* layer = req.add_layers();
+    layer->set_layer(0);
+    layer->set_ckv_scale(0.02f);
+    layer->set_kpe_scale(0.05f);
+    layer->mutable_ckv_ref()->set_region("ipc-bench");
+    layer->mutable_ckv_ref()->set_offset(0);
+    layer->mutable_ckv_ref()->set_row_stride_bytes(1024);
+    layer->mutable_kpe_ref()->set_region("ipc-bench");
+    layer->mutable_kpe_ref()->set_offset(ckv_bytes);
+    layer->mutable_kpe_ref()->set_row_stride_bytes(128);
+    const auto t0 = std::chrono::steady_clock::now();
+    mlakv::v1::AppendResponse resp;
+    grpc::ClientContext ctx;
+    auto writer = stub->Append(&ctx, &resp);
+    writer->Write(req, grpc::WriteOptions().set_last_message());
+    const grpc::Status s = writer->Finish();
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!s.ok()) {
+      std::fprintf(stderr, "Append: %s: %s\n", std::to_string(s.error_code()).c_str(), s.error_message().c_str());
+      return 1;
+    }
+    if (i >= 3) rpc_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    mlakv::v1::FreeSequenceRequest free_req;
+    free_req.set_sequence("ipc-bench");
+    mlakv::v1::FreeSequenceResponse free_resp;
+    grpc::ClientContext free_ctx;
+    stub->FreeSequence(&free_ctx, free_req, &free_resp);
+  }
+
+  // The kernel alone on the same device rows, page size 64, in this process.
+  const int page_size = 64;
+  const int pages = static_cast<int>((rows + page_size - 1) / page_size);
+  std::vector<int32_t> idx(2 * rows + pages + 2);
+  std::fill(idx.begin(), idx.begin() + rows, 0);                      // batch indices
+  std::iota(idx.begin() + rows, idx.begin() + 2 * rows, 0);           // positions
+  std::iota(idx.begin() + 2 * rows, idx.begin() + 2 * rows + pages, 0);  // kv_indices
+  idx[2 * rows + pages] = 0;
+  idx[2 * rows + pages + 1] = pages;
+  int32_t* idx_dev = nullptr;
+  uint8_t* cache = nullptr;
+  const size_t entries = static_cast<size_t>(pages) * page_size;
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&idx_dev), idx.size() * 4));
+  CHECK_CUDA(cudaMemcpy(idx_dev, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&cache), entries * 352));
+  mlakv::QuantizeAppendParams p;
+  p.append_ckv = rows_dev;
+  p.append_kpe = static_cast<char*>(rows_dev) + ckv_bytes;
+  p.dtype = mlakv::DType::kBFloat16;
+  p.batch_indices = idx_dev;
+  p.positions = idx_dev + rows;
+  p.num_rows = rows;
+  p.ckv_cache = cache;
+  p.ckv_sf_cache = cache + entries * 256;
+  p.kpe_cache = cache + entries * 288;
+  p.num_pages = pages;
+  p.page_size = page_size;
+  p.kv_indices = idx_dev + 2 * rows;
+  p.kv_indptr = idx_dev + 2 * rows + pages;
+  p.batch_size = 1;
+  p.num_kv_indices = pages;
+  p.ckv_scale = 0.02f;
+  p.kpe_scale = 0.05f;
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  std::vector<double> kernel_us;
+  for (int i = 0; i < repeats + 3; ++i) {
+    CHECK_CUDA(cudaEventRecord(a));
+    if (!mlakv::QuantizeAppend(p, nullptr).ok()) return 1;
+    CHECK_CUDA(cudaEventRecord(b));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    if (i >= 3) kernel_us.push_back(ms * 1000.0);
+  }
+  const double rpc = Median(rpc_us), kernel = Median(kernel_us);
+  std::printf("ipc append of %lld bf16 rows (one layer): RPC end to end median %.1f us (min %.1f), kernel alone "
+              "median %.1f us; RPC - kernel = %.1f us over %d repeats\n",
+              static_cast<long long>(rows), rpc, *std::min_element(rpc_us.begin(), rpc_us.end()), kernel,
+              rpc - kernel, repeats);
+  {
+    mlakv::v1::UnregisterRegionRequest req;
+    req.set_name("ipc-bench");
+    mlakv::v1::UnregisterRegionResponse resp;
+    grpc::ClientContext ctx;
+    stub->UnregisterRegion(&ctx, req, &resp);
+  }
+  cudaFree(cache);
+  cudaFree(idx_dev);
+  cudaFree(rows_dev);
+  return 0;
+}
