@@ -142,7 +142,30 @@ absl::Status ValidateRowPlacement(const QuantizeAppendParams& p) {
     return absl::OutOfRangeError(absl::StrCat("kv_indptr[", p.batch_size, "] = ", p.kv_indptr[p.batch_size],
                                               " exceeds len(kv_indices) = ", p.num_kv_indices));
   }
+  // The hot loop only finds the first bad row (the server validates every
+  // append through here, so it runs once per row of every call: no division
+  // when page_size is a power of two, no string work); the message for that
+  // row is built afterwards.
+  const int32_t page_size = p.page_size;
+  const bool pow2 = (page_size & (page_size - 1)) == 0;
+  const int shift = pow2 ? __builtin_ctz(static_cast<unsigned>(page_size)) : 0;
+  int64_t bad = -1;
   for (int64_t i = 0; i < p.num_rows; ++i) {
+    const int32_t b = p.batch_indices[i], pos = p.positions[i];
+    if (static_cast<uint32_t>(b) >= static_cast<uint32_t>(p.batch_size) || pos < 0) {
+      bad = i;
+      break;
+    }
+    const int32_t page_index = pow2 ? pos >> shift : pos / page_size;
+    const int32_t begin = p.kv_indptr[b];
+    if (page_index >= p.kv_indptr[b + 1] - begin ||
+        static_cast<uint32_t>(p.kv_indices[begin + page_index]) >= static_cast<uint32_t>(p.num_pages)) {
+      bad = i;
+      break;
+    }
+  }
+  if (bad >= 0) {
+    const int64_t i = bad;
     const int32_t b = p.batch_indices[i], pos = p.positions[i];
     if (b < 0 || b >= p.batch_size) {
       return absl::OutOfRangeError(
@@ -156,9 +179,7 @@ absl::Status ValidateRowPlacement(const QuantizeAppendParams& p) {
                                                 " pages of ", p.page_size, " tokens"));
     }
     const int32_t page = p.kv_indices[p.kv_indptr[b] + pos / p.page_size];
-    if (page < 0 || page >= p.num_pages) {
-      return absl::OutOfRangeError(absl::StrCat("row ", i, ": page id ", page, " is outside [0, ", p.num_pages, ")"));
-    }
+    return absl::OutOfRangeError(absl::StrCat("row ", i, ": page id ", page, " is outside [0, ", p.num_pages, ")"));
   }
   return absl::OkStatus();
 }
