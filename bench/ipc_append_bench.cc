@@ -22,19 +22,12 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_cuda_check.h"
 #include "kernels/quantize_append.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
 
 namespace {
 
-#define CHECK_CUDA(expr)                                                                        \
-  do {                                                                                          \
-    cudaError_t e_ = (expr);                                                                    \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -22,20 +22,13 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_cuda_check.h"
 #include "kernels/quantize_append.h"
 #include "kernels/quantize_append_config.h"
 
 namespace mlakv {
 namespace {
 
-#define CHECK_CUDA(expr)                                                                        \
-  do {                                                                                          \
-    cudaError_t e_ = (expr);                                                                    \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
 
 constexpr int64_t kBytesPerRow = 1152 + 8 + 352;
 constexpr int64_t kL2Bytes = 60ll << 20;

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "kernels/cuda_check.h"
+#include "kernels/scoped_cuda_device.h"
 #include "kernels/dequantize.h"
 #include "kernels/quantize_append.h"
 
@@ -27,21 +28,6 @@ class DeviceBuffer {
 
  private:
   void* ptr_ = nullptr;
-};
-
-// Restores the caller's current device on every path.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) {
-    cudaGetDevice(&previous_);
-    status_ = CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
-  }
-  ~ScopedDevice() { cudaSetDevice(previous_); }
-  const absl::Status& status() const { return status_; }
-
- private:
-  int previous_ = 0;
-  absl::Status status_;
 };
 
 }  // namespace
@@ -81,7 +67,7 @@ absl::StatusOr<QuantizedRows> QuantizeRows(const TensorView& ckv, const TensorVi
     return out;
   }
 
-  ScopedDevice scoped(cuda_device);
+  ScopedCudaDevice scoped(cuda_device);
   if (!scoped.status().ok()) return scoped.status();
   // Host rows may have a row stride; copy them densely (cudaMemcpy2D keeps the stride on the device).
   const int esize = DTypeSize(ckv.dtype);

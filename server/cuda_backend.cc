@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_check.h"
+#include "kernels/scoped_cuda_device.h"
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_append.h"
 
@@ -18,23 +19,6 @@ using format::kCkvPackedBytes;
 using format::kCkvSfBytes;
 using format::kKpeBytes;
 using format::kKpeDim;
-
-// Sets `device` for the scope and restores the caller's current device.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    status_ = CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  const absl::Status& status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  absl::Status status_;
-};
 
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -66,7 +50,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& 
 }
 
 absl::Status CudaBackend::Init() {
-  DeviceGuard guard(options_.device_ordinal);
+  ScopedCudaDevice guard(options_.device_ordinal);
   if (!guard.status().ok()) return guard.status();
   MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   const int64_t entries = Entries(options_.geometry);
@@ -88,7 +72,7 @@ absl::Status CudaBackend::Init() {
 }
 
 CudaBackend::~CudaBackend() {
-  DeviceGuard guard(options_.device_ordinal);
+  ScopedCudaDevice guard(options_.device_ordinal);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   for (LayerCaches& c : layers_) {
     cudaFree(c.ckv);
@@ -102,7 +86,7 @@ CudaBackend::~CudaBackend() {
 }
 
 absl::StatusOr<std::vector<CacheBackend::LayerHandles>> CudaBackend::ExportHandles() const {
-  DeviceGuard guard(options_.device_ordinal);
+  ScopedCudaDevice guard(options_.device_ordinal);
   if (!guard.status().ok()) return guard.status();
   std::vector<LayerHandles> out;
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -194,7 +178,7 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   }
   if (total == 0) return absl::OkStatus();
 
-  DeviceGuard guard(options_.device_ordinal);
+  ScopedCudaDevice guard(options_.device_ordinal);
   if (!guard.status().ok()) return guard.status();
   if (absl::Status s = EnsureStaging(total); !s.ok()) return s;
 
@@ -339,7 +323,7 @@ absl::Status CudaBackend::CopyEntries(int32_t layer, std::span<const int64_t> en
                                       bool to_device) {
   if (absl::Status s = CheckEntries(layer, entries); !s.ok()) return s;
   if (entries.empty()) return absl::OkStatus();
-  DeviceGuard guard(options_.device_ordinal);
+  ScopedCudaDevice guard(options_.device_ordinal);
   if (!guard.status().ok()) return guard.status();
   const LayerCaches& c = layers_[layer];
   cudaError_t err = cudaSuccess;

@@ -6,26 +6,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_check.h"
+#include "kernels/scoped_cuda_device.h"
 
 namespace mlakv::server {
 namespace {
-
-// Sets `device` for the scope and restores the caller's current device.
-class ScopedDevice {
- public:
-  explicit ScopedDevice(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
-    status_ = CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
-  }
-  ~ScopedDevice() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  const absl::Status& status() const { return status_; }
-
- private:
-  int previous_ = -1;
-  absl::Status status_;
-};
 
 // cuMemGetAddressRange (CUDA 12 ABI): base and size of the allocation that
 // holds `ptr`. Reached through the runtime so the server needs no libcuda at
@@ -72,7 +56,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcRegion>> CudaIpcRegion::Create(const Optio
     return absl::InvalidArgumentError(absl::StrCat("device_id ", options.device_id, " does not exist; ", count,
                                                    " CUDA device(s) visible"));
   }
-  ScopedDevice scoped(options.device_id);
+  ScopedCudaDevice scoped(options.device_id);
   if (!scoped.status().ok()) return scoped.status();
   cudaIpcMemHandle_t handle;
   std::memcpy(&handle, options.raw_handle.data(), sizeof(handle));
@@ -107,7 +91,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcRegion>> CudaIpcRegion::Create(const Optio
 }
 
 CudaIpcRegion::~CudaIpcRegion() {
-  ScopedDevice scoped(device_);
+  ScopedCudaDevice scoped(device_);
   if (event_ != nullptr) cudaEventDestroy(event_);
   cudaIpcCloseMemHandle(base_);
 }

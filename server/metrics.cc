@@ -155,34 +155,35 @@ absl::Status MetricsRegistry::CheckNew(const std::string& name, const std::vecto
   return absl::OkStatus();
 }
 
+MetricsRegistry::Family* MetricsRegistry::NewFamilyLocked(const std::string& name, const std::string& help,
+                                                          Kind kind, std::vector<std::string> label_names) {
+  auto f = std::make_unique<Family>();
+  f->name = name;
+  f->help = help;
+  f->kind = kind;
+  f->label_names = std::move(label_names);
+  families_.push_back(std::move(f));
+  return families_.back().get();
+}
+
 absl::StatusOr<CounterFamily*> MetricsRegistry::AddCounter(const std::string& name, const std::string& help,
                                                            std::vector<std::string> label_names) {
   absl::MutexLock lock(&mu_);
   if (auto s = CheckNew(name, label_names); !s.ok()) return s;
-  auto f = std::make_unique<Family>();
-  f->name = name;
-  f->help = help;
-  f->kind = Kind::kCounter;
-  f->counter.reset(new CounterFamily(label_names.size()));
-  f->label_names = std::move(label_names);
-  CounterFamily* out = f->counter.get();
-  families_.push_back(std::move(f));
-  return out;
+  const size_t arity = label_names.size();
+  Family* f = NewFamilyLocked(name, help, Kind::kCounter, std::move(label_names));
+  f->counter.reset(new CounterFamily(arity));
+  return f->counter.get();
 }
 
 absl::StatusOr<GaugeFamily*> MetricsRegistry::AddGauge(const std::string& name, const std::string& help,
                                                        std::vector<std::string> label_names) {
   absl::MutexLock lock(&mu_);
   if (auto s = CheckNew(name, label_names); !s.ok()) return s;
-  auto f = std::make_unique<Family>();
-  f->name = name;
-  f->help = help;
-  f->kind = Kind::kGauge;
-  f->gauge.reset(new GaugeFamily(label_names.size()));
-  f->label_names = std::move(label_names);
-  GaugeFamily* out = f->gauge.get();
-  families_.push_back(std::move(f));
-  return out;
+  const size_t arity = label_names.size();
+  Family* f = NewFamilyLocked(name, help, Kind::kGauge, std::move(label_names));
+  f->gauge.reset(new GaugeFamily(arity));
+  return f->gauge.get();
 }
 
 absl::StatusOr<HistogramFamily*> MetricsRegistry::AddHistogram(const std::string& name, const std::string& help,
@@ -200,15 +201,10 @@ absl::StatusOr<HistogramFamily*> MetricsRegistry::AddHistogram(const std::string
           absl::StrCat("histogram ", name, " bounds must be finite and strictly increasing"));
     }
   }
-  auto f = std::make_unique<Family>();
-  f->name = name;
-  f->help = help;
-  f->kind = Kind::kHistogram;
-  f->histogram.reset(new HistogramFamily(label_names.size(), std::move(bounds)));
-  f->label_names = std::move(label_names);
-  HistogramFamily* out = f->histogram.get();
-  families_.push_back(std::move(f));
-  return out;
+  const size_t arity = label_names.size();
+  Family* f = NewFamilyLocked(name, help, Kind::kHistogram, std::move(label_names));
+  f->histogram.reset(new HistogramFamily(arity, std::move(bounds)));
+  return f->histogram.get();
 }
 
 void MetricsRegistry::AddCollector(std::function<void()> collector) {

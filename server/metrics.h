@@ -118,6 +118,9 @@ class MetricsRegistry {
   };
   absl::Status CheckNew(const std::string& name, const std::vector<std::string>& label_names)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends a family of `kind` (its counter/gauge/histogram still to be set).
+  Family* NewFamilyLocked(const std::string& name, const std::string& help, Kind kind,
+                          std::vector<std::string> label_names) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Family>> families_ ABSL_GUARDED_BY(mu_);
