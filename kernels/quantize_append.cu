@@ -160,9 +160,10 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
     LoadLaneRow<kVectorized>(p, first, lane, pair[0]);
     if (rows > 1) LoadLaneRow<kVectorized>(p, first + 1, lane, pair[1]);
     // Placement of all the warp's rows at once: lane r follows row r's chain
-    // of three dependent loads (batch -> kv_indptr -> kv_indices).
+    // of dependent loads (batch -> kv_indptr -> kv_indices; by segment, the
+    // binary search over segment_indptr first).
     int64_t my_entry = -2;
-    if (lane < rows) my_entry = CacheEntryOfRow(p, __ldg(p.batch_indices + first + lane), __ldg(p.positions + first + lane));
+    if (lane < rows) my_entry = CacheEntryOfRowIndex(p, first + lane);
     const unsigned skipped = __ballot_sync(0xFFFFFFFFu, my_entry == -1);
     if (skipped != 0 && lane == 0 && p.skipped_rows != nullptr) {
       atomicAdd(p.skipped_rows, static_cast<unsigned>(__popc(skipped)));  // never written (SPEC "Bounds")
@@ -223,7 +224,7 @@ absl::Status QuantizeAppendWithConfig(const QuantizeAppendParams& p, const Quant
   if (p.num_rows == 0) return absl::OkStatus();
   if (p.page_size <= 0 || p.batch_size < 0 || p.ckv_cache == nullptr || p.ckv_sf_cache == nullptr ||
       p.kpe_cache == nullptr || p.append_ckv == nullptr || p.append_kpe == nullptr ||
-      p.batch_indices == nullptr || p.positions == nullptr || p.kv_indptr == nullptr) {
+      p.kv_indptr == nullptr || !HasPlacement(p)) {
     return absl::InvalidArgumentError("QuantizeAppend: params are incomplete (null pointer or page_size < 1)");
   }
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) {

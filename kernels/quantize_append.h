@@ -34,9 +34,20 @@ struct QuantizeAppendParams {
   int64_t ckv_row_stride = format::kCkvDim;
   int64_t kpe_row_stride = format::kKpeDim;
   DType dtype = DType::kBFloat16;    // kFloat16 or kBFloat16
+  // Where each row goes, one of two forms:
+  //  * per row (the seed's signature): batch_indices and positions.
+  //  * by segment (batch_indices and positions null): segment s covers rows
+  //    [segment_indptr[s], segment_indptr[s+1]) of request segment_request[s]
+  //    at consecutive positions from segment_start[s]. A server appending a
+  //    run of tokens per sequence describes 262k rows with three tiny arrays
+  //    instead of two 1 MB ones, and validates them in O(segments + pages).
   const int32_t* batch_indices = nullptr;  // [num_rows] request of each row
   const int32_t* positions = nullptr;      // [num_rows] token position inside its request
   int64_t num_rows = 0;
+  const int32_t* segment_indptr = nullptr;   // [num_segments + 1], non-decreasing, 0 .. num_rows
+  const int32_t* segment_request = nullptr;  // [num_segments] batch index of each segment
+  const int32_t* segment_start = nullptr;    // [num_segments] position of each segment's first row
+  int32_t num_segments = 0;
 
   // One layer's caches, contiguous.
   uint8_t* ckv_cache = nullptr;     // [num_pages, page_size, 256] packed E2M1, low nibble = even channel
@@ -73,6 +84,44 @@ MLAKV_HOST_DEVICE int64_t CacheEntryOfRow(const QuantizeAppendParams& p, int32_t
   return static_cast<int64_t>(page) * p.page_size + pos % p.page_size;
 }
 
+MLAKV_HOST_DEVICE int32_t LoadIndex(const int32_t* ptr) {
+#if defined(__CUDA_ARCH__)
+  return __ldg(ptr);  // read-only path: index arrays are never written by the kernel
+#else
+  return *ptr;
+#endif
+}
+
+// The cache entry of row `row` in either placement form, or -1 when out of
+// bounds. By segment, the row's segment is found by binary search over
+// segment_indptr (one step for a single run; the kernel does it once per
+// 8 rows). Never reads outside the index arrays, whatever their contents.
+MLAKV_HOST_DEVICE int64_t CacheEntryOfRowIndex(const QuantizeAppendParams& p, int64_t row) {
+  if (p.segment_indptr == nullptr) {
+    return CacheEntryOfRow(p, LoadIndex(p.batch_indices + row), LoadIndex(p.positions + row));
+  }
+  int32_t lo = 0, hi = p.num_segments;  // segment_indptr[lo] <= row < segment_indptr[hi]
+  if (hi <= 0 || row < LoadIndex(p.segment_indptr) || row >= LoadIndex(p.segment_indptr + hi)) return -1;
+  while (hi - lo > 1) {
+    const int32_t mid = lo + (hi - lo) / 2;
+    if (LoadIndex(p.segment_indptr + mid) <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  const int64_t pos = LoadIndex(p.segment_start + lo) + (row - LoadIndex(p.segment_indptr + lo));
+  if (pos > 0x7FFFFFFF) return -1;
+  return CacheEntryOfRow(p, LoadIndex(p.segment_request + lo), static_cast<int32_t>(pos));
+}
+
+// True when `p` carries one of the two placement forms completely.
+inline bool HasPlacement(const QuantizeAppendParams& p) {
+  return p.segment_indptr != nullptr
+             ? p.segment_request != nullptr && p.segment_start != nullptr && p.num_segments >= 1
+             : p.batch_indices != nullptr && p.positions != nullptr;
+}
+
 // Byte offsets of an entry inside the three caches.
 MLAKV_HOST_DEVICE int64_t CkvOffset(int64_t entry) { return entry * format::kCkvPackedBytes; }
 MLAKV_HOST_DEVICE int64_t CkvSfOffset(int64_t entry) { return entry * format::kCkvSfBytes; }
@@ -92,8 +141,9 @@ absl::StatusOr<QuantizeAppendParams> MakeQuantizeAppendParams(
     const TensorView& kv_last_page_len, double ckv_scale, double kpe_scale);
 
 // Checks every row's placement against host-resident index arrays: indptr
-// monotone and inside kv_indices, every row in bounds. OUT_OF_RANGE names the
-// first offending row. The CPU entry calls it; callers of the CUDA entry that
+// monotone and inside kv_indices, every row in bounds (by segment: the
+// segments tile [0, num_rows) in order and each one's pages exist).
+// OUT_OF_RANGE names the first offending row or segment. The CPU entry calls it; callers of the CUDA entry that
 // hold host copies of the indices (the server does) call it before launching.
 absl::Status ValidateRowPlacement(const QuantizeAppendParams& host_params);
 

@@ -90,7 +90,7 @@ MLAKV_CPU_CLONES void QuantizeRows(const QuantizeAppendParams& p, int64_t row_be
   const auto* ckv = static_cast<const uint16_t*>(p.append_ckv);
   const auto* kpe = static_cast<const uint16_t*>(p.append_kpe);
   for (int64_t i = row_begin; i < row_end; ++i) {
-    const int64_t entry = CacheEntryOfRow(p, p.batch_indices[i], p.positions[i]);
+    const int64_t entry = CacheEntryOfRowIndex(p, i);
     if (entry < 0) continue;  // the host entry validated already; never write out of bounds anyway
     QuantizeRow<kDType>(ckv + i * p.ckv_row_stride, kpe + i * p.kpe_row_stride, k, p.ckv_cache + CkvOffset(entry),
                         p.ckv_sf_cache + CkvSfOffset(entry), p.kpe_cache + KpeOffset(entry));

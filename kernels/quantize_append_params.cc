@@ -3,6 +3,7 @@
 // message says what was expected and what came.
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/quantize_append.h"
@@ -127,6 +128,58 @@ absl::StatusOr<QuantizeAppendParams> MakeQuantizeAppendParams(
   return p;
 }
 
+namespace {
+
+// By segment: O(segments + pages touched), no per-row work.
+absl::Status ValidateSegmentPlacement(const QuantizeAppendParams& p) {
+  if (p.num_segments < 1) {
+    return absl::OutOfRangeError(absl::StrCat("num_segments is ", p.num_segments, "; placement by segment needs >= 1"));
+  }
+  if (p.segment_indptr[0] != 0) {
+    return absl::OutOfRangeError(absl::StrCat("segment_indptr[0] is ", p.segment_indptr[0], "; expected 0"));
+  }
+  for (int32_t s = 0; s < p.num_segments; ++s) {
+    const int32_t begin = p.segment_indptr[s], end = p.segment_indptr[s + 1];
+    if (end < begin) {
+      return absl::OutOfRangeError(absl::StrCat("segment_indptr is not non-decreasing: segment_indptr[", s + 1, "] = ",
+                                                end, " < segment_indptr[", s, "] = ", begin));
+    }
+    if (end == begin) continue;
+    const std::string where = absl::StrCat("segment ", s, " (rows ", begin, "..", end - 1, ")");
+    const int32_t b = p.segment_request[s], start = p.segment_start[s];
+    if (b < 0 || b >= p.batch_size) {
+      return absl::OutOfRangeError(absl::StrCat(where, ": batch index ", b, " is outside [0, ", p.batch_size, ")"));
+    }
+    if (start < 0) return absl::OutOfRangeError(absl::StrCat(where, ": start position ", start, " is negative"));
+    const int64_t last = static_cast<int64_t>(start) + (end - begin) - 1;
+    if (last > std::numeric_limits<int32_t>::max()) {
+      return absl::OutOfRangeError(absl::StrCat(where, ": positions ", start, "..", last, " overflow int32"));
+    }
+    const int64_t first_page = p.kv_indptr[b] + start / p.page_size, last_page = p.kv_indptr[b] + last / p.page_size;
+    if (last_page >= p.kv_indptr[b + 1]) {
+      return absl::OutOfRangeError(absl::StrCat(where, ": position ", last, " of request ", b, " needs page ",
+                                                last / p.page_size, " but the request owns ",
+                                                p.kv_indptr[b + 1] - p.kv_indptr[b], " pages of ", p.page_size,
+                                                " tokens"));
+    }
+    for (int64_t i = first_page; i <= last_page; ++i) {
+      if (p.kv_indices[i] < 0 || p.kv_indices[i] >= p.num_pages) {
+        return absl::OutOfRangeError(absl::StrCat(where, ": page id ", p.kv_indices[i], " (page ",
+                                                  i - p.kv_indptr[b], " of request ", b, ") is outside [0, ",
+                                                  p.num_pages, ")"));
+      }
+    }
+  }
+  if (p.segment_indptr[p.num_segments] != p.num_rows) {
+    return absl::OutOfRangeError(absl::StrCat("segment_indptr[", p.num_segments, "] = ",
+                                              p.segment_indptr[p.num_segments], " but num_rows is ", p.num_rows,
+                                              "; the segments must cover every row"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ValidateRowPlacement(const QuantizeAppendParams& p) {
   if (p.kv_indptr[0] < 0) {
     return absl::OutOfRangeError(absl::StrCat("kv_indptr[0] is ", p.kv_indptr[0], "; expected >= 0"));
@@ -142,6 +195,7 @@ absl::Status ValidateRowPlacement(const QuantizeAppendParams& p) {
     return absl::OutOfRangeError(absl::StrCat("kv_indptr[", p.batch_size, "] = ", p.kv_indptr[p.batch_size],
                                               " exceeds len(kv_indices) = ", p.num_kv_indices));
   }
+  if (p.segment_indptr != nullptr) return ValidateSegmentPlacement(p);
   // The hot loop only finds the first bad row (the server validates every
   // append through here, so it runs once per row of every call: no division
   // when page_size is a power of two, no string work); the message for that

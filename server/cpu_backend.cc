@@ -1,5 +1,7 @@
 #include "server/cpu_backend.h"
 
+#include <array>
+
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -64,7 +66,8 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
   // Per (layer, segment): params over that segment's rows. Build and validate
   // all of them before writing anything.
   std::vector<QuantizeAppendParams> all;
-  std::vector<std::vector<int32_t>> batch_indices, positions;
+  // Placement by segment, one segment per params: {indptr 0, rows, request, start}.
+  std::vector<std::array<int32_t, 4>> placements;
   for (const LayerAppend& la : layers) {
     if (la.layer < 0 || la.layer >= g.num_layers) {
       return absl::InternalError(absl::StrCat("cpu backend: layer ", la.layer, " outside [0, ", g.num_layers, ")"));
@@ -79,9 +82,7 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
       p.append_ckv = seg.ckv;
       p.append_kpe = seg.kpe;
       p.dtype = la.dtype;
-      batch_indices.emplace_back(seg.rows, seg.request);
-      positions.emplace_back(seg.rows);
-      for (int32_t i = 0; i < seg.rows; ++i) positions.back()[i] = seg.start + i;
+      placements.push_back({0, seg.rows, seg.request, seg.start});
       p.num_rows = seg.rows;
       p.ckv_cache = c.ckv;
       p.ckv_sf_cache = c.sf;
@@ -99,8 +100,10 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
   }
   // The vectors above no longer reallocate: point the params at them now.
   for (size_t i = 0; i < all.size(); ++i) {
-    all[i].batch_indices = batch_indices[i].data();
-    all[i].positions = positions[i].data();
+    all[i].segment_indptr = &placements[i][0];
+    all[i].segment_request = &placements[i][2];
+    all[i].segment_start = &placements[i][3];
+    all[i].num_segments = 1;
     if (absl::Status s = ValidateRowPlacement(all[i]); !s.ok()) {
       return absl::InternalError(absl::StrCat("cpu backend: row placement rejected (a server bug): ", s.message()));
     }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_check.h"
@@ -129,11 +130,14 @@ absl::Status CudaBackend::EnsureStaging(size_t bytes) {
 
 absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   const Geometry& g = options_.geometry;
-  // Layout of the staging buffer, per layer: ckv rows, kpe rows, batch
-  // indices, positions, kv_indptr, kv_indices (each 256-byte aligned).
+  // Layout of the staging buffer, per layer: ckv rows, kpe rows, the rows'
+  // placement by segment (segment_indptr, segment_request, segment_start:
+  // 3 x segments + 1 ints, no per-row arrays), kv_indptr, kv_indices (each
+  // 256-byte aligned).
   struct Slots {
-    size_t ckv, kpe, batch, pos, indptr, indices;
+    size_t ckv, kpe, placement, indptr, indices;
     int64_t rows;
+    int32_t segments;
     // The layer's only segment lives in device memory (a CUDA region): the
     // kernel reads it in place, no ckv/kpe slots.
     const AppendSegment* direct = nullptr;
@@ -147,7 +151,7 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
     }
     if (la.kv_indptr.empty()) return absl::InternalError("cuda backend: empty kv_indptr");
     int64_t rows = 0;
-    int non_empty = 0;
+    int32_t non_empty = 0;
     const AppendSegment* last = nullptr;
     for (const AppendSegment& seg : la.segments) {
       if (seg.rows <= 0) continue;
@@ -161,16 +165,18 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
     }
     const size_t esize = static_cast<size_t>(DTypeSize(la.dtype));
     Slots& s = slots[li];
+    if (rows > std::numeric_limits<int32_t>::max()) {
+      return absl::InternalError(absl::StrCat("cuda backend: ", rows, " rows in one layer exceed int32"));
+    }
     s.rows = rows;
+    s.segments = non_empty;
     if (non_empty == 1 && last->device >= 0) s.direct = last;
     s.ckv = total;
     total += s.direct ? 0 : AlignUp(rows * kCkvDim * esize);
     s.kpe = total;
     total += s.direct ? 0 : AlignUp(rows * kKpeDim * esize);
-    s.batch = total;
-    total += AlignUp(rows * sizeof(int32_t));
-    s.pos = total;
-    total += AlignUp(rows * sizeof(int32_t));
+    s.placement = total;
+    total += AlignUp((3 * static_cast<size_t>(non_empty) + 1) * sizeof(int32_t));
     s.indptr = total;
     total += AlignUp(la.kv_indptr.size() * sizeof(int32_t));
     s.indices = total;
@@ -199,8 +205,11 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
     const Slots& s = slots[li];
     if (s.rows == 0) continue;
     const size_t esize = static_cast<size_t>(DTypeSize(la.dtype));
-    auto* batch = reinterpret_cast<int32_t*>(pinned_ + s.batch);
-    auto* pos = reinterpret_cast<int32_t*>(pinned_ + s.pos);
+    auto* seg_indptr = reinterpret_cast<int32_t*>(pinned_ + s.placement);
+    int32_t* seg_request = seg_indptr + s.segments + 1;
+    int32_t* seg_start = seg_request + s.segments;
+    seg_indptr[0] = 0;
+    int32_t n = 0;
     int64_t r = 0;
     for (const AppendSegment& seg : la.segments) {
       if (seg.rows <= 0) continue;
@@ -217,11 +226,10 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
         std::memcpy(pinned_ + s.ckv + r * kCkvDim * esize, seg.ckv, seg.rows * kCkvDim * esize);
         std::memcpy(pinned_ + s.kpe + r * kKpeDim * esize, seg.kpe, seg.rows * kKpeDim * esize);
       }
-      for (int32_t i = 0; i < seg.rows; ++i) {
-        batch[r + i] = seg.request;
-        pos[r + i] = seg.start + i;
-      }
+      seg_request[n] = seg.request;
+      seg_start[n] = seg.start;
       r += seg.rows;
+      seg_indptr[++n] = static_cast<int32_t>(r);
     }
     std::memcpy(pinned_ + s.indptr, la.kv_indptr.data(), la.kv_indptr.size() * sizeof(int32_t));
     std::memcpy(pinned_ + s.indices, la.kv_indices.data(), la.kv_indices.size() * sizeof(int32_t));
@@ -243,8 +251,10 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
     QuantizeAppendParams host = p;
     host.append_ckv = pinned_ + s.ckv;
     host.append_kpe = pinned_ + s.kpe;
-    host.batch_indices = batch;
-    host.positions = pos;
+    host.segment_indptr = seg_indptr;
+    host.segment_request = seg_request;
+    host.segment_start = seg_start;
+    host.num_segments = s.segments;
     host.kv_indptr = reinterpret_cast<const int32_t*>(pinned_ + s.indptr);
     host.kv_indices = reinterpret_cast<const int32_t*>(pinned_ + s.indices);
     if (absl::Status st = ValidateRowPlacement(host); !st.ok()) {
@@ -262,8 +272,11 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
       p.ckv_row_stride = s.direct->ckv_stride_bytes / static_cast<int64_t>(esize);
       p.kpe_row_stride = s.direct->kpe_stride_bytes / static_cast<int64_t>(esize);
     }
-    p.batch_indices = reinterpret_cast<const int32_t*>(scratch_ + s.batch);
-    p.positions = reinterpret_cast<const int32_t*>(scratch_ + s.pos);
+    const auto* dev_placement = reinterpret_cast<const int32_t*>(scratch_ + s.placement);
+    p.segment_indptr = dev_placement;
+    p.segment_request = dev_placement + s.segments + 1;
+    p.segment_start = dev_placement + 2 * s.segments + 1;
+    p.num_segments = s.segments;
     p.kv_indptr = reinterpret_cast<const int32_t*>(scratch_ + s.indptr);
     p.kv_indices = reinterpret_cast<const int32_t*>(scratch_ + s.indices);
     p.skipped_rows = skipped_;

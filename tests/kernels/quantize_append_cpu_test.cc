@@ -317,6 +317,130 @@ TEST_F(CpuRejectTest, RejectsIndptrBeyondIndices) {
   ExpectRejected(absl::StatusCode::kOutOfRange, "exceeds len(kv_indices)");
 }
 
+// ---- placement by segment (QuantizeAppendParams' second form) ----------------
+
+struct SegmentCase {
+  DType dtype;
+  int page_size;
+  bool shuffle_rows;  // shuffled rows: mostly one-row segments
+  bool split;         // cut runs at random points: several segments per request
+};
+
+class CpuSegmentTest : public ::testing::TestWithParam<SegmentCase> {};
+
+TEST_P(CpuSegmentTest, WritesTheSameBytesAsPerRowPlacement) {
+  for (uint32_t seed = 1; seed <= 3; ++seed) {
+    ScenarioOptions o;
+    o.dtype = GetParam().dtype;
+    o.page_size = GetParam().page_size;
+    o.shuffle_rows = GetParam().shuffle_rows;
+    o.seed = seed;
+    PagedScenario per_row = MakeScenario(o), by_segment = MakeScenario(o);
+    std::mt19937 split_rng(seed);
+    by_segment.BuildSegments(GetParam().split ? &split_rng : nullptr);
+    if (!o.shuffle_rows && !GetParam().split) {
+      EXPECT_EQ(by_segment.segment_request.size(), static_cast<size_t>(o.batch)) << "one run per request";
+    }
+    ASSERT_TRUE(per_row.RunCpu().ok());
+    const QuantizeAppendParams p = by_segment.SegmentHostParams();
+    ASSERT_TRUE(ValidateRowPlacement(p).ok()) << ValidateRowPlacement(p);
+    QuantizeAppendHost(p, 2);
+    EXPECT_EQ(by_segment.ckv_cache, per_row.ckv_cache) << "seed " << seed;
+    EXPECT_EQ(by_segment.ckv_sf_cache, per_row.ckv_sf_cache) << "seed " << seed;
+    EXPECT_EQ(by_segment.kpe_cache, per_row.kpe_cache) << "seed " << seed;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Forms, CpuSegmentTest,
+                         ::testing::Values(SegmentCase{DType::kBFloat16, 64, false, false},
+                                           SegmentCase{DType::kBFloat16, 16, false, true},
+                                           SegmentCase{DType::kFloat16, 1, false, true},
+                                           SegmentCase{DType::kFloat16, 37, true, false},
+                                           SegmentCase{DType::kBFloat16, 128, true, true}),
+                         [](const auto& info) {
+                           return std::string(info.param.dtype == DType::kBFloat16 ? "bf16" : "f16") + "_page" +
+                                  std::to_string(info.param.page_size) + (info.param.shuffle_rows ? "_shuffled" : "") +
+                                  (info.param.split ? "_split" : "");
+                         });
+
+class CpuSegmentRejectTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ScenarioOptions o;
+    o.page_size = 16;
+    o.seed = 11;
+    o.shuffle_rows = false;
+    s_ = MakeScenario(o);
+    s_.BuildSegments();
+    ASSERT_GE(s_.segment_request.size(), 2u);
+  }
+  void ExpectRejected(const std::string& needle) {
+    const absl::Status st = ValidateRowPlacement(s_.SegmentHostParams());
+    EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+    EXPECT_NE(std::string(st.message()).find(needle), std::string::npos) << "message: " << st.message();
+  }
+  PagedScenario s_;
+};
+
+TEST_F(CpuSegmentRejectTest, AcceptsTheUnmodifiedSegments) {
+  EXPECT_TRUE(ValidateRowPlacement(s_.SegmentHostParams()).ok());
+}
+TEST_F(CpuSegmentRejectTest, RejectsIndptrNotStartingAtZero) {
+  s_.segment_indptr[0] = 1;
+  ExpectRejected("segment_indptr[0] is 1");
+}
+TEST_F(CpuSegmentRejectTest, RejectsDecreasingIndptr) {
+  s_.segment_indptr[2] = s_.segment_indptr[1] - 1;  // segment 1 ends before it begins
+  ExpectRejected("not non-decreasing");
+}
+TEST_F(CpuSegmentRejectTest, RejectsSegmentsNotCoveringEveryRow) {
+  s_.segment_indptr.back() -= 1;
+  ExpectRejected("must cover every row");
+}
+TEST_F(CpuSegmentRejectTest, RejectsRequestOutsideTheBatch) {
+  s_.segment_request[1] = static_cast<int32_t>(s_.kv_indptr.size());
+  ExpectRejected("segment 1 (rows");
+}
+TEST_F(CpuSegmentRejectTest, RejectsNegativeStart) {
+  s_.segment_start[0] = -1;
+  ExpectRejected("start position -1 is negative");
+}
+TEST_F(CpuSegmentRejectTest, RejectsRunPastTheRequestsPages) {
+  const int32_t b = s_.segment_request[0];
+  const int32_t owned = s_.kv_indptr[b + 1] - s_.kv_indptr[b];
+  s_.segment_start[0] = owned * 16 - 1;  // the run's first row fits, the next ones do not
+  ExpectRejected("but the request owns");
+}
+TEST_F(CpuSegmentRejectTest, RejectsPositionsOverflowingInt32) {
+  s_.segment_start[0] = std::numeric_limits<int32_t>::max();
+  ExpectRejected("overflow int32");
+}
+TEST_F(CpuSegmentRejectTest, RejectsPageIdOutsideThePool) {
+  // The page holding segment 0's first row.
+  s_.kv_indices[s_.kv_indptr[s_.segment_request[0]] + s_.segment_start[0] / 16] = s_.num_pages;
+  ExpectRejected("is outside [0, " + std::to_string(s_.num_pages) + ")");
+}
+
+// What the kernel's bounds guard relies on: rows outside the segments, or
+// placed by a bad segment, have no entry (and no index array is read past its end).
+TEST(CpuSegmentEntries, RowsOutsideTheSegmentsHaveNoEntry) {
+  ScenarioOptions o;
+  o.shuffle_rows = false;
+  PagedScenario s = MakeScenario(o);
+  s.BuildSegments();
+  QuantizeAppendParams p = s.SegmentHostParams();
+  EXPECT_EQ(CacheEntryOfRowIndex(p, -1), -1);
+  EXPECT_EQ(CacheEntryOfRowIndex(p, s.num_rows), -1);
+  for (int64_t i = 0; i < s.num_rows; ++i) {
+    ASSERT_EQ(CacheEntryOfRowIndex(p, i), CacheEntryOfRow(p, s.batch_indices[i], s.positions[i])) << "row " << i;
+  }
+  s.segment_request[0] = -3;
+  p = s.SegmentHostParams();
+  EXPECT_EQ(CacheEntryOfRowIndex(p, 0), -1);
+  p.num_segments = 0;
+  EXPECT_FALSE(HasPlacement(p));
+}
+
 TEST(CpuEmpty, ZeroRowsIsANoOp) {
   std::vector<uint8_t> cache(256, kPoison), sf(32, kPoison), kc(64, kPoison);
   std::vector<int32_t> indices = {0}, indptr = {0, 1}, last = {0};

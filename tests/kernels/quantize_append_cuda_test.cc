@@ -237,6 +237,109 @@ TEST(CudaBounds, OutOfRangeRowsAreSkippedAndCounted) {
   EXPECT_EQ(gpu.kpe_cache, good.kpe_cache);
 }
 
+// ---- placement by segment ----------------------------------------------------
+
+// Runs the scenario's segment form on the device through the launcher.
+CudaRun RunCudaBySegment(PagedScenario& s) {
+  DeviceVector<uint16_t> ckv(s.ckv), kpe(s.kpe);
+  DeviceVector<int32_t> indices(s.kv_indices), indptr(s.kv_indptr), seg_indptr(s.segment_indptr),
+      seg_request(s.segment_request), seg_start(s.segment_start);
+  DeviceVector<uint8_t> cc(s.ckv_cache), sf(s.ckv_sf_cache), kc(s.kpe_cache);
+  DeviceVector<unsigned int> skipped(std::vector<unsigned int>{0});
+  QuantizeAppendParams p = s.SegmentHostParams();
+  p.append_ckv = ckv.get();
+  p.append_kpe = kpe.get();
+  p.kv_indices = indices.get();
+  p.kv_indptr = indptr.get();
+  p.segment_indptr = seg_indptr.get();
+  p.segment_request = seg_request.get();
+  p.segment_start = seg_start.get();
+  p.ckv_cache = cc.get();
+  p.ckv_sf_cache = sf.get();
+  p.kpe_cache = kc.get();
+  p.skipped_rows = skipped.get();
+  CudaRun run;
+  run.status = QuantizeAppend(p, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  run.ckv_cache = cc.ToHost();
+  run.ckv_sf_cache = sf.ToHost();
+  run.kpe_cache = kc.ToHost();
+  run.skipped = skipped.ToHost()[0];
+  return run;
+}
+
+struct SegmentCase {
+  DType dtype;
+  int page_size;
+  int batch, max_new_tokens;
+  bool shuffle_rows, split;
+};
+
+class CudaSegmentTest : public ::testing::TestWithParam<SegmentCase> {};
+
+TEST_P(CudaSegmentTest, SameBytesAsTheCpuWithPerRowPlacement) {
+  SKIP_WITHOUT_GPU();
+  const SegmentCase& c = GetParam();
+  ScenarioOptions o;
+  o.dtype = c.dtype;
+  o.page_size = c.page_size;
+  o.batch = c.batch;
+  o.max_new_tokens = c.max_new_tokens;
+  o.shuffle_rows = c.shuffle_rows;
+  o.seed = 21;
+  PagedScenario cpu = MakeScenario(o), gpu_case = MakeScenario(o);
+  std::mt19937 split_rng(3);
+  gpu_case.BuildSegments(c.split ? &split_rng : nullptr);
+  ASSERT_TRUE(ValidateRowPlacement(gpu_case.SegmentHostParams()).ok());
+  CudaRun gpu = RunCudaBySegment(gpu_case);
+  ASSERT_TRUE(gpu.status.ok()) << gpu.status;
+  EXPECT_EQ(gpu.skipped, 0u);
+  ASSERT_TRUE(cpu.RunCpu().ok());
+  EXPECT_EQ(gpu.ckv_cache, cpu.ckv_cache);
+  EXPECT_EQ(gpu.ckv_sf_cache, cpu.ckv_sf_cache);
+  EXPECT_EQ(gpu.kpe_cache, cpu.kpe_cache);
+}
+
+// Large cases reach the launcher's 8-rows-per-warp configuration (>= 16384 rows).
+INSTANTIATE_TEST_SUITE_P(Forms, CudaSegmentTest,
+                         ::testing::Values(SegmentCase{DType::kBFloat16, 64, 12, 4000, false, false},
+                                           SegmentCase{DType::kFloat16, 16, 12, 4000, false, true},
+                                           SegmentCase{DType::kBFloat16, 1, 5, 70, false, true},
+                                           SegmentCase{DType::kFloat16, 37, 5, 70, true, false},
+                                           SegmentCase{DType::kBFloat16, 16, 256, 1, false, false}),
+                         [](const auto& info) {
+                           const SegmentCase& c = info.param;
+                           return std::string(c.dtype == DType::kBFloat16 ? "bf16" : "f16") + "_page" +
+                                  std::to_string(c.page_size) + "_batch" + std::to_string(c.batch) + "_upto" +
+                                  std::to_string(c.max_new_tokens) + (c.shuffle_rows ? "_shuffled" : "") +
+                                  (c.split ? "_split" : "");
+                         });
+
+// A segment naming a request outside the batch: its rows are skipped and
+// counted, every other row written as the CPU writes it.
+TEST(CudaSegmentBounds, BadSegmentIsSkippedAndCounted) {
+  SKIP_WITHOUT_GPU();
+  ScenarioOptions o;
+  o.page_size = 16;
+  o.shuffle_rows = false;
+  o.seed = 9;
+  PagedScenario gpu_case = MakeScenario(o), cpu = MakeScenario(o);
+  gpu_case.BuildSegments();
+  cpu.BuildSegments();
+  const int32_t bad_rows = gpu_case.segment_indptr[1] - gpu_case.segment_indptr[0];
+  ASSERT_GT(bad_rows, 0);
+  gpu_case.segment_request[0] = static_cast<int32_t>(gpu_case.kv_indptr.size()) + 4;
+  cpu.segment_request[0] = gpu_case.segment_request[0];
+  EXPECT_FALSE(ValidateRowPlacement(cpu.SegmentHostParams()).ok());
+  CudaRun gpu = RunCudaBySegment(gpu_case);
+  ASSERT_TRUE(gpu.status.ok()) << gpu.status;
+  EXPECT_EQ(gpu.skipped, static_cast<unsigned>(bad_rows));
+  QuantizeAppendHost(cpu.SegmentHostParams(), 1);  // unvalidated: skips the same rows
+  EXPECT_EQ(gpu.ckv_cache, cpu.ckv_cache);
+  EXPECT_EQ(gpu.ckv_sf_cache, cpu.ckv_sf_cache);
+  EXPECT_EQ(gpu.kpe_cache, cpu.kpe_cache);
+}
+
 TEST(CudaDequantize, MatchesCpuBitForBit) {
   SKIP_WITHOUT_GPU();
   ScenarioOptions o;

@@ -133,6 +133,34 @@ QuantizeAppendParams PagedScenario::HostParams() {
       .value();
 }
 
+void PagedScenario::BuildSegments(std::mt19937* split_rng) {
+  segment_indptr.assign(1, 0);
+  segment_request.clear();
+  segment_start.clear();
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const bool continues = i > 0 && batch_indices[i] == batch_indices[i - 1] &&
+                           positions[i] == positions[i - 1] + 1 &&
+                           !(split_rng != nullptr && (*split_rng)() % 7 == 0);
+    if (!continues) {
+      if (i > 0) segment_indptr.push_back(static_cast<int32_t>(i));
+      segment_request.push_back(batch_indices[i]);
+      segment_start.push_back(positions[i]);
+    }
+  }
+  if (num_rows > 0) segment_indptr.push_back(static_cast<int32_t>(num_rows));
+}
+
+QuantizeAppendParams PagedScenario::SegmentHostParams() {
+  QuantizeAppendParams p = HostParams();
+  p.batch_indices = nullptr;
+  p.positions = nullptr;
+  p.segment_indptr = segment_indptr.data();
+  p.segment_request = segment_request.data();
+  p.segment_start = segment_start.data();
+  p.num_segments = static_cast<int32_t>(segment_request.size());
+  return p;
+}
+
 std::vector<int64_t> PagedScenario::AddressedEntries() const {
   std::set<int64_t> entries;
   for (int64_t i = 0; i < num_rows; ++i) {

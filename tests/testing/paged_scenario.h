@@ -53,6 +53,13 @@ struct PagedScenario {
   absl::Status RunCpu();
   // Params over the host buffers (what the CUDA test mirrors on the device).
   QuantizeAppendParams HostParams();
+  // The rows' placement by segment (QuantizeAppendParams' second form): runs
+  // of rows of one request at consecutive positions, each run cut at random
+  // points when `split_rng` is given (several segments per request).
+  std::vector<int32_t> segment_indptr, segment_request, segment_start;
+  void BuildSegments(std::mt19937* split_rng = nullptr);
+  // HostParams with batch_indices/positions replaced by the segments.
+  QuantizeAppendParams SegmentHostParams();
   // Cache entries addressed by the rows (sorted, unique).
   std::vector<int64_t> AddressedEntries() const;
 };
