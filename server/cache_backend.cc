@@ -2,23 +2,59 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdlib>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/cpu_backend.h"
 #include "server/cuda_backend.h"
+#include "spdlog/spdlog.h"
 
 namespace mlakv::server {
-namespace {
 
-// N of "cuda:N", or -1 when `device` is not spelled that way.
 int CudaOrdinal(const std::string& device) {
+  if (!absl::StartsWith(device, "cuda:")) return -1;
+  const std::string digits = device.substr(5);
+  if (digits.empty() || digits.size() > 6 || !std::all_of(digits.begin(), digits.end(), absl::ascii_isdigit)) {
+    return -1;
+  }
   int ordinal = -1;
-  if (!absl::StartsWith(device, "cuda:") || !absl::SimpleAtoi(device.substr(5), &ordinal) || ordinal < 0) return -1;
-  return ordinal;
+  return absl::SimpleAtoi(digits, &ordinal) ? ordinal : -1;
 }
 
-}  // namespace
+absl::Status CheckDeviceExists(const std::string& device) {
+  if (absl::Status s = CheckDeviceName(device); !s.ok()) return s;
+  if (device == "cpu") return absl::OkStatus();
+  const int ordinal = CudaOrdinal(device);
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) cudaGetLastError();  // not sticky; later calls start clean
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::string env = visible == nullptr ? "" : absl::StrCat(" (CUDA_VISIBLE_DEVICES=", visible, ")");
+  if (err != cudaSuccess || count == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("device ", device, " requested but no CUDA device is visible", env, " (",
+                     err == cudaSuccess ? "0 devices" : cudaGetErrorString(err), "); use --device=cpu"));
+  }
+  if (ordinal >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("device ", device, " does not exist: this server sees ", count,
+                                                   " CUDA device(s)", env, ", ",
+                                                   count == 1 ? "cuda:0" : absl::StrCat("cuda:0 .. cuda:", count - 1)));
+  }
+  return absl::OkStatus();
+}
+
+void BindThreadToDevice(const std::string& device) {
+  const int ordinal = CudaOrdinal(device);
+  if (ordinal < 0) return;
+  if (cudaError_t err = cudaSetDevice(ordinal); err != cudaSuccess) {
+    cudaGetLastError();
+    spdlog::warn("cudaSetDevice({}) on a pool's worker thread failed: {}", ordinal, cudaGetErrorString(err));
+  }
+}
 
 std::string ResolveAutoDevice() {
   int count = 0;
@@ -37,7 +73,7 @@ absl::Status CheckDeviceName(const std::string& device) {
 
 absl::StatusOr<std::unique_ptr<CacheBackend>> CreateCacheBackend(const std::string& device,
                                                                  const CacheBackend::Geometry& geometry) {
-  if (absl::Status s = CheckDeviceName(device); !s.ok()) return s;
+  if (absl::Status s = CheckDeviceExists(device); !s.ok()) return s;
   if (device == "cpu") {
     absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create({.geometry = geometry});
     if (!cpu.ok()) return cpu.status();

@@ -107,6 +107,21 @@ std::string ResolveAutoDevice();
 // Checks the spelling of a device ("cpu", "cuda:N"); "auto" is resolved first.
 absl::Status CheckDeviceName(const std::string& device);
 
+// N of "cuda:N" (N decimal digits, no sign or spaces), or -1 for any other spelling.
+int CudaOrdinal(const std::string& device);
+
+// Whether a pool can be created on `device` ("cpu", or "cuda:N" with N below
+// the number of visible CUDA devices): FAILED_PRECONDITION when no CUDA
+// device is visible, INVALID_ARGUMENT naming the devices there are when N is
+// too large (and CUDA_VISIBLE_DEVICES when it is set).
+absl::Status CheckDeviceExists(const std::string& device);
+
+// Makes `device`'s GPU current on the calling thread ("cpu": nothing). Each
+// pool's worker thread calls it once when it starts (docs/server.md
+// "Multiple GPUs"); a failure is logged, and every CUDA entry point sets its
+// device anyway.
+void BindThreadToDevice(const std::string& device);
+
 // Calls `fn(first, count)` for each run of consecutive values in `entries`
 // (entry i maps to buffer row i), so copies can be coalesced.
 template <typename Fn>

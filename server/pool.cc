@@ -82,7 +82,8 @@ Pool::Pool(const Options& options, std::string device, std::unique_ptr<CacheBack
       allocator_(std::move(allocator)),
       sequences_(options.num_layers, options.num_pages),
       layers_(options.num_layers),
-      worker_(std::make_unique<SerialExecutor>()) {
+      // The worker makes the pool's GPU current once, before its first task.
+      worker_(std::make_unique<SerialExecutor>([device = device_] { BindThreadToDevice(device); })) {
   for (size_t l = 0; l < options.layer_scales.size(); ++l) {
     if (!options.layer_scales[l]) continue;
     LayerState& st = layers_[l];

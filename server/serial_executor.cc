@@ -2,7 +2,8 @@
 
 namespace mlakv::server {
 
-SerialExecutor::SerialExecutor() : thread_([this] { Loop(); }) {}
+SerialExecutor::SerialExecutor(absl::AnyInvocable<void() &&> on_start)
+    : thread_([this, on_start = std::move(on_start)]() mutable { Loop(std::move(on_start)); }) {}
 
 SerialExecutor::~SerialExecutor() {
   {
@@ -22,7 +23,8 @@ size_t SerialExecutor::pending() const {
   return tasks_.size() + running_;
 }
 
-void SerialExecutor::Loop() {
+void SerialExecutor::Loop(absl::AnyInvocable<void() &&> on_start) {
+  if (on_start) std::move(on_start)();
   while (true) {
     absl::AnyInvocable<void() &&> task;
     {

@@ -4,6 +4,10 @@
 // reads, restores) runs on it, so cache accesses of a pool never overlap and
 // gRPC reactions never wait for quantization or a CUDA synchronization: they
 // post the work and return.
+//
+// An optional start hook runs once on the worker thread before any task; a
+// pool on a GPU makes its device current there (BindThreadToDevice), so
+// every CUDA call of its tasks starts on the pool's device.
 #pragma once
 
 #include <deque>
@@ -16,7 +20,8 @@ namespace mlakv::server {
 
 class SerialExecutor {
  public:
-  SerialExecutor();
+  // `on_start` (may be null) runs on the worker thread before the first task.
+  explicit SerialExecutor(absl::AnyInvocable<void() &&> on_start = nullptr);
   // Runs every task already posted, then joins the thread.
   ~SerialExecutor();
 
@@ -28,7 +33,7 @@ class SerialExecutor {
   size_t pending() const;
 
  private:
-  void Loop();
+  void Loop(absl::AnyInvocable<void() &&> on_start);
 
   mutable absl::Mutex mu_;
   std::deque<absl::AnyInvocable<void() &&>> tasks_ ABSL_GUARDED_BY(mu_);

@@ -84,6 +84,11 @@ absl::StatusOr<std::vector<Pool::Options>> PoolOptionsFromConfig(const v1::Serve
     if (absl::Status s = CheckDeviceName(o.device); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(where, s.message()));
     }
+    // cuda:N must exist before any pool allocates (a config naming cuda:1 on
+    // a one-GPU host fails here, naming the devices there are).
+    if (absl::Status s = CheckDeviceExists(o.device); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(where, s.message()));
+    }
     o.num_layers = pc.num_layers() == 0 ? kDefaultNumLayers : pc.num_layers();
     o.page_size = pc.page_size() == 0 ? kDefaultPageSize : pc.page_size();
     if (pc.num_layers() > 4096) {

@@ -82,6 +82,27 @@ TEST(ServerConfigTest, RejectionsNameTheProblem) {
   }
 }
 
+TEST(ServerConfigTest, CudaDeviceSpelling) {
+  EXPECT_EQ(CudaOrdinal("cuda:0"), 0);
+  EXPECT_EQ(CudaOrdinal("cuda:12"), 12);
+  for (const char* bad : {"cuda:", "cuda:-1", "cuda: 1", "cuda:+1", "cuda:1x", "cuda:0x1", "cuda", "gpu:0", "cpu"}) {
+    EXPECT_EQ(CudaOrdinal(bad), -1) << bad;
+    if (std::string(bad) == "cpu") continue;
+    absl::Status s = Check(std::string("pools { name: 'p' device: '") + bad + "' }");
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad << ": " << s;
+    EXPECT_NE(std::string(s.message()).find("not one of auto, cpu, cuda:N"), std::string::npos) << bad << ": " << s;
+  }
+}
+
+TEST(ServerConfigTest, GpuThatIsNotThereIsRefusedWhenTheConfigIsRead) {
+  // No host has 4096 GPUs: INVALID_ARGUMENT naming the devices there are, or
+  // FAILED_PRECONDITION where none is visible (CI).
+  absl::Status s = Check("pools { name: 'p' device: 'cuda:4096' }");
+  EXPECT_TRUE(s.code() == absl::StatusCode::kInvalidArgument || s.code() == absl::StatusCode::kFailedPrecondition)
+      << s;
+  EXPECT_NE(std::string(s.message()).find("pool 'p': device cuda:4096"), std::string::npos) << s;
+}
+
 TEST(ServerConfigTest, LoadReportsLineOfSyntaxError) {
   const std::string path = ::testing::TempDir() + "/bad_config.txtpb";
   {
