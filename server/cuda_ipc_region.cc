@@ -86,19 +86,65 @@ absl::StatusOr<std::unique_ptr<CudaIpcRegion>> CudaIpcRegion::Create(const Optio
                                                      " refused the event handle: ", cudaGetErrorString(err)));
     }
   }
-  return std::unique_ptr<CudaIpcRegion>(
-      new CudaIpcRegion(options.device_id, static_cast<uint8_t*>(ptr), options.byte_size, *allocation, event));
+  return std::unique_ptr<CudaIpcRegion>(new CudaIpcRegion(options.raw_handle, options.device_id,
+                                                          static_cast<uint8_t*>(ptr), options.byte_size, *allocation,
+                                                          event));
+}
+
+absl::StatusOr<const uint8_t*> CudaIpcRegion::DataOn(int device) const {
+  if (device == device_) return base_;
+  absl::MutexLock lock(&mu_);
+  if (auto it = peer_mappings_.find(device); it != peer_mappings_.end()) return it->second;
+  const std::string both = absl::StrCat("the region is on cuda:", device_, " and the pool on cuda:", device);
+  int can_access = 0;
+  if (cudaError_t err = cudaDeviceCanAccessPeer(&can_access, device, device_); err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrCat(both, ": cudaDeviceCanAccessPeer failed: ", cudaGetErrorString(err)));
+  }
+  if (can_access == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        both, ", and cuda:", device, " cannot access cuda:", device_,
+        "'s memory (cudaDeviceCanAccessPeer: no peer access between these GPUs); register rows on cuda:", device,
+        ", or send them as bytes or through a shared-memory region"));
+  }
+  ScopedCudaDevice scoped(device);
+  if (!scoped.status().ok()) return scoped.status();
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, raw_handle_.data(), sizeof(handle));
+  void* ptr = nullptr;
+  if (cudaError_t err = cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess); err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(both, ": cudaIpcOpenMemHandle with cuda:", device,
+                                                      " current (peer access) failed: ", cudaGetErrorString(err), " (",
+                                                      cudaGetErrorName(err), ")"));
+  }
+  peer_mappings_.emplace(device, static_cast<uint8_t*>(ptr));
+  return static_cast<const uint8_t*>(ptr);
 }
 
 CudaIpcRegion::~CudaIpcRegion() {
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto [device, ptr] : peer_mappings_) {
+      ScopedCudaDevice scoped(device);
+      cudaIpcCloseMemHandle(ptr);
+    }
+  }
   ScopedCudaDevice scoped(device_);
   if (event_ != nullptr) cudaEventDestroy(event_);
   cudaIpcCloseMemHandle(base_);
 }
 
 std::string CudaIpcRegion::Describe() const {
+  std::string peers;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [device, ptr] : peer_mappings_) absl::StrAppend(&peers, peers.empty() ? "" : ",", "cuda:", device);
+  }
+  if (!peers.empty()) peers = absl::StrCat(" (also opened on ", peers, ")");
   return absl::StrCat("cuda:", device_, " bytes ", byte_size_, " of an allocation of ", allocation_bytes_,
-                      event_ != nullptr ? " with event" : "");
+                      event_ != nullptr ? " with event" : "", peers);
 }
 
 }  // namespace mlakv::server

@@ -178,19 +178,20 @@ absl::StatusOr<std::string_view> RegionRegistry::ResolveOne(const std::string& w
                                               row_bytes, " bytes at stride ", stride,
                                               " reaches past the region's ", size, " bytes"));
   }
+  // Where the pool reads the region: kShm, the mapping; kCuda, a pointer
+  // valid on the pool's device (the region's own, or the handle opened
+  // again on the pool's device with peer access: docs/server.md "Multiple GPUs").
+  const uint8_t* base = region->data();
   if (region->kind() == Region::Kind::kCuda) {
-    if (pool_device == "cpu") {
+    const int pool_ordinal = CudaOrdinal(pool_device);
+    if (pool_ordinal < 0) {
       return absl::FailedPreconditionError(absl::StrCat(
-          what, " is CUDA memory on cuda:", region->device(),
-          " but the pool is on the cpu backend, which cannot read device memory; register a shared-memory region "
-          "or send the rows as bytes"));
+          what, " is CUDA memory on cuda:", region->device(), " but the pool is on the ", pool_device,
+          " backend, which cannot read device memory; register a shared-memory region or send the rows as bytes"));
     }
-    if (pool_device != absl::StrCat("cuda:", region->device())) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, " is CUDA memory on cuda:", region->device(), " but the pool is on ", pool_device,
-          "; reading another GPU's region (peer access) is not supported yet: register the rows on the pool's "
-          "device"));
-    }
+    absl::StatusOr<const uint8_t*> mapped = static_cast<const CudaIpcRegion&>(*region).DataOn(pool_ordinal);
+    if (!mapped.ok()) return absl::Status(mapped.status().code(), absl::StrCat(what, ": ", mapped.status().message()));
+    base = *mapped;
   }
   if (std::find(hold->regions.begin(), hold->regions.end(), region) == hold->regions.end()) {
     hold->regions.push_back(region);
@@ -200,7 +201,7 @@ absl::StatusOr<std::string_view> RegionRegistry::ResolveOne(const std::string& w
       return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
     }
   }
-  const uint8_t* first = region->data() + ref.offset();
+  const uint8_t* first = base + ref.offset();
   if (region->kind() == Region::Kind::kCuda) {
     // A device pointer: never dereferenced here; the size is the packed byte
     // count Pool::Stage checks, the stride travels in *stride.
@@ -253,8 +254,9 @@ absl::Status RegionRegistry::ResolveRows(const std::string& who, const v1::Layer
     if (!v.ok()) return v.status();
     out->kpe = *v;
   }
-  // CUDA rows: both tensors must be in device memory of the pool's device
-  // (one backend call reads a row's ckv and kpe the same way).
+  // CUDA rows: both tensors must come from CUDA regions (one backend call
+  // reads a row's ckv and kpe the same way); their pointers are valid on the
+  // pool's device, whichever GPU each region is on.
   const bool ckv_device = ckv_device_stride > 0, kpe_device = kpe_device_stride > 0;
   if (ckv_device != kpe_device) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -262,7 +264,7 @@ absl::Status RegionRegistry::ResolveRows(const std::string& who, const v1::Layer
         " does not; name CUDA regions for both, or send both from host memory"));
   }
   if (ckv_device) {
-    out->rows_device = std::stoi(pool_device.substr(5));  // "cuda:N", checked against the regions above
+    out->rows_device = CudaOrdinal(pool_device);  // the pointers resolved above are valid there
     out->ckv_stride_bytes = ckv_device_stride;
     out->kpe_stride_bytes = kpe_device_stride;
     out->wait_events[0] = events[0];
