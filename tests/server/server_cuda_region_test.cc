@@ -8,29 +8,18 @@
 // as bytes. Refusals: garbage handle bytes, byte_size beyond the allocation,
 // a CUDA region named by an append into a cpu pool; the server keeps serving.
 // A producer that exits while its region is registered: the server keeps serving.
+// (The producer and decode-side processes: tests/server/ipc_producer_process.h.)
 // ExportPool: a decode-side process opens the pool's cache handles and finds
 // the bytes ReadSequence returns at the entries GetSequence's page table names.
-#include <fcntl.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include "tests/server/ipc_producer_process.h"
 #include "tests/server/service_fixture.h"
 #include "tests/testing/vector_files.h"
-
-extern char** environ;
-
-#ifndef MLAKV_CUDA_IPC_PRODUCER
-#error "MLAKV_CUDA_IPC_PRODUCER (path of the producer helper) must be defined"
-#endif
 
 namespace mlakv::server::testing {
 namespace {
@@ -39,127 +28,6 @@ constexpr float kCkvScale = 0.0625f;
 constexpr float kKpeScale = 0.03125f;
 constexpr uint64_t kCkvRow = 512 * 2;
 constexpr uint64_t kKpeRow = 64 * 2;
-
-std::string Unhex(const std::string& hex) {
-  std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
-  return out;
-}
-
-// The producer binary: $MLAKV_CUDA_IPC_PRODUCER if set (a bundled copy), else the build's.
-const char* ProducerPath() {
-  const char* env = std::getenv("MLAKV_CUDA_IPC_PRODUCER");
-  return env != nullptr && env[0] != '\0' ? env : MLAKV_CUDA_IPC_PRODUCER;
-}
-
-// The producer process: gets `bytes` on its stdin, answers the handles; lives
-// until destroyed (its stdin is closed, then it is waited for).
-class Producer {
- public:
-  explicit Producer(const std::string& bytes) {
-    int in[2], out[2];
-    EXPECT_EQ(pipe(in), 0);
-    EXPECT_EQ(pipe(out), 0);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    posix_spawn_file_actions_addclose(&fa, in[1]);
-    posix_spawn_file_actions_addclose(&fa, out[0]);
-    const std::string size = std::to_string(bytes.size());
-    char* argv[] = {const_cast<char*>(ProducerPath()), const_cast<char*>("0"), const_cast<char*>(size.c_str()),
-                    nullptr};
-    const int rc = posix_spawn(&pid_, ProducerPath(), &fa, nullptr, argv, environ);
-    posix_spawn_file_actions_destroy(&fa);
-    EXPECT_EQ(rc, 0) << ProducerPath() << ": " << std::strerror(rc);
-    close(in[0]);
-    close(out[1]);
-    to_child_ = in[1];
-    from_child_ = fdopen(out[0], "r");
-    size_t off = 0;
-    while (off < bytes.size()) {
-      const ssize_t n = write(to_child_, bytes.data() + off, bytes.size() - off);
-      if (n <= 0) break;
-      off += static_cast<size_t>(n);
-    }
-    char line[512] = {};
-    if (std::fgets(line, sizeof(line), from_child_) == nullptr) {
-      ADD_FAILURE() << "the producer printed no handles (see its stderr)";
-      return;
-    }
-    char mh[200] = {}, eh[200] = {};
-    unsigned long long alloc = 0;
-    if (std::sscanf(line, "%199s %199s %llu", mh, eh, &alloc) != 3) {
-      ADD_FAILURE() << "unexpected producer line: " << line;
-      return;
-    }
-    mem_handle_ = Unhex(mh);
-    event_handle_ = Unhex(eh);
-    allocation_bytes_ = alloc;
-  }
-  ~Producer() { Exit(); }
-  // Lets the producer free its allocation and exit; waits for it.
-  void Exit() {
-    if (to_child_ >= 0) close(to_child_);
-    to_child_ = -1;
-    if (from_child_ != nullptr) std::fclose(from_child_);
-    from_child_ = nullptr;
-    if (pid_ > 0) {
-      int status = 0;
-      waitpid(pid_, &status, 0);
-    }
-    pid_ = -1;
-  }
-  const std::string& mem_handle() const { return mem_handle_; }
-  const std::string& event_handle() const { return event_handle_; }
-  uint64_t allocation_bytes() const { return allocation_bytes_; }
-
- private:
-  pid_t pid_ = -1;
-  int to_child_ = -1;
-  FILE* from_child_ = nullptr;
-  std::string mem_handle_, event_handle_;
-  uint64_t allocation_bytes_ = 0;
-};
-
-std::string Hex(const std::string& bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char b : bytes) {
-    out.push_back(digits[b >> 4]);
-    out.push_back(digits[b & 15]);
-  }
-  return out;
-}
-
-// The decode side of ExportPool in its own process: the first `bytes` bytes
-// behind `handle` (cuda_ipc_producer --read), or "" on failure.
-std::string ReadExported(const std::string& handle, uint64_t bytes) {
-  int out[2];
-  if (pipe(out) != 0) return "";
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-  posix_spawn_file_actions_addclose(&fa, out[0]);
-  const std::string hex = Hex(handle), size = std::to_string(bytes);
-  char* argv[] = {const_cast<char*>(ProducerPath()), const_cast<char*>("--read"), const_cast<char*>("0"),
-                  const_cast<char*>(hex.c_str()), const_cast<char*>(size.c_str()), nullptr};
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, ProducerPath(), &fa, nullptr, argv, environ);
-  posix_spawn_file_actions_destroy(&fa);
-  close(out[1]);
-  std::string data;
-  if (rc == 0) {
-    char buf[1 << 16];
-    ssize_t n;
-    while ((n = read(out[0], buf, sizeof(buf))) > 0) data.append(buf, static_cast<size_t>(n));
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) data.clear();
-  }
-  close(out[0]);
-  return data.size() == bytes ? data : "";
-}
 
 v1::RegionRef Ref(const std::string& region, uint64_t offset, uint64_t stride = 0) {
   v1::RegionRef r;
@@ -240,7 +108,7 @@ TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
     std::memcpy(row.data() + kCkvRow, rows.kpe.data() + i * 64, kKpeRow);
     bytes += row;
   }
-  Producer producer(bytes);
+  IpcProducerProcess producer(bytes);
   ASSERT_EQ(producer.mem_handle().size(), 64u);
   ASSERT_TRUE(RegisterCuda("r", producer.mem_handle(), bytes.size()).ok());
   grpc::Status s = RegisterCuda("r-event", producer.mem_handle(), bytes.size(), producer.event_handle());
@@ -340,7 +208,7 @@ TEST_F(CudaRegionServiceTest, ExportPoolDecodeSideReadsTheStoredBytes) {
 
 TEST_F(CudaRegionServiceTest, ProducerExitingLeavesTheServerServing) {
   const Rows rows = RandomRows(16, 24);
-  Producer producer(rows.ckv_bytes() + rows.kpe_bytes());
+  IpcProducerProcess producer(rows.ckv_bytes() + rows.kpe_bytes());
   ASSERT_EQ(producer.mem_handle().size(), 64u);
   grpc::Status s = RegisterCuda("gone", producer.mem_handle(), producer.allocation_bytes());
   ASSERT_TRUE(s.ok()) << Describe(s);
@@ -366,7 +234,7 @@ TEST_F(CudaRegionServiceTest, ProducerExitingLeavesTheServerServing) {
 
 TEST_F(CudaRegionServiceTest, BadHandlesAreRefusedAndTheServerKeepsServing) {
   const Rows rows = RandomRows(8, 22);
-  Producer producer(rows.ckv_bytes() + rows.kpe_bytes());
+  IpcProducerProcess producer(rows.ckv_bytes() + rows.kpe_bytes());
   ASSERT_EQ(producer.mem_handle().size(), 64u);
   // Garbage handle bytes.
   std::string garbage(64, '\0');

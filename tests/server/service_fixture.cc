@@ -45,9 +45,10 @@ grpc::Status ServiceFixture::AppendRows(const std::string& sequence, uint32_t st
 }
 
 Stored ServiceFixture::Read(const std::string& sequence, uint32_t layer, uint32_t start, uint32_t count,
-                            bool dequantize, uint32_t tokens_per_message) {
+                            bool dequantize, uint32_t tokens_per_message, const std::string& pool) {
   Stored out;
   v1::ReadSequenceRequest req;
+  req.set_pool(pool);
   req.set_sequence(sequence);
   req.add_layers(layer);
   req.set_start(start);

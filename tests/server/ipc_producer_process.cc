@@ -1,0 +1,128 @@
+#include "tests/server/ipc_producer_process.h"
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+
+extern char** environ;
+
+#ifndef MLAKV_CUDA_IPC_PRODUCER
+#error "MLAKV_CUDA_IPC_PRODUCER (path of the producer helper) must be defined"
+#endif
+
+namespace mlakv::server::testing {
+namespace {
+
+const char* ProducerPath() {
+  const char* env = std::getenv("MLAKV_CUDA_IPC_PRODUCER");
+  return env != nullptr && env[0] != '\0' ? env : MLAKV_CUDA_IPC_PRODUCER;
+}
+
+}  // namespace
+
+std::string Unhex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  }
+  return out;
+}
+
+std::string Hex(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out.push_back(digits[b >> 4]);
+    out.push_back(digits[b & 15]);
+  }
+  return out;
+}
+
+IpcProducerProcess::IpcProducerProcess(const std::string& bytes, int device) : device_(device) {
+  int in[2], out[2];
+  EXPECT_EQ(pipe(in), 0);
+  EXPECT_EQ(pipe(out), 0);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+  posix_spawn_file_actions_addclose(&fa, in[1]);
+  posix_spawn_file_actions_addclose(&fa, out[0]);
+  const std::string dev = std::to_string(device), size = std::to_string(bytes.size());
+  char* argv[] = {const_cast<char*>(ProducerPath()), const_cast<char*>(dev.c_str()), const_cast<char*>(size.c_str()),
+                  nullptr};
+  const int rc = posix_spawn(&pid_, ProducerPath(), &fa, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  EXPECT_EQ(rc, 0) << ProducerPath() << ": " << std::strerror(rc);
+  close(in[0]);
+  close(out[1]);
+  to_child_ = in[1];
+  from_child_ = fdopen(out[0], "r");
+  size_t off = 0;
+  while (off < bytes.size()) {
+    const ssize_t n = write(to_child_, bytes.data() + off, bytes.size() - off);
+    if (n <= 0) break;
+    off += static_cast<size_t>(n);
+  }
+  char line[512] = {};
+  if (std::fgets(line, sizeof(line), from_child_) == nullptr) {
+    ADD_FAILURE() << "the producer on cuda:" << device << " printed no handles (see its stderr)";
+    return;
+  }
+  char mh[200] = {}, eh[200] = {};
+  unsigned long long alloc = 0;
+  if (std::sscanf(line, "%199s %199s %llu", mh, eh, &alloc) != 3) {
+    ADD_FAILURE() << "unexpected producer line: " << line;
+    return;
+  }
+  mem_handle_ = Unhex(mh);
+  event_handle_ = Unhex(eh);
+  allocation_bytes_ = alloc;
+}
+
+void IpcProducerProcess::Exit() {
+  if (to_child_ >= 0) close(to_child_);
+  to_child_ = -1;
+  if (from_child_ != nullptr) std::fclose(from_child_);
+  from_child_ = nullptr;
+  if (pid_ > 0) {
+    int status = 0;
+    waitpid(pid_, &status, 0);
+  }
+  pid_ = -1;
+}
+
+std::string ReadExported(const std::string& handle, uint64_t bytes, int device) {
+  int out[2];
+  if (pipe(out) != 0) return "";
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+  posix_spawn_file_actions_addclose(&fa, out[0]);
+  const std::string hex = Hex(handle), size = std::to_string(bytes), dev = std::to_string(device);
+  char* argv[] = {const_cast<char*>(ProducerPath()), const_cast<char*>("--read"), const_cast<char*>(dev.c_str()),
+                  const_cast<char*>(hex.c_str()), const_cast<char*>(size.c_str()), nullptr};
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, ProducerPath(), &fa, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(out[1]);
+  std::string data;
+  if (rc == 0) {
+    char buf[1 << 16];
+    ssize_t n;
+    while ((n = read(out[0], buf, sizeof(buf))) > 0) data.append(buf, static_cast<size_t>(n));
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) data.clear();
+  }
+  close(out[0]);
+  return data.size() == bytes ? data : "";
+}
+
+}  // namespace mlakv::server::testing
