@@ -4,7 +4,8 @@
 // An in-process server with pool "g0" on cuda:0, "g1" on cuda:1 and "host"
 // on the cpu backend, all of one geometry:
 //  * each pool's worker thread has its pool's device current, and creating
-//    or destroying pools leaves the caller's current device as it was;
+//    or destroying pools leaves the caller's current device as it was; a
+//    server whose only pool is on cuda:1 never creates a context on cuda:0;
 //  * appends to g0 and g1 from two threads at once (streams of several
 //    messages, then AppendBatch decode steps) store exactly the bytes the cpu
 //    backend stores for the same rows;
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "kernels/quantize_rows.h"
+#include "kernels/scoped_cuda_device.h"
 #include "tests/server/ipc_producer_process.h"
 #include "tests/server/service_fixture.h"
 
@@ -193,6 +195,30 @@ TEST(MultiGpuServerTest, CreatingAndDestroyingPoolsLeavesTheCallersDeviceCurrent
     ASSERT_EQ(cudaGetDevice(&d), cudaSuccess);
     EXPECT_EQ(d, caller) << "after destroying the pools";
   }
+}
+
+class PoolOnCuda1Test : public ::testing::Test, public ServiceFixture {};
+
+TEST_F(PoolOnCuda1Test, ServingPoolsOnlyOnCuda1NeverInitializesCuda0) {
+  if (std::string why = NeedTwoGpus(); !why.empty()) GTEST_SKIP() << why;
+  if (ScopedCudaDevice::PrimaryContextActive(0)) {
+    GTEST_SKIP() << "cuda:0 was initialized earlier in this process; run this test alone (as ctest does)";
+  }
+  set_allow_ipc(true);
+  StartServer("cuda:1", std::string("name: 'only1' ") + kGeometry);
+  const Rows rows = RandomRows(50, 41);
+  grpc::Status s = AppendRows("s", 0, rows, {0, 3}, kCkvScale, kKpeScale, 20);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  Stored stored = Read("s", 3, 0, 50);
+  ASSERT_TRUE(stored.status.ok()) << Describe(stored.status);
+  v1::ExportPoolResponse exp;
+  grpc::ClientContext ctx;
+  s = stub().ExportPool(&ctx, v1::ExportPoolRequest(), &exp);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(exp.device_id(), 1);
+  StopServer();
+  EXPECT_FALSE(ScopedCudaDevice::PrimaryContextActive(0))
+      << "a server whose only pool is on cuda:1 created a context on cuda:0";
 }
 
 TEST_F(MultiGpuTest, ConcurrentAppendsOnTwoDevicesStoreTheCpuBackendsBytes) {
