@@ -14,5 +14,8 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
   gpu_tests=$(ctest -N -L gpu | sed -n 's/^Total Tests: //p')
   echo "test: no GPU visible: the ${gpu_tests:-0} tests labelled gpu are not run here (run them on the GPU machine)"
   args+=(-LE gpu)
+elif [ "$(nvidia-smi -L | grep -c '^GPU')" -lt 2 ]; then
+  multi_tests=$(ctest -N -L multigpu | sed -n 's/^Total Tests: //p')
+  echo "test: one GPU visible: the ${multi_tests:-0} tests labelled multigpu skip themselves (they need two)"
 fi
 ctest "${args[@]}" "$@"
