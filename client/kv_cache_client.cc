@@ -62,22 +62,68 @@ void AttachCallMetadata(const KvCacheClient::Options& o, grpc::ClientContext& co
 }
 // ---- end transport security ----
 
+// One tensor of a layer: its bytes, or its region reference (and the bytes empty).
+absl::Status CheckLayerPart(const char* field, uint32_t layer, uint32_t rows, size_t row_bytes, std::string_view bytes,
+                            const std::optional<RegionRows>& region) {
+  if (!region) {
+    if (bytes.size() == size_t{rows} * row_bytes) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("append layer ", layer, ": ", field, " has ", bytes.size(),
+                                                   " bytes; rows(", rows, ") x ", row_bytes, " bytes per row is ",
+                                                   size_t{rows} * row_bytes));
+  }
+  if (!bytes.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("append layer ", layer, ": ", field, " has both ", bytes.size(),
+                                                   " bytes and a region reference; give one"));
+  }
+  if (region->region.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("append layer ", layer, ": ", field, " region name is empty"));
+  }
+  const uint64_t stride = region->row_stride_bytes;
+  if (stride != 0 && (stride < row_bytes || stride % 2 != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("append layer ", layer, ": ", field, " region '", region->region,
+                                                   "' row stride ", stride, " bytes must be 0 (packed) or an even ",
+                                                   "number of at least the ", row_bytes, " bytes of a row"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckAppendShape(const AppendRows& append) {
   const int element = RowDTypeBytes(append.dtype);
   if (element == 0) return absl::InvalidArgumentError("append: dtype is unspecified (want float16 or bfloat16)");
   if (append.sequence.empty()) return absl::InvalidArgumentError("append: sequence id is empty");
   if (append.layers.empty()) return absl::InvalidArgumentError("append: no layers given");
   for (const LayerBytes& layer : append.layers) {
-    const size_t want_ckv = size_t{append.rows} * kCkvDim * element;
-    const size_t want_kpe = size_t{append.rows} * kKpeDim * element;
-    if (layer.ckv.size() != want_ckv || layer.kpe.size() != want_kpe) {
-      return absl::InvalidArgumentError(absl::StrCat("append layer ", layer.layer, ": ckv ", layer.ckv.size(),
-                                                     " bytes and kpe ", layer.kpe.size(), " bytes are not rows(",
-                                                     append.rows, ") x 512 and x 64 elements of ", element,
-                                                     " bytes (", want_ckv, " and ", want_kpe, ")"));
+    if (absl::Status s =
+            CheckLayerPart("ckv", layer.layer, append.rows, size_t{kCkvDim} * element, layer.ckv, layer.ckv_region);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            CheckLayerPart("kpe", layer.layer, append.rows, size_t{kKpeDim} * element, layer.kpe, layer.kpe_region);
+        !s.ok()) {
+      return s;
     }
   }
   return absl::OkStatus();
+}
+
+// Row bytes that travel on the wire per row of `append` (rows from regions do not).
+size_t WireRowBytes(const AppendRows& append) {
+  const size_t element = RowDTypeBytes(append.dtype);
+  size_t bytes = 0;
+  for (const LayerBytes& layer : append.layers) {
+    if (!layer.ckv_region) bytes += kCkvDim * element;
+    if (!layer.kpe_region) bytes += kKpeDim * element;
+  }
+  return bytes;
+}
+
+// Rows [first, first + count) of a region reference.
+void SetRegionRef(const RegionRows& region, uint32_t first, size_t row_bytes, v1::RegionRef* ref) {
+  const uint64_t stride = region.row_stride_bytes == 0 ? row_bytes : region.row_stride_bytes;
+  ref->set_region(region.region);
+  ref->set_offset(region.offset + uint64_t{first} * stride);
+  ref->set_row_stride_bytes(region.row_stride_bytes);
 }
 
 // Message `index` of the stream: rows [first, first + count) of every layer.
@@ -93,8 +139,16 @@ v1::AppendRequest AppendMessage(const AppendRows& append, uint32_t first, uint32
   for (const LayerBytes& layer : append.layers) {
     v1::LayerRows* rows = message.add_layers();
     rows->set_layer(layer.layer);
-    rows->set_ckv(layer.ckv.data() + size_t{first} * kCkvDim * element, size_t{count} * kCkvDim * element);
-    rows->set_kpe(layer.kpe.data() + size_t{first} * kKpeDim * element, size_t{count} * kKpeDim * element);
+    if (layer.ckv_region) {
+      SetRegionRef(*layer.ckv_region, first, kCkvDim * element, rows->mutable_ckv_ref());
+    } else {
+      rows->set_ckv(layer.ckv.data() + size_t{first} * kCkvDim * element, size_t{count} * kCkvDim * element);
+    }
+    if (layer.kpe_region) {
+      SetRegionRef(*layer.kpe_region, first, kKpeDim * element, rows->mutable_kpe_ref());
+    } else {
+      rows->set_kpe(layer.kpe.data() + size_t{first} * kKpeDim * element, size_t{count} * kKpeDim * element);
+    }
     if (layer.ckv_scale) rows->set_ckv_scale(*layer.ckv_scale);
     if (layer.kpe_scale) rows->set_kpe_scale(*layer.kpe_scale);
   }
@@ -228,9 +282,11 @@ absl::StatusOr<v1::Sequence> KvCacheClient::Truncate(const std::string& pool, co
 
 absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& append) {
   if (absl::Status s = CheckAppendShape(append); !s.ok()) return s;
-  const size_t row_bytes = static_cast<size_t>(RowDTypeBytes(append.dtype)) * (kCkvDim + kKpeDim) * append.layers.size();
+  // Rows that all come from regions make one message of references.
+  const size_t row_bytes = WireRowBytes(append);
   const uint32_t rows_per_message =
-      static_cast<uint32_t>(std::max<size_t>(1, options_.append_message_bytes / row_bytes));
+      row_bytes == 0 ? std::max<uint32_t>(1, append.rows)
+                     : static_cast<uint32_t>(std::max<size_t>(1, options_.append_message_bytes / row_bytes));
 
   grpc::ClientContext context;
   PrepareContext(context, options_.timeout);
@@ -259,6 +315,49 @@ absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& appen
 
 absl::StatusOr<v1::AppendBatchResponse> KvCacheClient::AppendBatch(const v1::AppendBatchRequest& request) {
   return Call(&v1::KvCache::Stub::AppendBatch, request);
+}
+
+absl::StatusOr<v1::Region> KvCacheClient::RegisterShmRegion(const std::string& name, const std::string& shm_name,
+                                                            uint64_t offset, uint64_t byte_size) {
+  v1::RegisterShmRegionRequest request;
+  request.set_name(name);
+  request.set_shm_name(shm_name);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  return Call(&v1::KvCache::Stub::RegisterShmRegion, request);
+}
+
+absl::StatusOr<v1::Region> KvCacheClient::RegisterCudaRegion(const std::string& name, std::string_view raw_handle,
+                                                             int32_t device_id, uint64_t byte_size,
+                                                             std::string_view raw_event_handle) {
+  v1::RegisterCudaRegionRequest request;
+  request.set_name(name);
+  request.set_raw_handle(raw_handle.data(), raw_handle.size());
+  request.set_device_id(device_id);
+  request.set_byte_size(byte_size);
+  request.set_raw_event_handle(raw_event_handle.data(), raw_event_handle.size());
+  return Call(&v1::KvCache::Stub::RegisterCudaRegion, request);
+}
+
+absl::StatusOr<uint32_t> KvCacheClient::UnregisterRegion(const std::string& name) {
+  v1::UnregisterRegionRequest request;
+  request.set_name(name);
+  absl::StatusOr<v1::UnregisterRegionResponse> response = Call(&v1::KvCache::Stub::UnregisterRegion, request);
+  if (!response.ok()) return response.status();
+  return response->appends_in_flight();
+}
+
+absl::StatusOr<std::vector<v1::Region>> KvCacheClient::ListRegions() {
+  absl::StatusOr<v1::ListRegionsResponse> response =
+      Call(&v1::KvCache::Stub::ListRegions, v1::ListRegionsRequest());
+  if (!response.ok()) return response.status();
+  return std::vector<v1::Region>(response->regions().begin(), response->regions().end());
+}
+
+absl::StatusOr<v1::ExportPoolResponse> KvCacheClient::ExportPool(const std::string& pool) {
+  v1::ExportPoolRequest request;
+  request.set_pool(pool);
+  return Call(&v1::KvCache::Stub::ExportPool, request);
 }
 
 absl::StatusOr<StoredLayer> KvCacheClient::ReadLayer(const std::string& pool, const std::string& sequence,

@@ -24,18 +24,34 @@
 
 namespace mlakv {
 
-// Rows of one layer, as the little-endian fp16/bf16 bytes the wire carries.
+// Where rows of one tensor lie in a region registered with RegisterShmRegion
+// or RegisterCudaRegion (server --allow_ipc): row i starts at
+// offset + i x row_stride_bytes of the region; each row's elements are
+// contiguous.
+struct RegionRows {
+  std::string region;
+  uint64_t offset = 0;            // bytes from the region's start to row 0
+  uint64_t row_stride_bytes = 0;  // bytes from one row to the next; 0: packed rows
+};
+
+// Rows of one layer, as the little-endian fp16/bf16 bytes the wire carries,
+// or (ckv_region / kpe_region set) as references into registered regions,
+// which the server reads itself: nothing but the reference crosses the wire.
 struct LayerBytes {
   uint32_t layer = 0;
-  std::string_view ckv;  // rows x 512 elements
-  std::string_view kpe;  // rows x 64 elements
+  std::string_view ckv;  // rows x 512 elements; empty when ckv_region is set
+  std::string_view kpe;  // rows x 64 elements; empty when kpe_region is set
   // Scales the rows were calibrated for; unset leaves the layer's own.
   std::optional<float> ckv_scale;
   std::optional<float> kpe_scale;
+  // Instead of the bytes: where the rows lie in a registered region.
+  std::optional<RegionRows> ckv_region = std::nullopt;
+  std::optional<RegionRows> kpe_region = std::nullopt;
 };
 
 // One atomic append of `rows` rows per layer to one sequence, starting at
-// `start`. The byte views must stay valid for the duration of the call.
+// `start`. The byte views must stay valid for the duration of the call, and
+// region rows unchanged until it returns.
 struct AppendRows {
   std::string pool;  // empty: the server's default pool
   std::string sequence;
@@ -105,7 +121,9 @@ class KvCacheClient {
   absl::StatusOr<v1::Sequence> Truncate(const std::string& pool, const std::string& sequence, uint32_t length);
 
   // One Append stream carrying `append` in messages of about
-  // Options::append_message_bytes. Validates byte counts before sending.
+  // Options::append_message_bytes (only rows sent as bytes count; an append
+  // whose rows all come from regions is one message). Validates byte counts
+  // and region strides before sending.
   absl::StatusOr<v1::AppendResponse> Append(const AppendRows& append);
   absl::StatusOr<v1::AppendBatchResponse> AppendBatch(const v1::AppendBatchRequest& request);
 
@@ -113,6 +131,23 @@ class KvCacheClient {
   // count 0 reads to the layer's length.
   absl::StatusOr<StoredLayer> ReadLayer(const std::string& pool, const std::string& sequence, uint32_t layer,
                                         uint32_t start = 0, uint32_t count = 0);
+
+  // ---- regions (server --allow_ipc, else PERMISSION_DENIED; docs/server.md "Regions") ----
+  // A POSIX shared-memory object (shm_open name "/x") from `offset`, `byte_size`
+  // bytes (0: to the end of the object).
+  absl::StatusOr<v1::Region> RegisterShmRegion(const std::string& name, const std::string& shm_name,
+                                               uint64_t offset = 0, uint64_t byte_size = 0);
+  // A producer's CUDA allocation: the 64 bytes of its cudaIpcMemHandle_t, the
+  // device in the server's numbering, and optionally the 64 bytes of a
+  // cudaIpcEventHandle_t the server waits on before reading.
+  absl::StatusOr<v1::Region> RegisterCudaRegion(const std::string& name, std::string_view raw_handle,
+                                                int32_t device_id, uint64_t byte_size,
+                                                std::string_view raw_event_handle = {});
+  // Returns the appends in flight that still hold the region.
+  absl::StatusOr<uint32_t> UnregisterRegion(const std::string& name);
+  absl::StatusOr<std::vector<v1::Region>> ListRegions();
+  // CUDA IPC handles of a cuda pool's caches (FAILED_PRECONDITION for a cpu pool).
+  absl::StatusOr<v1::ExportPoolResponse> ExportPool(const std::string& pool);
 
   const Options& options() const { return options_; }
   // The raw stub, for callers that need what the wrapper hides (tests that
