@@ -26,7 +26,6 @@ ABSL_FLAG(double, batch_fraction, 0, "bench append: share of requests sent as Ap
 ABSL_FLAG(double, duration_s, 10, "bench: stop after this many seconds (0: only --requests bounds the run)");
 ABSL_FLAG(int64_t, requests, 0, "bench: stop after this many requests in all (0: only --duration_s bounds the run)");
 ABSL_FLAG(int32_t, layers, 1, "bench: layers 0..N-1 written by every request");
-ABSL_FLAG(std::string, dtype, "bf16", "bench: row element type, bf16 or f16");
 ABSL_FLAG(int32_t, sequences, 256, "bench decode: sequences per AppendBatch (per worker)");
 
 namespace mlakv::cli {

@@ -16,6 +16,7 @@ ABSL_FLAG(std::optional<double>, ckv_scale, std::nullopt,
           "quantize, append: global ckv decode scale (overrides the file's ckv_scale)");
 ABSL_FLAG(std::optional<double>, kpe_scale, std::nullopt,
           "quantize, append: global kpe decode scale (overrides the file's kpe_scale)");
+ABSL_FLAG(std::string, dtype, "bf16", "bench, append from regions: row element type, bf16 or f16");
 
 // ---- transport security (docs/deploy.md) ----
 ABSL_FLAG(std::string, tls_ca, "", "PEM file of the CA that signed the server's certificate; switches to TLS");

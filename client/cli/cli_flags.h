@@ -18,6 +18,7 @@ ABSL_DECLARE_FLAG(std::string, input);
 ABSL_DECLARE_FLAG(std::string, output);
 ABSL_DECLARE_FLAG(std::optional<double>, ckv_scale);
 ABSL_DECLARE_FLAG(std::optional<double>, kpe_scale);
+ABSL_DECLARE_FLAG(std::string, dtype);
 // Transport security (docs/deploy.md).
 ABSL_DECLARE_FLAG(std::string, tls_ca);
 ABSL_DECLARE_FLAG(std::string, tls_cert);

@@ -66,6 +66,14 @@ bool ParseUint32(std::string_view text, uint32_t* value) {
          absl::SimpleAtoi(absl::string_view(text.data(), text.size()), value);
 }
 
+std::string DescribeRegionSource(const v1::Region& region) {
+  if (region.kind() == v1::REGION_KIND_SHM) return absl::StrCat("shm ", region.shm_name(), " +", region.shm_offset());
+  if (region.kind() == v1::REGION_KIND_CUDA) {
+    return absl::StrCat("cuda:", region.device_id(), region.has_event() ? " +event" : "");
+  }
+  return "unknown source";
+}
+
 std::string DescribeLayerRuns(const std::vector<uint32_t>& per_layer) {
   std::string text;
   for (size_t begin = 0; begin < per_layer.size();) {

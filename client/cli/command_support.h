@@ -38,6 +38,10 @@ std::string ToJson(const google::protobuf::Message& message);
 // A non-negative integer that fits in uint32; false for anything else.
 bool ParseUint32(std::string_view text, uint32_t* value);
 
+// Where a region's bytes live: "shm /name +offset" or "cuda:N" (" +event" when
+// the server waits on the producer's event).
+std::string DescribeRegionSource(const v1::Region& region);
+
 // Per-layer values as runs: {5, 5, 5, 0} -> "layers 0-2: 5, layer 3: 0".
 std::string DescribeLayerRuns(const std::vector<uint32_t>& per_layer);
 

@@ -19,5 +19,8 @@ int RunTruncate(const std::vector<std::string>& args);
 int RunAppend(const std::vector<std::string>& args);
 int RunExport(const std::vector<std::string>& args);
 int RunBench(const std::vector<std::string>& args);
+int RunRegions(const std::vector<std::string>& args);
+int RunRegion(const std::vector<std::string>& args);
+int RunExportPool(const std::vector<std::string>& args);
 
 }  // namespace mlakv::cli

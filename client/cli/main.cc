@@ -31,11 +31,24 @@ const std::map<std::string, Command>& Commands() {
       {"append",
        {mlakv::cli::RunAppend,
         "--sequence ID --layer L --input FILE [--start POS] [--pool P] [--json]\n"
-        "      append rows (ckv, kpe, optional ckv_scale/kpe_scale) of FILE to one layer"}},
+        "      append rows (ckv, kpe, optional ckv_scale/kpe_scale) of FILE to one layer;\n"
+        "      or --ckv_region NAME:OFFSET[:STRIDE] --kpe_region NAME:OFFSET[:STRIDE] --rows N [--dtype bf16|f16]\n"
+        "      instead of --input: N rows the server reads from registered regions"}},
       {"export",
        {mlakv::cli::RunExport,
         "--sequence ID --layer L --output FILE [--pool P] [--json]\n"
         "      write one layer's stored bytes (ckv_packed, ckv_sf, kpe, kv_indices, scales) to FILE"}},
+      {"regions", {mlakv::cli::RunRegions, "[--json]\n      regions registered with the server (--allow_ipc)"}},
+      {"region",
+       {mlakv::cli::RunRegion,
+        "register-shm --name N --shm_name /OBJ [--offset B] [--size B] [--json]\n"
+        "      region register-cuda --name N (--handle_file F | --handle_hex HEX) --device_id D --size B\n"
+        "          [--event_handle_file F | --event_handle_hex HEX] [--json]\n"
+        "      region unregister --name N [--json]\n"
+        "      register a shared-memory object or a CUDA allocation as a region; forget one"}},
+      {"export-pool",
+       {mlakv::cli::RunExportPool,
+        "[--pool P] [--json]\n      CUDA IPC handles and layout of a cuda pool's caches (--allow_ipc)"}},
       {"bench",
        {mlakv::cli::RunBench,
         "[--mode append|decode] [--concurrency N] [--duration_s S | --requests N] [--json] ...\n"
