@@ -15,29 +15,6 @@
 namespace mlakv::e2e {
 namespace {
 
-QuantizedRows ReadExport(const std::string& path, std::string* problem) {
-  QuantizedRows q;
-  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(path);
-  if (!file.ok()) {
-    *problem = file.status().ToString();
-    return q;
-  }
-  auto copy = [&](const char* name, const char* dtype, int64_t width, std::vector<uint8_t>& dst) {
-    absl::StatusOr<const SafetensorsFile::Tensor*> t = file->Get(name, {dtype}, 2);
-    if (!t.ok()) {
-      *problem += t.status().ToString() + "\n";
-      return;
-    }
-    if ((*t)->shape[1] != width) *problem += absl::StrCat(name, " has width ", (*t)->shape[1], "\n");
-    q.rows = (*t)->shape[0];
-    dst.assign((*t)->data.begin(), (*t)->data.end());
-  };
-  copy("ckv_packed", "U8", 256, q.ckv_packed);
-  copy("ckv_sf", "F8_E4M3", 32, q.ckv_sf);
-  copy("kpe", "F8_E4M3", 64, q.kpe);
-  return q;
-}
-
 class CliVectorRoundTrip : public E2eTest, public ::testing::WithParamInterface<std::string> {
  protected:
   void SetUp() override {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/load_generator.h"
+#include "client/safetensors_file.h"
 #include "kernels/tensor_view.h"
 #include "tests/testing/vector_files.h"
 
@@ -31,6 +32,7 @@ void E2eTest::StartServer(const std::string& device, uint32_t num_layers) {
   ServerUnderTest::Options options;
   options.device = device;
   options.config_text = TestPoolsConfig(num_layers);
+  options.extra_args = server_args_;
   absl::StatusOr<std::unique_ptr<ServerUnderTest>> server = ServerUnderTest::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();
   server_ = std::move(*server);
@@ -73,6 +75,29 @@ QuantizedRows AsQuantized(const StoredLayer& stored) {
   q.ckv_packed.assign(stored.ckv_packed.begin(), stored.ckv_packed.end());
   q.ckv_sf.assign(stored.ckv_sf.begin(), stored.ckv_sf.end());
   q.kpe.assign(stored.kpe.begin(), stored.kpe.end());
+  return q;
+}
+
+QuantizedRows ReadExport(const std::string& path, std::string* problem) {
+  QuantizedRows q;
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(path);
+  if (!file.ok()) {
+    *problem = file.status().ToString();
+    return q;
+  }
+  auto copy = [&](const char* name, const char* dtype, int64_t width, std::vector<uint8_t>& dst) {
+    absl::StatusOr<const SafetensorsFile::Tensor*> t = file->Get(name, {dtype}, 2);
+    if (!t.ok()) {
+      *problem += t.status().ToString() + "\n";
+      return;
+    }
+    if ((*t)->shape[1] != width) *problem += absl::StrCat(name, " has width ", (*t)->shape[1], "\n");
+    q.rows = (*t)->shape[0];
+    dst.assign((*t)->data.begin(), (*t)->data.end());
+  };
+  copy("ckv_packed", "U8", 256, q.ckv_packed);
+  copy("ckv_sf", "F8_E4M3", 32, q.ckv_sf);
+  copy("kpe", "F8_E4M3", 64, q.kpe);
   return q;
 }
 

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "client/kv_cache_client.h"
 #include "gtest/gtest.h"
@@ -39,6 +40,8 @@ class E2eTest : public ::testing::Test {
 
   std::unique_ptr<ServerUnderTest> server_;
   std::unique_ptr<KvCacheClient> client_;
+  // Extra server flags for StartServer (a derived fixture sets them before SetUp).
+  std::vector<std::string> server_args_;
 };
 
 // Random non-zero bf16 rows of one layer (ckv and kpe bytes), named with the
@@ -55,6 +58,10 @@ struct TestRows {
 
 // A StoredLayer as QuantizedRows, for DescribeMismatch.
 QuantizedRows AsQuantized(const StoredLayer& stored);
+
+// The ckv_packed / ckv_sf / kpe tensors of a file `mlakv export` wrote; what
+// is wrong with it goes to *problem.
+QuantizedRows ReadExport(const std::string& path, std::string* problem);
 
 // Append of `rows` at `start` to layers 0 and 1 (every layer of both pools).
 AppendRows BothLayersAppend(const std::string& pool, const std::string& sequence, uint32_t start,

@@ -56,6 +56,7 @@ absl::StatusOr<std::unique_ptr<ServerUnderTest>> ServerUnderTest::Start(const Op
     std::ofstream(config) << options.config_text;
     argv.insert(argv.end(), {"--config", config});
   }
+  argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
   // A port picked here could be taken before the server binds it: retry.
   absl::Status last = absl::UnknownError("not started");
   for (int attempt = 0; attempt < 3; ++attempt) {

@@ -24,6 +24,7 @@ class ServerUnderTest {
   struct Options {
     std::string device = "cpu";     // --device
     std::string config_text;        // ServerConfig in text format; empty: no --config
+    std::vector<std::string> extra_args;  // appended to the command line, e.g. {"--allow_ipc"}
     absl::Duration ready_timeout = absl::Seconds(60);
   };
 
