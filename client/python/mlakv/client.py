@@ -7,12 +7,16 @@ back as numpy arrays. Every failure raises mlakv.Error(code, message).
 """
 
 import dataclasses
+import os
+import threading
 import time
+import uuid
 from typing import Any, Mapping, Optional, Tuple
 
 import grpc
 import numpy as np
 
+from mlakv import regions as _regions
 from mlakv import rows as _rows
 from mlakv.errors import Error, client_error
 from mlakv.v1 import kv_cache_pb2 as pb
@@ -64,6 +68,35 @@ def _scale(value):
     return 0.0 if value is None else float(value)
 
 
+_CUDA_SYNC_MODES = ("stream", "event", "none")
+
+
+@dataclasses.dataclass
+class _LayerRows:
+    """Prepared rows of one (ckv, kpe) pair: per layer, a contiguous numpy
+    array [N, dim] sent as bytes, or a pb.RegionRef the server reads."""
+
+    ckv: list
+    kpe: list
+    dtype: int
+    rows: int
+    cuda: list  # regions.CudaRegion entries the refs name (to fence before the call)
+
+    def wire_row_bytes(self):
+        """Bytes one row of every layer adds to a message (references add none)."""
+        return sum(p.shape[1] * _rows.ELEMENT_BYTES for p in self.ckv + self.kpe if isinstance(p, np.ndarray))
+
+
+def _set_part(layer_rows, field, part, lo, hi, dim):
+    """Rows [lo, hi) of one tensor into a LayerRows: bytes, or the reference moved to row lo."""
+    if isinstance(part, np.ndarray):
+        setattr(layer_rows, field, part[lo:hi].tobytes())
+        return
+    stride = part.row_stride_bytes or dim * _rows.ELEMENT_BYTES
+    getattr(layer_rows, field + "_ref").CopyFrom(pb.RegionRef(
+        region=part.region, offset=part.offset + lo * stride, row_stride_bytes=part.row_stride_bytes))
+
+
 class Client:
     """A connection to an mlakv server.
 
@@ -72,10 +105,22 @@ class Client:
     credentials: grpc.ChannelCredentials for TLS (None: plaintext).
     chunk_bytes: target bytes per Append message (default 4 MB).
     options: extra gRPC channel arguments, e.g. [("grpc.keepalive_time_ms", 30000)].
+
+    Regions (server --allow_ipc; see mlakv.regions and the README):
+    cuda_sync: how appends of CUDA tensors make sure the producer's writes are
+      done before the server reads them: "stream" (default) synchronizes the
+      current torch stream of the tensors' device before the call; "event"
+      registers each allocation with an interprocess CUDA event, records it on
+      the current stream before the call and lets the server's stream wait on
+      it (no host wait; appends naming one allocation are serialized); "none":
+      the caller has synchronized.
+    cuda_device_ids: the server's number for each local CUDA device index
+      (a dict or a function); default: the same number (both processes see the
+      GPUs in the same order, e.g. the same CUDA_VISIBLE_DEVICES).
     """
 
     def __init__(self, target, *, token=None, timeout=None, credentials=None,
-                 chunk_bytes=DEFAULT_CHUNK_BYTES, options=()):
+                 chunk_bytes=DEFAULT_CHUNK_BYTES, options=(), cuda_sync="stream", cuda_device_ids=None):
         options = [("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES)] + list(options)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
@@ -89,10 +134,32 @@ class Client:
         if chunk_bytes <= 0:
             raise client_error("chunk_bytes must be positive, got %r" % (chunk_bytes,))
         self.chunk_bytes = int(chunk_bytes)
+        if cuda_sync not in _CUDA_SYNC_MODES:
+            raise client_error("cuda_sync %r is not one of %s" % (cuda_sync, ", ".join(_CUDA_SYNC_MODES)))
+        self.cuda_sync = cuda_sync
+        self._cuda_device_ids = cuda_device_ids
+        self._cuda_regions = []  # regions.CudaRegion this client registered
+        self._cuda_lock = threading.Lock()
+        self._shm_rows = []  # regions.ShmRows registered through this client
+        self.closed = False
 
     # -- lifetime ---------------------------------------------------------
 
     def close(self):
+        """Unregisters the regions this client registered (CUDA allocations,
+        ShmRows, best effort: the server may be gone) and closes the channel."""
+        if self.closed:
+            return
+        for buf in list(self._shm_rows):
+            try:
+                buf.close()
+            except Error:
+                pass
+        try:
+            self.release_cuda_regions()
+        except Error:
+            pass
+        self.closed = True
         self._channel.close()
 
     def __enter__(self):
@@ -193,32 +260,45 @@ class Client:
     # -- appends ----------------------------------------------------------
 
     def append(self, sequence, layer, ckv, kpe, start=None, pool="", ckv_scale=None, kpe_scale=None,
-               reserve_tokens=0):
+               reserve_tokens=0, dtype=None):
         """Appends rows of one sequence in one Append stream; returns mlakv.pb.AppendResponse.
 
         layer: a layer index with ckv [N,512] and kpe [N,64]; or a list of L
           layer indices with ckv [L,N,512] and kpe [L,N,64] (same positions).
         ckv, kpe: numpy float16, bfloat16 (uint16 bit patterns or ml_dtypes),
-          or CPU torch float16/bfloat16 tensors.
+          or CPU torch float16/bfloat16 tensors, sent as bytes -- or, with a
+          server started with --allow_ipc, by reference (the server reads them
+          itself; nothing but offsets crosses the wire):
+            * numpy views of a ShmRows of this client (any row stride);
+            * CUDA torch float16/bfloat16 tensors (both ckv and kpe, on one
+              device; rows with contiguous channels and any row stride). Each
+              cudaMalloc allocation holding them is registered once (see
+              cuda_sync, release_cuda_regions);
+            * mlakv.RegionRows(region, offset, rows, row_stride_bytes) naming
+              rows of a registered region (one per layer), with dtype= when
+              neither tensor is data.
         start: position of the first row; None = the layer's current length
           (min over the layers given; 0 for a new sequence), read with one
           GetSequence before the stream starts.
         ckv_scale, kpe_scale: the global decode scales the rows were calibrated
           for (None: whatever the layer has; a layer without scales takes them).
+        dtype: "bf16" / "f16", needed only when both tensors are RegionRows.
         The rows travel as messages of about chunk_bytes each; the server
-        applies the whole stream atomically.
+        applies the whole stream atomically. Rows passed by reference must not
+        change until the call returns.
         """
         multi = isinstance(layer, (list, tuple))
         layers = [int(l) for l in layer] if multi else [int(layer)]
         if not layers:
             raise client_error("no layer given")
-        ckv, kpe, dtype, n = _rows.prepare(ckv, kpe, leading=(len(layers),) if multi else ())
-        if not multi:
-            ckv, kpe = ckv[None], kpe[None]
+        prepared = self._prepare(ckv, kpe, leading=(len(layers),) if multi else (), dtype=dtype)
+        n = prepared.rows
         if start is None:
             start = self._start_from(self._layer_lengths(sequence, pool), layers)
-        # Rows per message so that a message, framing included, stays within chunk_bytes.
-        per_message = max(1, (self.chunk_bytes - _MESSAGE_OVERHEAD) // (_rows.row_bytes() * len(layers)))
+        # Rows per message so that a message, framing included, stays within
+        # chunk_bytes; rows that all travel as references make one message.
+        wire = prepared.wire_row_bytes()
+        per_message = max(1, (self.chunk_bytes - _MESSAGE_OVERHEAD) // wire) if wire else max(n, 1)
         cs, ks = _scale(ckv_scale), _scale(kpe_scale)
 
         def messages():
@@ -226,25 +306,28 @@ class Client:
             for lo in range(0, max(n, 1), per_message):
                 hi = min(n, lo + per_message)
                 msg = pb.AppendRequest(pool=pool, sequence=sequence, start=start + lo, row_count=hi - lo,
-                                       dtype=dtype, reserve_tokens=reserve_tokens if first else 0)
+                                       dtype=prepared.dtype, reserve_tokens=reserve_tokens if first else 0)
                 for i, l in enumerate(layers):
-                    msg.layers.add(layer=l, ckv=ckv[i, lo:hi].tobytes(), kpe=kpe[i, lo:hi].tobytes(),
-                                   ckv_scale=cs, kpe_scale=ks)
+                    rows = msg.layers.add(layer=l, ckv_scale=cs, kpe_scale=ks)
+                    _set_part(rows, "ckv", prepared.ckv[i], lo, hi, _rows.CKV_DIM)
+                    _set_part(rows, "kpe", prepared.kpe[i], lo, hi, _rows.KPE_DIM)
                 first = False
                 yield msg
 
-        return self._call(self._stub.Append, messages())
+        return self._call_fenced(prepared.cuda, self._stub.Append, messages())
 
-    def append_batch(self, items, pool="", ckv_scale=None, kpe_scale=None):
+    def append_batch(self, items, pool="", ckv_scale=None, kpe_scale=None, dtype=None):
         """A decode step: rows of many sequences and layers in one atomic AppendBatch.
 
-        items: SequenceRows, or tuples (sequence, {layer: (ckv, kpe)}[, start]).
-        All rows share one dtype. Returns mlakv.pb.AppendBatchResponse (the
+        items: SequenceRows, or tuples (sequence, {layer: (ckv, kpe)}[, start]);
+        ckv/kpe as for append (bytes, ShmRows views, CUDA tensors, RegionRows).
+        All rows share one dtype (dtype= when only RegionRows give none). Returns mlakv.pb.AppendBatchResponse (the
         sequences after the append, in request order).
         """
         items = [it if isinstance(it, SequenceRows) else SequenceRows(*it) for it in items]
         req = pb.AppendBatchRequest(pool=pool)
-        dtype = None
+        batch_dtype = None
+        used = []
         cs, ks = _scale(ckv_scale), _scale(kpe_scale)
         for it in items:
             if not it.layers:
@@ -253,21 +336,25 @@ class Client:
             count = None
             for layer, (ckv, kpe) in sorted(it.layers.items()):
                 what = "sequence %r layer %d " % (it.sequence, layer)
-                ckv, kpe, dt, n = _rows.prepare(ckv, kpe, what=what)
-                if dtype is None:
-                    dtype = dt
-                elif dt != dtype:
+                prepared = self._prepare(ckv, kpe, what=what, dtype=dtype)
+                dt, n = prepared.dtype, prepared.rows
+                if batch_dtype is None:
+                    batch_dtype = dt
+                elif dt != batch_dtype:
                     raise client_error("%srows are %s but earlier rows are %s; one dtype per batch" % (
-                        what, pb.RowDType.Name(dt), pb.RowDType.Name(dtype)))
+                        what, pb.RowDType.Name(dt), pb.RowDType.Name(batch_dtype)))
                 if count is None:
                     count = n
                 elif n != count:
                     raise client_error("%shas %d rows, other layers %d" % (what, n, count))
-                entry.layers.add(layer=layer, ckv=ckv.tobytes(), kpe=kpe.tobytes(), ckv_scale=cs, kpe_scale=ks)
+                rows = entry.layers.add(layer=layer, ckv_scale=cs, kpe_scale=ks)
+                _set_part(rows, "ckv", prepared.ckv[0], 0, n, _rows.CKV_DIM)
+                _set_part(rows, "kpe", prepared.kpe[0], 0, n, _rows.KPE_DIM)
+                used.extend(prepared.cuda)
             entry.row_count = count
             if it.start is not None:
                 entry.start = it.start
-        req.dtype = dtype if dtype is not None else pb.ROW_DTYPE_UNSPECIFIED
+        req.dtype = batch_dtype if batch_dtype is not None else pb.ROW_DTYPE_UNSPECIFIED
         # Starts left to the server's state: every sequence's lengths, asked concurrently.
         missing = {it.sequence for it in items if it.start is None}
         futures = {s: self._stub.GetSequence.future(pb.GetSequenceRequest(pool=pool, sequence=s),
@@ -282,7 +369,249 @@ class Client:
                         raise Error.from_rpc_error(err) from None
                     lengths = []
                 entry.start = self._start_from(lengths, it.layers.keys())
-        return self._call(self._stub.AppendBatch, req)
+        return self._call_fenced(used, self._stub.AppendBatch, req)
+
+    # -- regions (server --allow_ipc) ------------------------------------------
+
+    def register_shm(self, name, shm_name, offset=0, size=0):
+        """Registers a POSIX shared-memory object ("/name" as for shm_open) from
+        `offset`, `size` bytes (0: to the end) as region `name`; returns mlakv.pb.Region."""
+        return self._call(self._stub.RegisterShmRegion,
+                          pb.RegisterShmRegionRequest(name=name, shm_name=shm_name, offset=offset, byte_size=size))
+
+    def register_cuda(self, name, handle_bytes, device_id, byte_size, event_handle=None):
+        """Registers a CUDA allocation by its cudaIpcMemHandle_t (64 bytes), on
+        `device_id` in the server's numbering, `byte_size` bytes from the
+        handle's base; event_handle: optional cudaIpcEventHandle_t (64 bytes)
+        the server's stream waits on before each read. Returns mlakv.pb.Region.
+
+        Client.append does this itself for CUDA torch tensors; this is for
+        producers that manage their own allocations.
+        """
+        for what, value in (("handle_bytes", handle_bytes), ("event_handle", event_handle or b"")):
+            if not isinstance(value, (bytes, bytearray)):
+                raise client_error("%s is a %s; expected bytes" % (what, type(value).__name__))
+        if len(handle_bytes) != 64 or (event_handle and len(event_handle) != 64):
+            raise client_error("a CUDA IPC handle has 64 bytes; got handle_bytes of %d and event_handle of %d"
+                               % (len(handle_bytes), len(event_handle or b"")))
+        return self._call(self._stub.RegisterCudaRegion, pb.RegisterCudaRegionRequest(
+            name=name, raw_handle=bytes(handle_bytes), device_id=device_id, byte_size=byte_size,
+            raw_event_handle=bytes(event_handle or b"")))
+
+    def unregister(self, name):
+        """Forgets region `name`; returns the appends in flight that still hold it."""
+        resp = self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name))
+        with self._cuda_lock:
+            self._cuda_regions = [r for r in self._cuda_regions if r.name != name]
+        return resp.appends_in_flight
+
+    def regions(self):
+        """The registered regions (list of mlakv.pb.Region), ordered by name."""
+        return list(self._call(self._stub.ListRegions, pb.ListRegionsRequest()).regions)
+
+    def export_pool(self, pool=""):
+        """CUDA IPC handles and layout of a cuda pool's caches (mlakv.pb.ExportPoolResponse)."""
+        return self._call(self._stub.ExportPool, pb.ExportPoolRequest(pool=pool))
+
+    def shm_rows(self, rows, layers=1, dtype="bf16", name=None):
+        """A new mlakv.ShmRows registered through this client (closed with it)."""
+        return _regions.ShmRows(self, rows, layers=layers, dtype=dtype, name=name)
+
+    def cuda_regions(self):
+        """Names of the CUDA allocations this client registered for tensors it appended."""
+        with self._cuda_lock:
+            return [r.name for r in self._cuda_regions]
+
+    def release_cuda_regions(self):
+        """Unregisters every CUDA allocation this client registered and drops the
+        storages it kept alive in them. Call it before torch.cuda.empty_cache()
+        should give that memory back; later appends register again."""
+        with self._cuda_lock:
+            regions, self._cuda_regions = self._cuda_regions, []
+        first_error = None
+        for r in regions:
+            try:
+                self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=r.name))
+            except Error as err:
+                if err.code != grpc.StatusCode.NOT_FOUND and first_error is None:
+                    first_error = err
+        if first_error is not None:
+            raise first_error
+
+    def _add_shm_rows(self, buf):
+        self._shm_rows.append(buf)
+
+    def _remove_shm_rows(self, buf):
+        if buf in self._shm_rows:
+            self._shm_rows.remove(buf)
+
+    def _server_device(self, index):
+        ids = self._cuda_device_ids
+        if ids is None:
+            return index
+        try:
+            return int(ids(index) if callable(ids) else ids[index])
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise client_error("cuda_device_ids has no server device for local cuda:%d (%s)" % (index, err)) from None
+
+    def _cuda_region(self, tensor, address, extent):
+        """The registered CudaRegion holding [address, address + extent) of
+        `tensor`'s device; registers its allocation on first use."""
+        device = tensor.device.index if tensor.device.index is not None else 0
+        with self._cuda_lock:
+            for r in self._cuda_regions:
+                if r.device_index == device and r.contains(address, extent):
+                    return r
+            try:
+                base, size, handle = _regions._Driver.get().allocation(device, address)
+            except _regions.CudaDriverError as err:
+                raise client_error("CUDA tensor on cuda:%d: %s" % (device, err)) from None
+            if address + extent > base + size:
+                raise client_error("CUDA rows at 0x%x (%d bytes) run past their allocation [0x%x, +%d)"
+                                   % (address, extent, base, size))
+            event, event_handle = None, None
+            if self.cuda_sync == "event":
+                import torch
+
+                with torch.cuda.device(device):
+                    event = torch.cuda.Event(interprocess=True)
+                    event_handle = bytes(event.ipc_handle())
+            name = "cuda-%d-%s-dev%d-%x" % (os.getpid(), uuid.uuid4().hex[:8], device, base)
+            self.register_cuda(name, handle, self._server_device(device), size, event_handle)
+            storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
+            region = _regions.CudaRegion(name, device, base, size, storage, event)
+            self._cuda_regions.append(region)
+            return region
+
+    def _cuda_refs(self, t, views, dim):
+        """RegionRefs (one per layer) for the checked views of a CUDA tensor;
+        registers the allocations not registered yet. Returns (refs, regions)."""
+        refs, used = [], []
+        row_bytes = dim * _rows.ELEMENT_BYTES
+        for address, rows, stride in views:
+            if rows == 0:  # nothing to read: an empty bytes part
+                refs.append(np.zeros((0, dim), dtype=np.uint16))
+                continue
+            extent = (rows - 1) * (stride or row_bytes) + row_bytes
+            region = self._cuda_region(t, address, extent)
+            refs.append(pb.RegionRef(region=region.name, offset=address - region.base, row_stride_bytes=stride))
+            used.append(region)
+        return refs, used
+
+    def _prepare(self, ckv, kpe, leading=(), what="", dtype=None):
+        """Validates a (ckv, kpe) pair of any accepted kind; returns _LayerRows.
+
+        ckv/kpe: numpy or CPU torch rows (bytes, or references when they lie in
+        a ShmRows of this client), CUDA torch tensors (references), or
+        RegionRows (one per layer when leading is (L,)). Everything is checked
+        before any CUDA allocation is registered."""
+        layers = leading[0] if leading else 1
+        names = (what + "ckv", what + "kpe")
+        dims = (_rows.CKV_DIM, _rows.KPE_DIM)
+        inputs = (ckv, kpe)
+        cuda = [_regions.is_cuda_tensor(x) for x in inputs]
+        explicit = [isinstance(x, _regions.RegionRows) or (isinstance(x, (list, tuple)) and len(x) > 0 and all(
+            isinstance(r, _regions.RegionRows) for r in x)) for x in inputs]
+        if any(cuda) and not all(cuda):
+            raise client_error("%s is a CUDA tensor but %s is not; the server reads device rows only when both "
+                               "come from CUDA memory" % (names[cuda.index(True)], names[cuda.index(False)]))
+        if all(cuda) and ckv.device != kpe.device:
+            raise client_error("%s is on %s but %s on %s; both must be on the pool's device"
+                               % (names[0], ckv.device, names[1], kpe.device))
+        if not any(cuda) and not any(explicit):
+            a, b, dt, n = _rows.prepare(ckv, kpe, leading=leading, what=what, contiguous=False)
+            if dtype is not None and _regions._dtype_code(dtype) != dt:
+                raise client_error("%s and %s are %s but dtype=%r" % (names[0], names[1], pb.RowDType.Name(dt), dtype))
+            arrays = (a, b) if leading else (a[None], b[None])
+            parts = [self._host_parts(arr, dim, layers) for arr, dim in zip(arrays, dims)]
+            return _LayerRows(parts[0], parts[1], dt, n, [])
+        # 1. Check each tensor: its dtype (None for RegionRows), rows, and what to send.
+        dtypes, counts, plans = [None, None], [None, None], [None, None]
+        for k in (0, 1):
+            x, name, dim = inputs[k], names[k], dims[k]
+            if cuda[k]:
+                dtypes[k] = _regions.torch_row_dtype(x, name)
+                plans[k], counts[k] = _regions.cuda_layer_views(x, dim, name, leading)
+            elif explicit[k]:
+                refs = [x] if isinstance(x, _regions.RegionRows) else list(x)
+                if len(refs) != layers or (not leading and not isinstance(x, _regions.RegionRows)):
+                    raise client_error("%s: %d RegionRows for %d layer(s); give one per layer"
+                                       % (name, len(refs), layers))
+                rows = {r.rows for r in refs}
+                if len(rows) != 1:
+                    raise client_error("%s: the RegionRows have different row counts %s" % (name, sorted(rows)))
+                counts[k] = rows.pop()
+                plans[k] = [pb.RegionRef(region=r.region, offset=r.offset, row_stride_bytes=r.row_stride_bytes)
+                            for r in refs]
+            else:
+                arr, dtypes[k] = _rows.to_numpy(x, name)
+                arr = _rows._rows_2d(arr, dim, name, leading, contiguous=False)
+                plans[k] = arr if leading else arr[None]
+                counts[k] = plans[k].shape[-2]
+        # 2. One dtype, one row count.
+        known = {d for d in dtypes if d is not None}
+        if dtype is not None:
+            known.add(_regions._dtype_code(dtype))
+        if len(known) > 1:
+            raise client_error("%s and %s (and dtype=%r) disagree on the dtype: %s" % (
+                names[0], names[1], dtype, ", ".join(sorted(pb.RowDType.Name(d) for d in known))))
+        if not known:
+            raise client_error("%s and %s come from RegionRows: pass dtype=\"bf16\" or \"f16\"" % names)
+        if counts[0] != counts[1]:
+            raise client_error("%s has %d rows but %s has %d" % (names[0], counts[0], names[1], counts[1]))
+        # 3. What goes on the wire; CUDA allocations registered on first use.
+        parts, used = [None, None], []
+        for k in (0, 1):
+            if cuda[k]:
+                parts[k], regions = self._cuda_refs(inputs[k], plans[k], dims[k])
+                used.extend(regions)
+            elif explicit[k]:
+                parts[k] = plans[k]
+            else:
+                parts[k] = self._host_parts(plans[k], dims[k], layers)
+        return _LayerRows(parts[0], parts[1], known.pop(), counts[0], used)
+
+    def _host_parts(self, arr, dim, layers):
+        """Per layer of a numpy [L, N, dim]: a RegionRef when it lies in a ShmRows
+        of this client, else a contiguous array (bytes)."""
+        row_bytes = dim * _rows.ELEMENT_BYTES
+        out = []
+        for i in range(layers):
+            ref = _regions.host_ref(arr[i], self._shm_rows, row_bytes) if self._shm_rows else None
+            out.append(ref if ref is not None else np.ascontiguousarray(arr[i]))
+        return out
+
+    def _fence(self, regions):
+        """Makes the producer's writes to `regions` visible to the server before
+        the call (cuda_sync); returns the locks to release after it."""
+        if not regions or self.cuda_sync == "none":
+            return []
+        import torch
+
+        unique = sorted({r.name: r for r in regions}.values(), key=lambda r: r.name)
+        if self.cuda_sync == "stream":
+            for device in sorted({r.device_index for r in unique}):
+                torch.cuda.current_stream(device).synchronize()
+            return []
+        held = []
+        try:
+            for r in unique:
+                r.lock.acquire()
+                held.append(r.lock)
+                r.event.record(torch.cuda.current_stream(r.device_index))
+        except BaseException:
+            for lock in held:
+                lock.release()
+            raise
+        return held
+
+    def _call_fenced(self, regions, method, request):
+        held = self._fence(regions)
+        try:
+            return self._call(method, request)
+        finally:
+            for lock in held:
+                lock.release()
 
     # -- reads ------------------------------------------------------------
 

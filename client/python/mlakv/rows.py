@@ -5,9 +5,10 @@ Accepted element types (ckv and kpe must agree):
   numpy uint16 (bf16 bit patterns)    -> ROW_DTYPE_BFLOAT16
   numpy ml_dtypes.bfloat16            -> ROW_DTYPE_BFLOAT16
   torch.float16 / torch.bfloat16 (CPU)-> ROW_DTYPE_FLOAT16 / ROW_DTYPE_BFLOAT16
-Anything else (float32, CUDA tensors, ...) is refused before anything is sent:
-the server quantizes exactly the bits it receives, so the conversion is the
-caller's to choose.
+Anything else (float32, ...) is refused before anything is sent: the server
+quantizes exactly the bits it receives, so the conversion is the caller's to
+choose. CUDA tensors never come here: Client.append sends them by reference
+(mlakv.regions).
 """
 
 import numpy as np
@@ -29,7 +30,8 @@ def _torch_to_numpy(x, name):
 
     if x.device.type != "cpu":
         raise client_error(
-            "%s is a %s tensor; this client sends host bytes: pass %s.cpu()" % (name, x.device, name))
+            "%s is a %s tensor; device rows travel by reference (CUDA tensors only): pass %s.cpu()"
+            % (name, x.device, name))
     x = x.detach().contiguous()
     if x.dtype == torch.float16:
         return x.numpy(), pb.ROW_DTYPE_FLOAT16
@@ -55,7 +57,7 @@ def to_numpy(x, name):
         % (name, x.dtype))
 
 
-def _rows_2d(x, dim, name, leading):
+def _rows_2d(x, dim, name, leading, contiguous=True):
     """Checks the shape [*leading, N, dim] (a single row [dim] is allowed when leading is ())."""
     if not leading and x.ndim == 1 and x.shape[0] == dim:
         x = x.reshape(1, dim)
@@ -63,11 +65,13 @@ def _rows_2d(x, dim, name, leading):
     if x.ndim != want or x.shape[-1] != dim or tuple(x.shape[:-2]) != tuple(leading):
         shape = ", ".join([str(d) for d in leading] + ["N", str(dim)])
         raise client_error("%s has shape %s; expected [%s]" % (name, list(x.shape), shape))
-    return np.ascontiguousarray(x)
+    return np.ascontiguousarray(x) if contiguous else x
 
 
-def prepare(ckv, kpe, leading=(), what=""):
-    """Validates a (ckv, kpe) pair; returns (ckv, kpe, dtype, rows) as contiguous numpy arrays.
+def prepare(ckv, kpe, leading=(), what="", contiguous=True):
+    """Validates a (ckv, kpe) pair; returns (ckv, kpe, dtype, rows) as numpy arrays
+    (contiguous copies where needed unless contiguous=False, which keeps the
+    caller's memory and layout).
 
     ckv is [*leading, N, 512] and kpe [*leading, N, 64] of one dtype.
     """
@@ -77,8 +81,8 @@ def prepare(ckv, kpe, leading=(), what=""):
     if ckv_dtype != kpe_dtype:
         raise client_error("%s is %s but %s is %s; both must have one dtype" % (
             ckv_name, pb.RowDType.Name(ckv_dtype), kpe_name, pb.RowDType.Name(kpe_dtype)))
-    ckv = _rows_2d(ckv, CKV_DIM, ckv_name, leading)
-    kpe = _rows_2d(kpe, KPE_DIM, kpe_name, leading)
+    ckv = _rows_2d(ckv, CKV_DIM, ckv_name, leading, contiguous)
+    kpe = _rows_2d(kpe, KPE_DIM, kpe_name, leading, contiguous)
     if ckv.shape[-2] != kpe.shape[-2]:
         raise client_error("%s has %d rows but %s has %d" % (ckv_name, ckv.shape[-2], kpe_name, kpe.shape[-2]))
     return ckv, kpe, ckv_dtype, ckv.shape[-2]
