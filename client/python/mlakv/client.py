@@ -515,9 +515,6 @@ class Client:
         if any(cuda) and not all(cuda):
             raise client_error("%s is a CUDA tensor but %s is not; the server reads device rows only when both "
                                "come from CUDA memory" % (names[cuda.index(True)], names[cuda.index(False)]))
-        if all(cuda) and ckv.device != kpe.device:
-            raise client_error("%s is on %s but %s on %s; both must be on the pool's device"
-                               % (names[0], ckv.device, names[1], kpe.device))
         if not any(cuda) and not any(explicit):
             a, b, dt, n = _rows.prepare(ckv, kpe, leading=leading, what=what, contiguous=False)
             if dtype is not None and _regions._dtype_code(dtype) != dt:
