@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/dequantize.h"
 #include "kernels/nvfp4_format.h"
 #include "server/grpc_status.h"
@@ -314,11 +315,17 @@ grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContex
 
 // ---- Append (client stream) ----------------------------------------------------------
 
-// One Append stream. Each message is validated, staged and written on the
-// pool's worker; the next read starts only after that, so one message at a
-// time is held. The end of the stream commits (or, if the client cancelled,
-// aborts) on the worker too. Finish is called exactly once, never while a
-// task of this reactor is queued, so OnDone (which deletes it) comes last.
+// One Append stream. Messages are validated, staged and written on the
+// pool's worker, in order. Two message buffers: while the worker processes
+// message k, message k+1 is already being received into the other buffer
+// (and the read of k+2 starts as soon as k's buffer is free), so on a long
+// stream the network, protobuf parsing and the worker overlap. The end of the
+// stream commits (or, after a cancel, aborts) on the worker too.
+//
+// Lifetime: Finish is called exactly once, from the worker, and only when no
+// task of this reactor is queued there; gRPC may still complete a read in
+// flight (OnReadDone(false), which then does nothing) and calls OnDone, which
+// deletes the reactor, after that.
 class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
  public:
   AppendReactor(KvCacheService* service, grpc::CallbackServerContext* ctx, v1::AppendResponse* resp)
@@ -327,66 +334,141 @@ class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendR
       Done(Draining());
       return;
     }
-    StartRead(&req_);
+    StartRead(&buffers_[0]);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {
-      // Half-close (commit) or cancellation (abort): decided on the worker.
-      if (pool_ == nullptr) {
-        Done(ctx_->IsCancelled() ? absl::CancelledError("Append cancelled before its first message")
-                                 : absl::InvalidArgumentError("Append stream carried no message"));
-        return;
+    int next_read = -1;
+    std::optional<absl::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      const int got = reading_;
+      reading_ = -1;
+      if (finishing_) return;  // an earlier message failed; the stream is being finished
+      if (!ok) {
+        // Half-close (commit) or cancellation (abort): decided on the worker,
+        // after every message queued before it.
+        if (pool_ == nullptr) {
+          finishing_ = true;
+          finish_status_ = ctx_->IsCancelled() ? absl::CancelledError("Append cancelled before its first message")
+                                               : absl::InvalidArgumentError("Append stream carried no message");
+        } else {
+          ++queued_;
+          pool_->worker().Post([this] { Complete(); });
+        }
+      } else {
+        if (pool_ == nullptr) {
+          absl::StatusOr<Pool*> pool = service_->FindPool(buffers_[got].pool());
+          if (!pool.ok()) {
+            finishing_ = true;
+            finish_status_ = pool.status();
+          } else {
+            pool_ = *pool;
+            pool_field_ = buffers_[got].pool();
+            sequence_ = buffers_[got].sequence();
+          }
+        }
+        if (!finishing_) {
+          busy_[got] = true;
+          ++queued_;
+          pool_->worker().Post([this, got] { Process(got); });
+          next_read = TakeFreeBufferLocked();
+        }
       }
-      pool_->worker().Post([this] { Complete(); });
-      return;
+      finish = TakeFinishLocked();
     }
-    if (pool_ == nullptr) {
-      absl::StatusOr<Pool*> pool = service_->FindPool(req_.pool());
-      if (!pool.ok()) {
-        Done(pool.status());
-        return;
-      }
-      pool_ = *pool;
-      pool_field_ = req_.pool();
-      sequence_ = req_.sequence();
-    }
-    pool_->worker().Post([this] { Process(); });
+    if (finish) Done(*finish);
+    if (next_read >= 0) StartReadInto(next_read);
   }
 
   void OnCancel() override { cancelled_.store(true); }
   void OnDone() override { delete this; }
 
  private:
-  // On the worker: one message.
-  void Process() {
+  // The buffer to read the next message into, marked as being read; -1 when
+  // both hold messages not yet processed (the worker starts the read when it
+  // frees one). Never called with a read in flight.
+  int TakeFreeBufferLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (int b = 0; b < 2; ++b) {
+      if (!busy_[b]) {
+        reading_ = b;
+        ++starting_reads_;  // Finish waits until StartRead has been called
+        return b;
+      }
+    }
+    read_wanted_ = true;
+    return -1;
+  }
+
+  // Called without mu_ (the read may complete, and OnReadDone run, before
+  // StartRead returns).
+  void StartReadInto(int b) {
+    StartRead(&buffers_[b]);
+    std::optional<absl::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      --starting_reads_;
+      finish = TakeFinishLocked();
+    }
+    if (finish) Done(*finish);
+  }
+
+  // On the worker: message in buffers_[b].
+  void Process(int b) {
+    bool skip;
+    {
+      absl::MutexLock lock(&mu_);
+      skip = finishing_;
+    }
+    absl::Status status = skip ? absl::OkStatus() : ProcessMessage(buffers_[b]);
+    int next_read = -1;
+    std::optional<absl::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      busy_[b] = false;
+      --queued_;
+      if (!status.ok()) {
+        finishing_ = true;
+        finish_status_ = status;
+      }
+      if (!finishing_ && read_wanted_) {
+        read_wanted_ = false;
+        next_read = TakeFreeBufferLocked();
+      }
+      finish = TakeFinishLocked();
+    }
+    if (finish) Done(*finish);
+    if (next_read >= 0) StartReadInto(next_read);
+  }
+
+  absl::Status ProcessMessage(const v1::AppendRequest& req) {
     ++messages_;
     absl::Status status = [&]() -> absl::Status {
       if (messages_ > 1) {
-        if (!req_.pool().empty() && req_.pool() != pool_field_) {
-          return absl::InvalidArgumentError(absl::StrCat("message ", messages_, " names pool '", req_.pool(),
+        if (!req.pool().empty() && req.pool() != pool_field_) {
+          return absl::InvalidArgumentError(absl::StrCat("message ", messages_, " names pool '", req.pool(),
                                                          "' but the stream's first message named '", pool_field_,
                                                          "'; leave it empty after the first message"));
         }
-        if (!req_.sequence().empty() && req_.sequence() != sequence_) {
-          return absl::InvalidArgumentError(absl::StrCat("message ", messages_, " names sequence '", req_.sequence(),
+        if (!req.sequence().empty() && req.sequence() != sequence_) {
+          return absl::InvalidArgumentError(absl::StrCat("message ", messages_, " names sequence '", req.sequence(),
                                                          "' but the stream is for '", sequence_,
                                                          "'; one Append stream writes one sequence"));
         }
-        if (req_.reserve_tokens() != 0) {
+        if (req.reserve_tokens() != 0) {
           return absl::InvalidArgumentError(absl::StrCat(
               "message ", messages_, " sets reserve_tokens; only the first message of a stream may reserve"));
         }
       }
-      absl::StatusOr<std::optional<DType>> dtype = ToDType(req_.dtype());
+      absl::StatusOr<std::optional<DType>> dtype = ToDType(req.dtype());
       if (!dtype.ok()) return dtype.status();
       if (txn_ == nullptr) {
         absl::StatusOr<std::unique_ptr<AppendTransaction>> txn = pool_->BeginAppend(sequence_);
         if (!txn.ok()) return txn.status();
         txn_ = std::move(*txn);
       }
-      absl::StatusOr<SequenceRowsIn> rows = ToRows(sequence_, req_.start(), req_.row_count(), req_.layers(),
-                                                   req_.reserve_tokens(), *service_->options_.regions, *pool_,
+      absl::StatusOr<SequenceRowsIn> rows = ToRows(sequence_, req.start(), req.row_count(), req.layers(),
+                                                   req.reserve_tokens(), *service_->options_.regions, *pool_,
                                                    &regions_held_);
       if (!rows.ok()) return rows.status();
       AppendTransaction* txn = txn_.get();
@@ -397,33 +479,56 @@ class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendR
       regions_held_.gathered.clear();
       return staged;
     }();
-    if (!status.ok()) {
-      if (txn_ != nullptr) pool_->Abort(*txn_);
-      Done(absl::Status(status.code(), absl::StrCat(status.message(), messages_ > 1 ? absl::StrCat(
-                                                        " (message ", messages_, " of the stream; the whole "
-                                                        "append was rolled back)") : "")));
-      return;
-    }
-    StartRead(&req_);
+    if (status.ok()) return status;
+    if (txn_ != nullptr) pool_->Abort(*txn_);
+    return absl::Status(status.code(),
+                        absl::StrCat(status.message(), messages_ > 1 ? absl::StrCat(" (message ", messages_,
+                                                                                    " of the stream; the whole "
+                                                                                    "append was rolled back)")
+                                                                     : ""));
   }
 
-  // On the worker: the stream ended.
+  // On the worker: the stream ended (every message before it is processed).
   void Complete() {
+    bool skip;
+    {
+      absl::MutexLock lock(&mu_);
+      skip = finishing_;
+    }
+    absl::Status status = skip ? absl::OkStatus() : CommitOrAbort();
+    std::optional<absl::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      --queued_;
+      if (!skip) {
+        finishing_ = true;
+        finish_status_ = status;
+      }
+      finish = TakeFinishLocked();
+    }
+    if (finish) Done(*finish);
+  }
+
+  absl::Status CommitOrAbort() {
     if (cancelled_.load() || ctx_->IsCancelled()) {
       if (txn_ != nullptr) pool_->Abort(*txn_);
-      Done(absl::CancelledError("Append cancelled by the client; nothing was written"));
-      return;
+      return absl::CancelledError("Append cancelled by the client; nothing was written");
     }
-    if (txn_ == nullptr) {  // cannot happen: a message was processed
-      Done(absl::InternalError("Append ended without a transaction"));
-      return;
-    }
+    if (txn_ == nullptr) return absl::InternalError("Append ended without a transaction");  // a message came first
     const uint64_t rows = txn_->rows_written();
     const uint32_t pages = txn_->pages_allocated();
     ToProto(pool_->name(), pool_->Commit(*txn_), resp_->mutable_sequence());
     resp_->set_rows_written(rows);
     resp_->set_pages_allocated(pages);
-    Done(absl::OkStatus());
+    return absl::OkStatus();
+  }
+
+  // The status to finish with, once: when the stream is finishing, no task of
+  // this reactor is left on the worker and no StartRead is about to be made.
+  std::optional<absl::Status> TakeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!finishing_ || queued_ > 0 || starting_reads_ > 0 || finish_taken_) return std::nullopt;
+    finish_taken_ = true;
+    return finish_status_;
   }
 
   void Done(const absl::Status& status) {
@@ -436,10 +541,21 @@ class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendR
   KvCacheService* service_;
   grpc::CallbackServerContext* ctx_;
   v1::AppendResponse* resp_;
-  v1::AppendRequest req_;
+  v1::AppendRequest buffers_[2];
+  absl::Mutex mu_;
+  int reading_ ABSL_GUARDED_BY(mu_) = 0;         // buffer a read is in flight into, -1: none
+  bool busy_[2] ABSL_GUARDED_BY(mu_) = {false, false};  // holds a message queued on / being processed by the worker
+  bool read_wanted_ ABSL_GUARDED_BY(mu_) = false;  // a read waits for a free buffer
+  int queued_ ABSL_GUARDED_BY(mu_) = 0;           // tasks of this reactor on the worker
+  int starting_reads_ ABSL_GUARDED_BY(mu_) = 0;   // reads decided on, StartRead not yet returned
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_taken_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status finish_status_ ABSL_GUARDED_BY(mu_);
+  // Set by the first OnReadDone before any task is posted; read-only after.
   Pool* pool_ = nullptr;
   std::string pool_field_;
   std::string sequence_;
+  // Worker-only state.
   std::unique_ptr<AppendTransaction> txn_;
   // Regions the stream's messages named: held until the stream ends, so an
   // UnregisterRegion meanwhile never unmaps memory this append reads.

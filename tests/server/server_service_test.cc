@@ -601,6 +601,35 @@ TEST_F(ServiceTest, FailedStreamLeavesNothing) {
   EXPECT_EQ(pool.layers(0).tokens(), 0u);
 }
 
+// The server reads message k+1 while message k is processed: a failure in the
+// middle of a long stream, with valid messages already read behind it, must
+// still roll everything back and answer once. Repeated to vary the timing.
+TEST_F(ServiceTest, FailureMidStreamWithMessagesReadBehindIt) {
+  const Rows rows = RandomRows(40, 49);
+  for (int round = 0; round < 20; ++round) {
+    std::vector<v1::AppendRequest> messages;
+    for (uint32_t m = 0; m < 10; ++m) {
+      messages.push_back(m == 0 ? AppendMessage("s", 0, rows, 0, 4, {0, 1}, kCkvScale, kKpeScale)
+                                : AppendMessage("", 4 * m, rows, 4 * m, 4, {0, 1}));
+    }
+    messages[3].mutable_layers(0)->mutable_ckv()->resize(5);  // message 4 of 10 is malformed
+    grpc::Status s = Append(messages);
+    ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "round " << round << ": " << Describe(s);
+    EXPECT_NE(s.error_message().find("message 4 of the stream"), std::string::npos) << s.error_message();
+    v1::Sequence seq;
+    EXPECT_EQ(GetSequence("s", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(GetPool().pages_used(), 0u) << "round " << round;
+  }
+}
+
+TEST_F(ServiceTest, LongStreamOfSmallMessagesIsByteExact) {
+  const Rows rows = RandomRows(256, 50);
+  MustAppend("long", 0, rows, {0, 2}, /*per_message=*/3);  // 86 messages, read ahead of processing
+  const QuantizedRows expect = Expected(rows, kCkvScale, kKpeScale);
+  ExpectStored("long", 0, 0, expect);
+  ExpectStored("long", 2, 0, expect);
+}
+
 TEST_F(ServiceTest, FailedStreamRestoresRewrittenRows) {
   const Rows original = RandomRows(40, 46);
   MustAppend("s", 0, original, {0});
