@@ -1,8 +1,10 @@
 // mlakv-server: flags, logging, signals; everything else is KvCacheServer.
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -201,6 +203,16 @@ int RunServer() {
 }  // namespace mlakv::server
 
 int main(int argc, char** argv) {
+  // Rows arrive as multi-megabyte protobuf strings and gRPC slices. glibc
+  // serves blocks that large with fresh mmaps and trims freed heap back to the
+  // kernel, so every 4 MB message paid ~1000 zero-filled page faults on the
+  // way in (half of an Append's time on a 4 MB message, docs/performance.md).
+  // Keep such blocks in the heap: up to 256 MB per allocation, trimmed only
+  // past 512 MB free per arena. GLIBC_TUNABLES set by an operator still wins.
+  if (std::getenv("GLIBC_TUNABLES") == nullptr) {
+    mallopt(M_MMAP_THRESHOLD, 256 << 20);
+    mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  }
   absl::SetProgramUsageMessage(
       "mlakv-server: gRPC service owning NVFP4 MLA paged KV-cache pools.\n"
       "  mlakv-server                       embedded default pool on --device=auto, 127.0.0.1:50051\n"
