@@ -71,8 +71,13 @@ absl::StatusOr<std::unique_ptr<LoadGenerator>> LoadGenerator::Create(const KvCac
   if (decode && options.sequences < 1) return absl::InvalidArgumentError("bench: sequences must be >= 1");
   if (!decode && options.rows_per_message < 1) return absl::InvalidArgumentError("bench: rows_per_message must be >= 1");
 
+  if (options.connections < 0 || options.connections > options.concurrency) {
+    return absl::InvalidArgumentError(absl::StrCat("bench: connections must be in [0, concurrency = ",
+                                                   options.concurrency, "], got ", options.connections));
+  }
   std::vector<std::unique_ptr<KvCacheClient>> clients;
-  for (int i = 0; i < options.concurrency; ++i) {
+  const int connections = options.connections == 0 ? options.concurrency : options.connections;
+  for (int i = 0; i < connections; ++i) {
     absl::StatusOr<std::unique_ptr<KvCacheClient>> client = KvCacheClient::Create(client_options);
     if (!client.ok()) return client.status();
     clients.push_back(std::move(*client));
@@ -118,7 +123,7 @@ std::string LoadGenerator::SequenceId(int worker, uint32_t index) const {
 
 void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::atomic<int64_t>& issued,
                               Worker& worker) {
-  KvCacheClient& client = *clients_[index];
+  KvCacheClient& client = *clients_[index % clients_.size()];  // a client is one connection, safe to share
   const bool decode = options_.mode == LoadOptions::Mode::kDecode;
   const uint32_t rows = decode ? 1 : options_.rows_per_message;
   const uint32_t sequences = decode ? options_.sequences : 1;
@@ -235,7 +240,7 @@ LoadResult LoadGenerator::Run(const std::atomic<bool>& stop) {
   const uint32_t sequences = options_.mode == LoadOptions::Mode::kDecode ? options_.sequences : 1;
   for (size_t w = 0; w < clients_.size(); ++w) {
     for (uint32_t s = 0; s < sequences; ++s) {
-      absl::StatusOr<uint32_t> freed = clients_[w]->Free(options_.pool, SequenceId(static_cast<int>(w), s));
+      absl::StatusOr<uint32_t> freed = clients_[w % clients_.size()]->Free(options_.pool, SequenceId(static_cast<int>(w), s));
       if (freed.ok()) {
         ++result.sequences_freed;
       } else if (!absl::IsNotFound(freed.status()) && result.cleanup_error.empty()) {

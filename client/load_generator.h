@@ -30,7 +30,9 @@ namespace mlakv {
 struct LoadOptions {
   enum class Mode { kAppend, kDecode };
   Mode mode = Mode::kAppend;
-  int concurrency = 1;             // workers, one connection each
+  int concurrency = 1;             // workers, each with one request in flight at a time
+  int connections = 0;             // TCP connections the workers share round-robin (0: one per worker);
+                                   // workers > connections multiplex streams over one HTTP/2 connection
   uint32_t rows_per_message = 3584;  // append: rows per request per layer (3584 x 1152 B = 3.94 MiB: one message)
   double batch_fraction = 0;       // append: share of requests sent as AppendBatch, [0, 1]
   uint32_t sequences = 256;        // decode: sequences per AppendBatch (per worker)

@@ -19,7 +19,10 @@
 ABSL_FLAG(std::string, mode, "append",
           "bench: append (rows_per_message rows x layers per request to one sequence per worker) or decode "
           "(AppendBatch of --sequences sequences x 1 token x --layers layers per request)");
-ABSL_FLAG(int32_t, concurrency, 1, "bench: concurrent workers, each with its own connection");
+ABSL_FLAG(int32_t, concurrency, 1, "bench: concurrent workers, one request in flight each");
+ABSL_FLAG(int32_t, connections, 0,
+          "bench: TCP connections shared by the workers (0: one per worker; 1 with --concurrency 4: four streams "
+          "multiplexed on one HTTP/2 connection)");
 ABSL_FLAG(int32_t, rows_per_message, 3584,
           "bench append: rows per request per layer (3584 bf16 rows x 1 layer = 3.94 MiB, one Append message)");
 ABSL_FLAG(double, batch_fraction, 0, "bench append: share of requests sent as AppendBatch instead of Append, [0, 1]");
@@ -32,7 +35,7 @@ namespace mlakv::cli {
 namespace {
 
 constexpr char kUsage[] =
-    "bench [--mode append|decode] [--concurrency N] [--rows_per_message R] [--batch_fraction F] "
+    "bench [--mode append|decode] [--concurrency N] [--connections C] [--rows_per_message R] [--batch_fraction F] "
     "[--sequences S] [--layers L] [--dtype bf16|f16] [--duration_s S | --requests N] [--pool P] [--server ADDR] "
     "[--json]";
 
@@ -61,6 +64,7 @@ absl::StatusOr<LoadOptions> OptionsFromFlags() {
     return absl::InvalidArgumentError("--concurrency, --rows_per_message, --layers and --sequences must be >= 1");
   }
   options.concurrency = absl::GetFlag(FLAGS_concurrency);
+  options.connections = absl::GetFlag(FLAGS_connections);
   options.rows_per_message = static_cast<uint32_t>(absl::GetFlag(FLAGS_rows_per_message));
   options.batch_fraction = absl::GetFlag(FLAGS_batch_fraction);
   options.sequences = static_cast<uint32_t>(absl::GetFlag(FLAGS_sequences));
@@ -84,6 +88,7 @@ nlohmann::json ResultJson(const LoadOptions& options, const LoadResult& r, uint3
   }
   return {{"mode", options.mode == LoadOptions::Mode::kDecode ? "decode" : "append"},
           {"concurrency", options.concurrency},
+          {"connections", options.connections == 0 ? options.concurrency : options.connections},
           {"rows_per_request_per_layer", options.mode == LoadOptions::Mode::kDecode ? 1 : options.rows_per_message},
           {"sequences_per_request", options.mode == LoadOptions::Mode::kDecode ? options.sequences : 1},
           {"layers", options.layers},
@@ -105,8 +110,8 @@ nlohmann::json ResultJson(const LoadOptions& options, const LoadResult& r, uint3
 }
 
 void PrintText(const nlohmann::json& j) {
-  std::printf("mode %s: %d worker(s), %s per request\n", j["mode"].get<std::string>().c_str(),
-              j["concurrency"].get<int>(),
+  std::printf("mode %s: %d worker(s) on %d connection(s), %s per request\n", j["mode"].get<std::string>().c_str(),
+              j["concurrency"].get<int>(), j["connections"].get<int>(),
               absl::StrCat(j["sequences_per_request"].get<int>(), " sequence(s) x ",
                            j["rows_per_request_per_layer"].get<int>(), " row(s) x ", j["layers"].get<int>(),
                            " layer(s)")
