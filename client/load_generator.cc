@@ -211,7 +211,7 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
 }
 
 LoadResult LoadGenerator::Run(const std::atomic<bool>& stop) {
-  std::vector<Worker> workers(clients_.size());
+  std::vector<Worker> workers(static_cast<size_t>(options_.concurrency));
   std::atomic<int64_t> issued{0};
   const auto begin = std::chrono::steady_clock::now();
   {
@@ -238,9 +238,10 @@ LoadResult LoadGenerator::Run(const std::atomic<bool>& stop) {
 
   // Free everything this run may have created; NOT_FOUND means it never was.
   const uint32_t sequences = options_.mode == LoadOptions::Mode::kDecode ? options_.sequences : 1;
-  for (size_t w = 0; w < clients_.size(); ++w) {
+  for (size_t w = 0; w < static_cast<size_t>(options_.concurrency); ++w) {
     for (uint32_t s = 0; s < sequences; ++s) {
-      absl::StatusOr<uint32_t> freed = clients_[w % clients_.size()]->Free(options_.pool, SequenceId(static_cast<int>(w), s));
+      absl::StatusOr<uint32_t> freed =
+          clients_[w % clients_.size()]->Free(options_.pool, SequenceId(static_cast<int>(w), s));
       if (freed.ok()) {
         ++result.sequences_freed;
       } else if (!absl::IsNotFound(freed.status()) && result.cleanup_error.empty()) {

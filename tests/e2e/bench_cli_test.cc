@@ -31,6 +31,26 @@ TEST_F(BenchCli, AppendMixRunsCleanAndFreesItsSequences) {
   EXPECT_TRUE(client_->ListSequences("")->empty());
 }
 
+TEST_F(BenchCli, WorkersShareOneConnection) {
+  const nlohmann::json j = RunBench(*server_, {"--concurrency", "3", "--connections", "1", "--requests", "30",
+                                               "--rows_per_message", "64", "--duration_s", "0"});
+  EXPECT_EQ(j["concurrency"], 3) << j.dump();
+  EXPECT_EQ(j["connections"], 1) << j.dump();
+  EXPECT_EQ(j["requests"], 30) << j.dump();
+  EXPECT_EQ(j["errors"], 0) << j.dump();
+  EXPECT_EQ(j["rows"], 30 * 64) << j.dump();
+  EXPECT_EQ(j["sequences_freed"], 3) << "every worker's sequence, over the shared connection: " << j.dump();
+  EXPECT_EQ(PagesUsed(), 0u);
+}
+
+TEST_F(BenchCli, MoreConnectionsThanWorkersIsRefused) {
+  const CommandResult r = server_->RunCli({"bench", "--concurrency", "2", "--connections", "3", "--requests", "1",
+                                           "--duration_s", "0"},
+                                          absl::Seconds(30));
+  EXPECT_NE(r.exit_code, 0) << r.Describe();
+  EXPECT_NE(r.err.find("connections must be in [0, concurrency = 2]"), std::string::npos) << r.Describe();
+}
+
 TEST_F(BenchCli, DecodeStepRunsCleanAndFreesItsSequences) {
   const nlohmann::json j = RunBench(*server_, {"--mode", "decode", "--sequences", "64", "--layers", "2",
                                                "--requests", "40", "--duration_s", "30", "--dtype", "f16"});
