@@ -1,6 +1,7 @@
 #include "server/cpu_backend.h"
 
 #include <array>
+#include <limits>
 
 #include <cstdlib>
 #include <cstring>
@@ -63,53 +64,74 @@ uint64_t CpuBackend::cache_bytes() const {
 
 absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
   const Geometry& g = options_.geometry;
-  // Per (layer, segment): params over that segment's rows. Build and validate
-  // all of them before writing anything.
+  // Per (layer, segment): params over that segment's rows (each segment's
+  // rows are their own host buffer). Placement is validated once per layer,
+  // over all its segments together (O(requests + segments + pages); per
+  // segment it would re-check the whole page table each time), and for every
+  // layer before anything is written.
   std::vector<QuantizeAppendParams> all;
-  // Placement by segment, one segment per params: {indptr 0, rows, request, start}.
+  // One segment per params: {indptr 0, rows, request, start}.
   std::vector<std::array<int32_t, 4>> placements;
+  std::vector<int32_t> layer_indptr, layer_request, layer_start;
   for (const LayerAppend& la : layers) {
     if (la.layer < 0 || la.layer >= g.num_layers) {
       return absl::InternalError(absl::StrCat("cpu backend: layer ", la.layer, " outside [0, ", g.num_layers, ")"));
     }
     const LayerCaches& c = layers_[la.layer];
+    QuantizeAppendParams p;
+    p.dtype = la.dtype;
+    p.ckv_cache = c.ckv;
+    p.ckv_sf_cache = c.sf;
+    p.kpe_cache = c.kpe;
+    p.num_pages = g.num_pages;
+    p.page_size = g.page_size;
+    p.kv_indices = la.kv_indices.data();
+    p.kv_indptr = la.kv_indptr.data();
+    p.batch_size = static_cast<int32_t>(la.kv_indptr.size()) - 1;
+    p.num_kv_indices = static_cast<int64_t>(la.kv_indices.size());
+    p.ckv_scale = la.ckv_scale;
+    p.kpe_scale = la.kpe_scale;
+    if (!CheckDecodeScale(p.ckv_scale, "ckv_scale").ok() || !CheckDecodeScale(p.kpe_scale, "kpe_scale").ok()) {
+      return absl::InternalError("cpu backend: scales not positive normal (a server bug)");
+    }
+    layer_indptr.assign(1, 0);
+    layer_request.clear();
+    layer_start.clear();
     for (const AppendSegment& seg : la.segments) {
       if (seg.rows <= 0) continue;
       if (seg.device >= 0) {
         return absl::InternalError("cpu backend: rows in device memory (the region registry refuses them; a bug)");
       }
-      QuantizeAppendParams p;
-      p.append_ckv = seg.ckv;
-      p.append_kpe = seg.kpe;
-      p.dtype = la.dtype;
+      if (static_cast<int64_t>(layer_indptr.back()) + seg.rows > std::numeric_limits<int32_t>::max()) {
+        return absl::InternalError("cpu backend: more than 2^31 rows in one layer");
+      }
+      layer_indptr.push_back(layer_indptr.back() + seg.rows);
+      layer_request.push_back(seg.request);
+      layer_start.push_back(seg.start);
+      QuantizeAppendParams one = p;
+      one.append_ckv = seg.ckv;
+      one.append_kpe = seg.kpe;
+      one.num_rows = seg.rows;
       placements.push_back({0, seg.rows, seg.request, seg.start});
-      p.num_rows = seg.rows;
-      p.ckv_cache = c.ckv;
-      p.ckv_sf_cache = c.sf;
-      p.kpe_cache = c.kpe;
-      p.num_pages = g.num_pages;
-      p.page_size = g.page_size;
-      p.kv_indices = la.kv_indices.data();
-      p.kv_indptr = la.kv_indptr.data();
-      p.batch_size = static_cast<int32_t>(la.kv_indptr.size()) - 1;
-      p.num_kv_indices = static_cast<int64_t>(la.kv_indices.size());
-      p.ckv_scale = la.ckv_scale;
-      p.kpe_scale = la.kpe_scale;
-      all.push_back(p);
+      all.push_back(one);
+    }
+    if (layer_request.empty()) continue;
+    QuantizeAppendParams whole = p;  // the layer's placement only; no rows are read
+    whole.num_rows = layer_indptr.back();
+    whole.segment_indptr = layer_indptr.data();
+    whole.segment_request = layer_request.data();
+    whole.segment_start = layer_start.data();
+    whole.num_segments = static_cast<int32_t>(layer_request.size());
+    if (absl::Status s = ValidateRowPlacement(whole); !s.ok()) {
+      return absl::InternalError(absl::StrCat("cpu backend: row placement rejected (a server bug): ", s.message()));
     }
   }
-  // The vectors above no longer reallocate: point the params at them now.
+  // `placements` no longer reallocates: point the params at it now.
   for (size_t i = 0; i < all.size(); ++i) {
     all[i].segment_indptr = &placements[i][0];
     all[i].segment_request = &placements[i][2];
     all[i].segment_start = &placements[i][3];
     all[i].num_segments = 1;
-    if (absl::Status s = ValidateRowPlacement(all[i]); !s.ok()) {
-      return absl::InternalError(absl::StrCat("cpu backend: row placement rejected (a server bug): ", s.message()));
-    }
-    if (!CheckDecodeScale(all[i].ckv_scale, "ckv_scale").ok() || !CheckDecodeScale(all[i].kpe_scale, "kpe_scale").ok()) {
-      return absl::InternalError("cpu backend: scales not positive normal (a server bug)");
-    }
   }
   for (const QuantizeAppendParams& p : all) QuantizeAppendHost(p, options_.num_threads);
   return absl::OkStatus();

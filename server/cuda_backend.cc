@@ -68,6 +68,11 @@ absl::Status CudaBackend::Init() {
   }
   MLAKV_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&skipped_), sizeof(unsigned int)),
                              "cudaMalloc of the skipped-rows counter");
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(skipped_, 0, sizeof(unsigned int), stream_),
+                             "cudaMemsetAsync of the skipped-rows counter");
+  MLAKV_CUDA_RETURN_IF_ERROR(
+      cudaHostAlloc(reinterpret_cast<void**>(&skipped_host_), sizeof(unsigned int), cudaHostAllocDefault),
+      "cudaHostAlloc of the skipped-rows read-back");
   MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after zeroing the caches");
   return absl::OkStatus();
 }
@@ -81,6 +86,7 @@ CudaBackend::~CudaBackend() {
     cudaFree(c.kpe);
   }
   if (skipped_ != nullptr) cudaFree(skipped_);
+  if (skipped_host_ != nullptr) cudaFreeHost(skipped_host_);
   if (scratch_ != nullptr) cudaFree(scratch_);
   if (pinned_ != nullptr) cudaFreeHost(pinned_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -284,8 +290,6 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   }
   if (device_params.empty()) return absl::OkStatus();
 
-  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(skipped_, 0, sizeof(unsigned int), stream_),
-                             "cudaMemsetAsync of the skipped-rows counter");
   MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
                              absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
   // CUDA regions: the producers' events first, then the gathers of device rows.
@@ -308,10 +312,12 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
       return s;
     }
   }
-  unsigned int skipped = 0;
-  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&skipped, skipped_, sizeof(skipped), cudaMemcpyDeviceToHost, stream_),
-                             "cudaMemcpyAsync of the skipped-rows counter");
+  MLAKV_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(skipped_host_, skipped_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream_),
+      "cudaMemcpyAsync of the skipped-rows counter");
   MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after quantize-append");
+  const unsigned int skipped = *skipped_host_ - skipped_seen_;  // wraps correctly: unsigned
+  skipped_seen_ = *skipped_host_;
   if (skipped != 0) {
     return absl::InternalError(absl::StrCat("cuda backend: the kernel skipped ", skipped,
                                             " out-of-bounds rows that host validation accepted (a server bug)"));

@@ -57,7 +57,12 @@ class CudaBackend : public CacheBackend {
   uint8_t* pinned_ = nullptr;        // host staging (cudaHostAlloc)
   uint8_t* scratch_ = nullptr;       // device copy of the staging buffer
   size_t staging_bytes_ = 0;         // capacity of both
-  unsigned int* skipped_ = nullptr;  // device counter of rows the kernel's guard skipped
+  // Rows the kernel's bounds guard skipped, counted since the pool started:
+  // never reset, so one 4-byte read-back per call (into pinned memory) says
+  // whether this call skipped any, with no memset on the stream.
+  unsigned int* skipped_ = nullptr;         // device counter
+  unsigned int* skipped_host_ = nullptr;    // pinned read-back slot
+  unsigned int skipped_seen_ = 0;           // counter value after the previous call
 };
 
 }  // namespace mlakv::server
