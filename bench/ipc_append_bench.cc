@@ -6,10 +6,11 @@
 // `mlakv-server --allow_ipc --device cuda:0` (a separate process: a CUDA IPC
 // handle cannot be opened by the process that exported it). It cudaMallocs
 // --rows bf16 rows (ckv then kpe), registers them as a CUDA region, then
-// times Append RPCs that name the region instead of carrying bytes — client
-// call to response, one layer, fresh positions each time (the sequence is
-// freed, untimed, between calls) — against the kernel alone on the same rows
-// in this process (CUDA events). Medians of --repeats.
+// times RPCs that name the region instead of carrying bytes — an Append
+// stream of one message and a unary AppendBatch, client call to response, one
+// layer, fresh positions each time (the sequence is freed, untimed, between
+// calls) — against the kernel alone on the same rows in this process (CUDA
+// events), and a GetPool call as the floor of any RPC. Medians of --repeats.
 #include <cuda_runtime_api.h>
 #include <grpcpp/grpcpp.h>
 
@@ -86,14 +87,8 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::vector<double> rpc_us;
-  for (int i = 0; i < repeats + 3; ++i) {
-    mlakv::v1::AppendRequest req;
-    req.set_sequence("ipc-bench");
-    req.set_start(0);
-    req.set_row_count(static_cast<uint32_t>(rows));
-    req.set_dtype(mlakv::v1::ROW_DTYPE_BFLOAT16);
-    mlakv::v1::LayerRows* layer = req.add_layers();
+  // The rows of one layer named by reference (the same for both RPCs).
+  const auto fill_layer = [&](mlakv::v1::LayerRows* layer) {
     layer->set_layer(0);
     layer->set_ckv_scale(0.02f);
     layer->set_kpe_scale(0.05f);
@@ -103,23 +98,67 @@ int main(int argc, char** argv) {
     layer->mutable_kpe_ref()->set_region("ipc-bench");
     layer->mutable_kpe_ref()->set_offset(ckv_bytes);
     layer->mutable_kpe_ref()->set_row_stride_bytes(128);
-    const auto t0 = std::chrono::steady_clock::now();
-    mlakv::v1::AppendResponse resp;
-    grpc::ClientContext ctx;
-    auto writer = stub->Append(&ctx, &resp);
-    writer->Write(req, grpc::WriteOptions().set_last_message());
-    const grpc::Status s = writer->Finish();
-    const auto t1 = std::chrono::steady_clock::now();
-    if (!s.ok()) {
-      std::fprintf(stderr, "Append: %s: %s\n", std::to_string(s.error_code()).c_str(), s.error_message().c_str());
-      return 1;
-    }
-    if (i >= 3) rpc_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  };
+  const auto free_sequence = [&] {
     mlakv::v1::FreeSequenceRequest free_req;
     free_req.set_sequence("ipc-bench");
     mlakv::v1::FreeSequenceResponse free_resp;
     grpc::ClientContext free_ctx;
     stub->FreeSequence(&free_ctx, free_req, &free_resp);
+  };
+  // One timed call of each kind per iteration, fresh positions each time (the
+  // sequence is freed, untimed, between calls).
+  std::vector<double> stream_us, batch_us, get_pool_us;
+  for (int i = 0; i < repeats + 3; ++i) {
+    {  // Append: a client stream of one message
+      mlakv::v1::AppendRequest req;
+      req.set_sequence("ipc-bench");
+      req.set_row_count(static_cast<uint32_t>(rows));
+      req.set_dtype(mlakv::v1::ROW_DTYPE_BFLOAT16);
+      fill_layer(req.add_layers());
+      const auto t0 = std::chrono::steady_clock::now();
+      mlakv::v1::AppendResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_initial_metadata_corked(true);
+      auto writer = stub->Append(&ctx, &resp);
+      writer->Write(req, grpc::WriteOptions().set_last_message());
+      const grpc::Status s = writer->Finish();
+      const auto t1 = std::chrono::steady_clock::now();
+      if (!s.ok()) {
+        std::fprintf(stderr, "Append: %d: %s\n", static_cast<int>(s.error_code()), s.error_message().c_str());
+        return 1;
+      }
+      if (i >= 3) stream_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      free_sequence();
+    }
+    {  // AppendBatch: one unary call
+      mlakv::v1::AppendBatchRequest req;
+      req.set_dtype(mlakv::v1::ROW_DTYPE_BFLOAT16);
+      mlakv::v1::SequenceRows* seq = req.add_sequences();
+      seq->set_sequence("ipc-bench");
+      seq->set_row_count(static_cast<uint32_t>(rows));
+      fill_layer(seq->add_layers());
+      const auto t0 = std::chrono::steady_clock::now();
+      mlakv::v1::AppendBatchResponse resp;
+      grpc::ClientContext ctx;
+      const grpc::Status s = stub->AppendBatch(&ctx, req, &resp);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (!s.ok()) {
+        std::fprintf(stderr, "AppendBatch: %d: %s\n", static_cast<int>(s.error_code()), s.error_message().c_str());
+        return 1;
+      }
+      if (i >= 3) batch_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      free_sequence();
+    }
+    {  // the RPC floor: a unary call that touches no rows
+      mlakv::v1::GetPoolRequest req;
+      mlakv::v1::Pool resp;
+      grpc::ClientContext ctx;
+      const auto t0 = std::chrono::steady_clock::now();
+      stub->GetPool(&ctx, req, &resp);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i >= 3) get_pool_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
   }
 
   // The kernel alone on the same device rows, page size 64, in this process.
@@ -168,11 +207,15 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
     if (i >= 3) kernel_us.push_back(ms * 1000.0);
   }
-  const double rpc = Median(rpc_us), kernel = Median(kernel_us);
-  std::printf("ipc append of %lld bf16 rows (one layer): RPC end to end median %.1f us (min %.1f), kernel alone "
-              "median %.1f us; RPC - kernel = %.1f us over %d repeats\n",
-              static_cast<long long>(rows), rpc, *std::min_element(rpc_us.begin(), rpc_us.end()), kernel,
-              rpc - kernel, repeats);
+  const double kernel = Median(kernel_us);
+  std::printf("ipc append of %lld bf16 rows (one layer), medians of %d: kernel alone %.1f us; GetPool (RPC floor) "
+              "%.1f us\n",
+              static_cast<long long>(rows), repeats, kernel, Median(get_pool_us));
+  for (const auto& [name, v] : {std::pair<const char*, const std::vector<double>*>{"Append", &stream_us},
+                                {"AppendBatch", &batch_us}}) {
+    std::printf("  %-11s end to end %.1f us (min %.1f): kernel + %.1f us\n", name, Median(*v),
+                *std::min_element(v->begin(), v->end()), Median(*v) - kernel);
+  }
   {
     mlakv::v1::UnregisterRegionRequest req;
     req.set_name("ipc-bench");
