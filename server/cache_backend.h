@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/quantize_append.h"
 #include "kernels/tensor_view.h"
 
 namespace mlakv::server {
@@ -96,6 +97,12 @@ class CacheBackend {
         "the caches of a ", device(), " pool are not CUDA memory and cannot be exported; read them with ReadSequence"));
   }
 };
+
+// The params both backends start one layer's append from: the layer's caches
+// (`ckv`, `sf`, `kpe`), the pool's geometry, the page table (host pointers)
+// and the scales. Rows, row count and placement are the backend's to fill.
+QuantizeAppendParams LayerParams(const LayerAppend& la, const CacheBackend::Geometry& g, uint8_t* ckv, uint8_t* sf,
+                                 uint8_t* kpe);
 
 // Creates the backend for `device` ("cpu" or "cuda:N"). The caches start zeroed.
 absl::StatusOr<std::unique_ptr<CacheBackend>> CreateCacheBackend(const std::string& device,

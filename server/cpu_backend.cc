@@ -78,19 +78,7 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
       return absl::InternalError(absl::StrCat("cpu backend: layer ", la.layer, " outside [0, ", g.num_layers, ")"));
     }
     const LayerCaches& c = layers_[la.layer];
-    QuantizeAppendParams p;
-    p.dtype = la.dtype;
-    p.ckv_cache = c.ckv;
-    p.ckv_sf_cache = c.sf;
-    p.kpe_cache = c.kpe;
-    p.num_pages = g.num_pages;
-    p.page_size = g.page_size;
-    p.kv_indices = la.kv_indices.data();
-    p.kv_indptr = la.kv_indptr.data();
-    p.batch_size = static_cast<int32_t>(la.kv_indptr.size()) - 1;
-    p.num_kv_indices = static_cast<int64_t>(la.kv_indices.size());
-    p.ckv_scale = la.ckv_scale;
-    p.kpe_scale = la.kpe_scale;
+    const QuantizeAppendParams p = LayerParams(la, g, c.ckv, c.sf, c.kpe);
     if (!CheckDecodeScale(p.ckv_scale, "ckv_scale").ok() || !CheckDecodeScale(p.kpe_scale, "kpe_scale").ok()) {
       return absl::InternalError("cpu backend: scales not positive normal (a server bug)");
     }

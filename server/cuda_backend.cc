@@ -241,18 +241,8 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
     std::memcpy(pinned_ + s.indices, la.kv_indices.data(), la.kv_indices.size() * sizeof(int32_t));
 
     const LayerCaches& c = layers_[la.layer];
-    QuantizeAppendParams p;
-    p.dtype = la.dtype;
+    QuantizeAppendParams p = LayerParams(la, g, c.ckv, c.sf, c.kpe);
     p.num_rows = s.rows;
-    p.ckv_cache = c.ckv;
-    p.ckv_sf_cache = c.sf;
-    p.kpe_cache = c.kpe;
-    p.num_pages = g.num_pages;
-    p.page_size = g.page_size;
-    p.batch_size = static_cast<int32_t>(la.kv_indptr.size()) - 1;
-    p.num_kv_indices = static_cast<int64_t>(la.kv_indices.size());
-    p.ckv_scale = la.ckv_scale;
-    p.kpe_scale = la.kpe_scale;
 
     QuantizeAppendParams host = p;
     host.append_ckv = pinned_ + s.ckv;
