@@ -189,6 +189,10 @@ int RunCuda(int repeats, bool sweep, const std::string& only) {
   if (sweep) {
     configs.clear();
     for (int rpw : {1, 2, 4, 8}) configs.push_back(QuantizeAppendConfig{rpw, 8, 8});
+    // Grid shape at 8 rows per warp: blocks per SM (4 are resident at once)
+    // and block size.
+    for (int bps : {2, 3, 4, 6}) configs.push_back(QuantizeAppendConfig{8, 8, bps});
+    configs.push_back(QuantizeAppendConfig{8, 4, 8});
   }
   for (const Case& c : Cases()) {
     if (!only.empty() && c.name.find(only) == std::string::npos) continue;

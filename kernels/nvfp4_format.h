@@ -237,6 +237,24 @@ MLAKV_HD uint8_t FloatToE2M1(float v) {
   return static_cast<uint8_t>(sign | FloatToE2M1Magnitude(v));
 }
 
+// E2M1 magnitude codes by table (the CUDA kernel's form for large launches):
+// every float maps to one of 2048 buckets — its exponent, its top two
+// mantissa bits, and whether any lower mantissa bit is set. Every E2M1
+// rounding threshold (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) and grid point has
+// at most two significant mantissa bits, so it is the first value of a bucket
+// (sticky clear) and the rest of the bucket lies strictly between two
+// thresholds: all floats of a bucket share FloatToE2M1Magnitude's code, NaN
+// (exponent 255, mantissa non-zero) and infinity included. The table is
+// filled from FloatToE2M1Magnitude itself on each bucket's first value, so
+// the arithmetic still has one source; tests check every float against it.
+constexpr int kE2M1TableSize = 2048;
+MLAKV_HD uint32_t E2M1TableIndex(uint32_t bits) {
+  const uint32_t rest = bits << 11;                           // the 21 lower mantissa bits
+  return ((bits >> 20) & 0x7FEu) | (rest < 1u ? rest : 1u);  // exponent, 2 mantissa bits (no sign); sticky
+}
+// The first float of bucket `index` (the value the table is filled from).
+MLAKV_HD float E2M1TableRepresentative(uint32_t index) { return BitsToFloat(((index >> 1) << 21) | (index & 1u)); }
+
 // The float32 value of an E2M1 nibble.
 MLAKV_HD float E2M1ToFloat(uint8_t nibble) {
   const uint32_t mag = nibble & 0x7u;

@@ -7,7 +7,9 @@
 //   step 2  lane j computes block j's amax, scale byte and 8 packed bytes with
 //           nothing shared between lanes (a block never spans two lanes); the
 //           element multiplier of each scale byte comes from a 128-entry
-//           table the block fills once in shared memory.
+//           table the block fills once in shared memory, and at 8 rows per
+//           warp the E2M1 codes from a 2048-entry one (nvfp4_format.h,
+//           E2M1TableIndex), filled from the same arithmetic.
 //   step 3  lane j stores 8 packed bytes at ckv_cache[entry, 8j..8j+7], its
 //           scale byte at ckv_sf_cache[entry, j] and 2 kpe bytes at
 //           kpe_cache[entry, 2j..2j+1]: per warp, 256 + 32 + 64 contiguous bytes.
@@ -73,10 +75,13 @@ __device__ __forceinline__ float2 WidenPair(uint32_t w) {
   }
 }
 
-template <DType kDType>
+// kCodeTable: E2M1 codes from the shared-memory table `code_of` (6
+// instructions a channel with the lookup, against 8 for the arithmetic form;
+// the kernel is issue-bound at large sizes, docs/performance.md).
+template <DType kDType, bool kCodeTable>
 __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, const format::ScaleConstants& k,
-                                                 const float* out_scale_of, int64_t entry, int lane,
-                                                 const LaneRow& r) {
+                                                 const float* out_scale_of, const uint8_t* code_of, int64_t entry,
+                                                 int lane, const LaneRow& r) {
   float x[kBlock];
 #pragma unroll
   for (int w = 0; w < kBlock / 2; ++w) {
@@ -97,7 +102,12 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
   for (int c = 0; c < kBlock; ++c) {
     const float v = format::MulRn(x[c], out_scale);
     bits[c] = __float_as_uint(v);
-    const uint32_t code = format::FloatToE2M1Magnitude(v);
+    uint32_t code;
+    if constexpr (kCodeTable) {
+      code = code_of[format::E2M1TableIndex(bits[c])];
+    } else {
+      code = format::FloatToE2M1Magnitude(v);
+    }
     if (c < 8) {
       packed.x += code << (4 * c);
     } else {
@@ -150,6 +160,16 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
   // block for the 128 non-negative bytes instead of a reciprocal per row.
   __shared__ float out_scale_of[128];
   for (int b = threadIdx.x; b < 128; b += blockDim.x) out_scale_of[b] = format::CkvOutScale(static_cast<uint8_t>(b), k);
+  // Large launches (8 rows per warp, a few thousand rows per block) fill the
+  // E2M1 code table once per block; small ones keep the arithmetic form and
+  // skip the fill.
+  constexpr bool kCodeTable = kRowsPerWarp == 8;
+  __shared__ uint8_t code_of[kCodeTable ? format::kE2M1TableSize : 1];
+  if constexpr (kCodeTable) {
+    for (int i = threadIdx.x; i < format::kE2M1TableSize; i += blockDim.x) {
+      code_of[i] = static_cast<uint8_t>(format::FloatToE2M1Magnitude(format::E2M1TableRepresentative(i)));
+    }
+  }
   __syncthreads();
 
   for (int64_t first = warp * kRowsPerWarp; first < p.num_rows; first += num_warps * kRowsPerWarp) {
@@ -177,8 +197,10 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
       }
       const int64_t e0 = __shfl_sync(0xFFFFFFFFu, my_entry, r);
       const int64_t e1 = __shfl_sync(0xFFFFFFFFu, my_entry, (r + 1) % kWarpSize);
-      if (e0 >= 0) QuantizeAndStore<kDType>(p, k, out_scale_of, e0, lane, pair[0]);
-      if (r + 1 < rows && e1 >= 0) QuantizeAndStore<kDType>(p, k, out_scale_of, e1, lane, pair[1]);
+      if (e0 >= 0) QuantizeAndStore<kDType, kCodeTable>(p, k, out_scale_of, code_of, e0, lane, pair[0]);
+      if (r + 1 < rows && e1 >= 0) {
+        QuantizeAndStore<kDType, kCodeTable>(p, k, out_scale_of, code_of, e1, lane, pair[1]);
+      }
     }
   }
 }
@@ -216,6 +238,11 @@ QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
   // Few rows: one per warp, for the most warps in flight. Many rows: one
   // placement lookup serves 8 rows (lanes 0..7 run the chains side by side).
   c.rows_per_warp = num_rows >= 16384 ? 8 : 1;
+  // At 8 rows per warp below ~128k rows, one wave of resident blocks (4 per
+  // SM) that each take ~2 groups of rows beats two waves of blocks that fill
+  // their tables for one group each (H200: 65k rows 81.7% vs 79.3% of the
+  // copy); above, 8 per SM is better (1M rows 90.8% vs 88.7%).
+  if (num_rows >= 16384 && num_rows < 131072) c.blocks_per_sm = 4;
   return c;
 }
 

@@ -110,6 +110,29 @@ TEST(E2M1, MatchesReferenceOnRandomFloats) {
   }
 }
 
+// The table form (E2M1TableIndex) against the arithmetic on every
+// non-negative float32 bit pattern (the index ignores the sign, as the
+// magnitude does): 2^31 patterns, every bucket, every threshold, NaN and inf.
+TEST(E2M1, TableFormMatchesTheArithmeticOnEveryFloat) {
+  std::vector<uint8_t> table(kE2M1TableSize);
+  for (uint32_t i = 0; i < kE2M1TableSize; ++i) {
+    table[i] = static_cast<uint8_t>(FloatToE2M1Magnitude(E2M1TableRepresentative(i)));
+  }
+  uint64_t mismatches = 0;
+  uint32_t first_bad = 0;
+  for (uint64_t u = 0; u <= 0x7FFFFFFFu; ++u) {
+    const uint32_t bits = static_cast<uint32_t>(u);
+    if (table[E2M1TableIndex(bits)] != FloatToE2M1Magnitude(BitsToFloat(bits))) {
+      if (mismatches++ == 0) first_bad = bits;
+    }
+  }
+  EXPECT_EQ(mismatches, 0u) << "first at bits 0x" << std::hex << first_bad;
+  // The sign does not move a value to another bucket.
+  for (uint32_t bits : {0x3E800000u, 0x3F400000u, 0x40A00001u, 0x7FC00000u, 0x7F800000u}) {
+    EXPECT_EQ(E2M1TableIndex(bits), E2M1TableIndex(bits | 0x80000000u));
+  }
+}
+
 TEST(E2M1, DecodesToTheGrid) {
   const float expect[8] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
   for (int c = 0; c < 16; ++c) {
