@@ -158,6 +158,13 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
   const format::ScaleConstants k = format::MakeScaleConstants(p.ckv_scale, p.kpe_scale);
   // SPEC ckv step 4 depends on the scale byte alone: tabulate it once per
   // block for the 128 non-negative bytes instead of a reciprocal per row.
+  // The warp's first row is requested before the block fills its tables, so
+  // its loads are in flight during the fill (one row: two would spill; the
+  // scalar path spills even with one, so it loads after the fill).
+  LaneRow pair[2];
+  const int64_t first_row = warp * kRowsPerWarp;
+  constexpr bool kPreload = kVectorized;
+  if (kPreload && first_row < p.num_rows) LoadLaneRow<kVectorized>(p, first_row, lane, pair[0]);
   __shared__ float out_scale_of[128];
   for (int b = threadIdx.x; b < 128; b += blockDim.x) out_scale_of[b] = format::CkvOutScale(static_cast<uint8_t>(b), k);
   // Large launches (8 rows per warp, a few thousand rows per block) fill the
@@ -172,12 +179,11 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
   }
   __syncthreads();
 
-  for (int64_t first = warp * kRowsPerWarp; first < p.num_rows; first += num_warps * kRowsPerWarp) {
+  for (int64_t first = first_row; first < p.num_rows; first += num_warps * kRowsPerWarp) {
     const int rows = static_cast<int>(p.num_rows - first < kRowsPerWarp ? p.num_rows - first : kRowsPerWarp);
     // Rows are taken two at a time, both loaded before either is used. The
     // first pair's loads go out before the placement lookup, so they overlap.
-    LaneRow pair[2];
-    LoadLaneRow<kVectorized>(p, first, lane, pair[0]);
+    if (!kPreload || first != first_row) LoadLaneRow<kVectorized>(p, first, lane, pair[0]);
     if (rows > 1) LoadLaneRow<kVectorized>(p, first + 1, lane, pair[1]);
     // Placement of all the warp's rows at once: lane r follows row r's chain
     // of dependent loads (batch -> kv_indptr -> kv_indices; by segment, the
