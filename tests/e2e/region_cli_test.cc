@@ -6,12 +6,6 @@
 // through ReadSequence and through `mlakv export` files), and the refusals:
 // no --allow_ipc (PERMISSION_DENIED printed), unknown region (NOT_FOUND),
 // out of range (OUT_OF_RANGE), bad flags (exit 2).
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cstring>
 #include <fstream>
 #include <string>
 
@@ -21,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/e2e/e2e_fixture.h"
+#include "tests/testing/shm_object.h"
 #include "tests/testing/vector_files.h"
 
 namespace mlakv::e2e {
@@ -29,40 +24,7 @@ namespace {
 constexpr uint64_t kCkvRow = 512 * 2;
 constexpr uint64_t kKpeRow = 64 * 2;
 
-// A POSIX shared-memory object of `bytes` bytes mapped read-write, unlinked
-// and unmapped at the end of the test.
-class ShmObject {
- public:
-  explicit ShmObject(uint64_t bytes) : bytes_(bytes) {
-    static std::atomic<int> counter{0};
-    name_ = absl::StrCat("/mlakv-e2e-region-", getpid(), "-", counter++);
-    const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    EXPECT_GE(fd, 0) << name_ << ": " << std::strerror(errno);
-    if (fd < 0) return;
-    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0) << std::strerror(errno);
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    EXPECT_NE(p, MAP_FAILED) << std::strerror(errno);
-    data_ = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
-  }
-  ~ShmObject() {
-    if (data_ != nullptr) munmap(data_, bytes_);
-    shm_unlink(name_.c_str());
-  }
-  const std::string& name() const { return name_; }
-  char* data() { return data_; }
-  // Rows of `bytes` each copied to `offset`, one every `stride` bytes.
-  void Put(uint64_t offset, uint64_t stride, const std::string& rows, uint64_t row_bytes) {
-    for (uint64_t i = 0; i * row_bytes < rows.size(); ++i) {
-      std::memcpy(data_ + offset + i * stride, rows.data() + i * row_bytes, row_bytes);
-    }
-  }
-
- private:
-  std::string name_;
-  uint64_t bytes_;
-  char* data_ = nullptr;
-};
+using testing::ShmObject;
 
 class RegionE2e : public E2eTest {
  protected:

@@ -9,6 +9,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 extern char** environ;
 
@@ -123,6 +124,28 @@ std::string ReadExported(const std::string& handle, uint64_t bytes, int device) 
   }
   close(out[0]);
   return data.size() == bytes ? data : "";
+}
+
+void ExpectDecodeSideReads(const v1::ExportPoolResponse& exp, uint32_t layer, const v1::Sequence& seq,
+                           const QuantizedRows& stored, uint32_t positions, int device, const std::string& what) {
+  const uint32_t ps = exp.page_size();
+  const v1::ExportedLayer& l = exp.layers(layer);
+  struct Cache {
+    const v1::ExportedBuffer* buf;
+    const std::vector<uint8_t>* stored;
+  } caches[] = {{&l.ckv_cache(), &stored.ckv_packed},
+                {&l.ckv_sf_cache(), &stored.ckv_sf},
+                {&l.kpe_cache(), &stored.kpe}};
+  for (const Cache& c : caches) {
+    const uint32_t stride = c.buf->entry_stride_bytes();
+    const std::string mem = ReadExported(c.buf->raw_handle(), c.buf->byte_size(), device);
+    ASSERT_EQ(mem.size(), c.buf->byte_size()) << what << ": the decode-side process could not read the exported cache";
+    for (uint32_t p = 0; p < positions; ++p) {
+      const uint64_t entry = uint64_t{seq.kv_indices(p / ps)} * ps + p % ps;
+      EXPECT_EQ(0, std::memcmp(mem.data() + c.buf->offset() + entry * stride, c.stored->data() + p * stride, stride))
+          << what << ": position " << p << " stride " << stride;
+    }
+  }
 }
 
 }  // namespace mlakv::server::testing

@@ -13,6 +13,9 @@
 #include <cstdio>
 #include <string>
 
+#include "kernels/quantize_rows.h"
+#include "mlakv/v1/kv_cache.pb.h"
+
 namespace mlakv::server::testing {
 
 class IpcProducerProcess {
@@ -45,6 +48,16 @@ class IpcProducerProcess {
 // behind `handle`, opened with cuda:`device` current (cuda_ipc_producer
 // --read), or "" on failure.
 std::string ReadExported(const std::string& handle, uint64_t bytes, int device = 0);
+
+// ExportPool seen from the decode side: for each cache of layer `layer` in
+// `exp` (ckv, ckv_sf, kpe), a decode-side process opens the handle with
+// cuda:`device` current, and the entries `seq`'s page table names for
+// positions [0, positions) hold the bytes of `stored` (read back by
+// ReadSequence). `what` starts each failure message. Fatal failures (the
+// process could not read a cache) end the check; wrap it in
+// ASSERT_NO_FATAL_FAILURE to end the test too.
+void ExpectDecodeSideReads(const v1::ExportPoolResponse& exp, uint32_t layer, const v1::Sequence& seq,
+                           const QuantizedRows& stored, uint32_t positions, int device, const std::string& what);
 
 std::string Hex(const std::string& bytes);
 std::string Unhex(const std::string& hex);

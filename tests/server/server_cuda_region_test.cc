@@ -14,44 +14,15 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
-#include <cstring>
 #include <string>
 
 #include "tests/server/ipc_producer_process.h"
+#include "tests/server/region_helpers.h"
 #include "tests/server/service_fixture.h"
 #include "tests/testing/vector_files.h"
 
 namespace mlakv::server::testing {
 namespace {
-
-constexpr float kCkvScale = 0.0625f;
-constexpr float kKpeScale = 0.03125f;
-constexpr uint64_t kCkvRow = 512 * 2;
-constexpr uint64_t kKpeRow = 64 * 2;
-
-v1::RegionRef Ref(const std::string& region, uint64_t offset, uint64_t stride = 0) {
-  v1::RegionRef r;
-  r.set_region(region);
-  r.set_offset(offset);
-  r.set_row_stride_bytes(stride);
-  return r;
-}
-
-v1::AppendRequest RegionMessage(const std::string& sequence, uint32_t rows, DType dtype, uint32_t layer,
-                                const v1::RegionRef& ckv, const v1::RegionRef& kpe, const std::string& pool = "") {
-  v1::AppendRequest m;
-  m.set_pool(pool);
-  m.set_sequence(sequence);
-  m.set_row_count(rows);
-  m.set_dtype(ProtoDType(dtype));
-  v1::LayerRows* lr = m.add_layers();
-  lr->set_layer(layer);
-  *lr->mutable_ckv_ref() = ckv;
-  *lr->mutable_kpe_ref() = kpe;
-  lr->set_ckv_scale(kCkvScale);
-  lr->set_kpe_scale(kKpeScale);
-  return m;
-}
 
 class CudaRegionServiceTest : public ::testing::Test, public ServiceFixture {
  protected:
@@ -83,31 +54,14 @@ class CudaRegionServiceTest : public ::testing::Test, public ServiceFixture {
     grpc::ClientContext ctx;
     return stub().RegisterCudaRegion(&ctx, req, &out);
   }
-
-  void ExpectSameStored(const std::string& a, const std::string& b, uint32_t layer, uint32_t count) {
-    Stored sa = Read(a, layer, 0, count);
-    Stored sb = Read(b, layer, 0, count);
-    ASSERT_TRUE(sa.status.ok()) << Describe(sa.status);
-    ASSERT_TRUE(sb.status.ok()) << Describe(sb.status);
-    EXPECT_EQ(sa.rows.rows, count);
-    EXPECT_EQ(sa.rows.ckv_packed, sb.rows.ckv_packed) << a << " layer " << layer;
-    EXPECT_EQ(sa.rows.ckv_sf, sb.rows.ckv_sf) << a << " layer " << layer;
-    EXPECT_EQ(sa.rows.kpe, sb.rows.kpe) << a << " layer " << layer;
-  }
 };
 
 TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
   // Producer layout: [packed ckv rows][packed kpe rows][strided rows: ckv, kpe, 64 pad].
   const Rows rows = RandomRows(300, 21);
-  const uint64_t n = rows.n, kpe_off = n * kCkvRow, strided_off = kpe_off + n * kKpeRow;
-  const uint64_t stride = kCkvRow + kKpeRow + 64;
-  std::string bytes = rows.ckv_bytes() + rows.kpe_bytes();
-  for (uint64_t i = 0; i < n; ++i) {
-    std::string row(stride, '\0');
-    std::memcpy(row.data(), rows.ckv.data() + i * 512, kCkvRow);
-    std::memcpy(row.data() + kCkvRow, rows.kpe.data() + i * 64, kKpeRow);
-    bytes += row;
-  }
+  const ProducerLayout layout = MakeProducerLayout(rows);
+  const std::string& bytes = layout.bytes;
+  const uint64_t n = rows.n, kpe_off = layout.kpe_off, strided_off = layout.strided_off, stride = layout.stride;
   IpcProducerProcess producer(bytes);
   ASSERT_EQ(producer.mem_handle().size(), 64u);
   ASSERT_TRUE(RegisterCuda("r", producer.mem_handle(), bytes.size()).ok());
@@ -119,30 +73,24 @@ TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
   s = AppendRows("bytes", 0, rows, {0, 1, 2, 3}, kCkvScale, kKpeScale);
   ASSERT_TRUE(s.ok()) << Describe(s);
   // Packed rows, kernel on the producer's memory.
-  s = Append({RegionMessage("packed", n, rows.dtype, 0, Ref("r", 0), Ref("r", kpe_off))});
+  s = Append({RegionMessage("packed", 0, n, rows.dtype, {0}, Ref("r", 0), Ref("r", kpe_off))});
   ASSERT_TRUE(s.ok()) << Describe(s);
-  ExpectSameStored("packed", "bytes", 0, n);
+  ExpectSameStored("packed", "bytes", {0}, n);
   // Strided rows.
-  s = Append({RegionMessage("strided", n, rows.dtype, 1, Ref("r", strided_off, stride),
+  s = Append({RegionMessage("strided", 0, n, rows.dtype, {1}, Ref("r", strided_off, stride),
                             Ref("r", strided_off + kCkvRow, stride))});
   ASSERT_TRUE(s.ok()) << Describe(s);
-  ExpectSameStored("strided", "bytes", 1, n);
+  ExpectSameStored("strided", "bytes", {1}, n);
   if (have_event_region) {
-    s = Append({RegionMessage("event", n, rows.dtype, 2, Ref("r-event", 0), Ref("r-event", kpe_off))});
+    s = Append({RegionMessage("event", 0, n, rows.dtype, {2}, Ref("r-event", 0), Ref("r-event", kpe_off))});
     ASSERT_TRUE(s.ok()) << Describe(s);
-    ExpectSameStored("event", "bytes", 2, n);
+    ExpectSameStored("event", "bytes", {2}, n);
   }
   // AppendBatch: 3 sequences of 100 rows from the region plus one of bytes, layer 3.
   v1::AppendBatchRequest req;
   req.set_dtype(ProtoDType(rows.dtype));
   for (int i = 0; i < 3; ++i) {
-    v1::SequenceRows* sr = req.add_sequences();
-    sr->set_sequence("b" + std::to_string(i));
-    sr->set_row_count(100);
-    v1::LayerRows* lr = sr->add_layers();
-    lr->set_layer(3);
-    lr->set_ckv_scale(kCkvScale);
-    lr->set_kpe_scale(kKpeScale);
+    v1::LayerRows* lr = AddBatchLayer(req, "b" + std::to_string(i), 100, 3);
     *lr->mutable_ckv_ref() = Ref("r", i * 100 * kCkvRow);
     *lr->mutable_kpe_ref() = Ref("r", strided_off + i * 100 * stride + kCkvRow, stride);
   }
@@ -157,15 +105,13 @@ TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
   for (int i = 0; i < 3; ++i) {
     Stored one = Read("b" + std::to_string(i), 3, 0, 100);
     ASSERT_TRUE(one.status.ok()) << Describe(one.status);
-    EXPECT_EQ(0, std::memcmp(one.rows.ckv_packed.data(), all.rows.ckv_packed.data() + i * 100 * 256, 100 * 256)) << i;
-    EXPECT_EQ(0, std::memcmp(one.rows.ckv_sf.data(), all.rows.ckv_sf.data() + i * 100 * 32, 100 * 32)) << i;
-    EXPECT_EQ(0, std::memcmp(one.rows.kpe.data(), all.rows.kpe.data() + i * 100 * 64, 100 * 64)) << i;
+    ExpectRowsOf(one.rows, all.rows, i * 100, 100);
   }
   // A cpu pool cannot read a CUDA region.
-  s = Append({RegionMessage("cpu", n, rows.dtype, 0, Ref("r", 0), Ref("r", kpe_off), "host")});
+  s = Append({RegionMessage("cpu", 0, n, rows.dtype, {0}, Ref("r", 0), Ref("r", kpe_off), "host")});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
   // Past the region.
-  s = Append({RegionMessage("far", n, rows.dtype, 0, Ref("r", 8), Ref("r", bytes.size() - n * kKpeRow + 2))});
+  s = Append({RegionMessage("far", 0, n, rows.dtype, {0}, Ref("r", 8), Ref("r", bytes.size() - n * kKpeRow + 2))});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
 }
 
@@ -186,24 +132,11 @@ TEST_F(CudaRegionServiceTest, ExportPoolDecodeSideReadsTheStoredBytes) {
   ASSERT_TRUE(GetSequence("dec", &seq).ok());
   Stored stored = Read("dec", 2, 0, 40);
   ASSERT_TRUE(stored.status.ok()) << Describe(stored.status);
-  const uint32_t ps = exp.page_size();
-  struct Cache {
-    const v1::ExportedBuffer* buf;
-    const std::vector<uint8_t>* stored;
-  } caches[] = {{&exp.layers(2).ckv_cache(), &stored.rows.ckv_packed},
-                {&exp.layers(2).ckv_sf_cache(), &stored.rows.ckv_sf},
-                {&exp.layers(2).kpe_cache(), &stored.rows.kpe}};
-  for (const Cache& c : caches) {
-    const uint32_t stride = c.buf->entry_stride_bytes();
-    ASSERT_EQ(c.buf->byte_size(), uint64_t{exp.num_pages()} * ps * stride);
-    const std::string mem = ReadExported(c.buf->raw_handle(), c.buf->byte_size());
-    ASSERT_EQ(mem.size(), c.buf->byte_size()) << "the decode-side process could not read the exported cache";
-    for (uint32_t p = 0; p < 40; ++p) {
-      const uint64_t entry = uint64_t{seq.kv_indices(p / ps)} * ps + p % ps;
-      EXPECT_EQ(0, std::memcmp(mem.data() + c.buf->offset() + entry * stride, c.stored->data() + p * stride, stride))
-          << "position " << p << " stride " << stride;
-    }
+  for (const v1::ExportedBuffer* buf :
+       {&exp.layers(2).ckv_cache(), &exp.layers(2).ckv_sf_cache(), &exp.layers(2).kpe_cache()}) {
+    ASSERT_EQ(buf->byte_size(), uint64_t{exp.num_pages()} * exp.page_size() * buf->entry_stride_bytes());
   }
+  ASSERT_NO_FATAL_FAILURE(ExpectDecodeSideReads(exp, 2, seq, stored.rows, 40, 0, "dec"));
 }
 
 TEST_F(CudaRegionServiceTest, ProducerExitingLeavesTheServerServing) {
@@ -216,7 +149,7 @@ TEST_F(CudaRegionServiceTest, ProducerExitingLeavesTheServerServing) {
   // What the driver does with the opened handle is its business: the append
   // either reads the last contents or fails with a status; it must not take
   // the server down.
-  s = Append({RegionMessage("after-exit", rows.n, rows.dtype, 0, Ref("gone", 0), Ref("gone", rows.n * kCkvRow))});
+  s = Append({RegionMessage("after-exit", 0, rows.n, rows.dtype, {0}, Ref("gone", 0), Ref("gone", rows.n * kCkvRow))});
   std::printf("append from an exited producer's region: %s\n", s.ok() ? "OK" : Describe(s).c_str());
   v1::UnregisterRegionResponse unreg;
   {
@@ -254,7 +187,7 @@ TEST_F(CudaRegionServiceTest, BadHandlesAreRefusedAndTheServerKeepsServing) {
   EXPECT_TRUE(s.ok()) << Describe(s);
   s = RegisterCuda("good", producer.mem_handle(), producer.allocation_bytes());
   EXPECT_TRUE(s.ok()) << Describe(s);
-  s = Append({RegionMessage("good", rows.n, rows.dtype, 1, Ref("good", 0), Ref("good", rows.n * kCkvRow))});
+  s = Append({RegionMessage("good", 0, rows.n, rows.dtype, {1}, Ref("good", 0), Ref("good", rows.n * kCkvRow))});
   EXPECT_TRUE(s.ok()) << Describe(s);
 }
 

@@ -19,7 +19,6 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <future>
 #include <string>
 #include <thread>
@@ -28,15 +27,12 @@
 #include "kernels/quantize_rows.h"
 #include "kernels/scoped_cuda_device.h"
 #include "tests/server/ipc_producer_process.h"
+#include "tests/server/region_helpers.h"
 #include "tests/server/service_fixture.h"
 
 namespace mlakv::server::testing {
 namespace {
 
-constexpr float kCkvScale = 0.0625f;
-constexpr float kKpeScale = 0.03125f;
-constexpr uint64_t kCkvRow = 512 * 2;
-constexpr uint64_t kKpeRow = 64 * 2;
 constexpr char kGeometry[] = "num_layers: 4 page_size: 16 num_pages: 256";
 
 // GTEST_SKIP's reason when fewer than two GPUs are visible, else "".
@@ -49,14 +45,6 @@ KvCacheServer::Options OptionsFor(const v1::ServerConfig& config) {
   KvCacheServer::Options options;
   options.config = config;
   return options;
-}
-
-v1::RegionRef Ref(const std::string& region, uint64_t offset, uint64_t stride = 0) {
-  v1::RegionRef r;
-  r.set_region(region);
-  r.set_offset(offset);
-  r.set_row_stride_bytes(stride);
-  return r;
 }
 
 class MultiGpuTest : public ::testing::Test, public ServiceFixture {
@@ -117,36 +105,6 @@ class MultiGpuTest : public ::testing::Test, public ServiceFixture {
     return stub().RegisterCudaRegion(&ctx, req, &out);
   }
 
-  // One message of `rows` rows of one layer, ckv and kpe from regions.
-  static v1::AppendRequest RegionMessage(const std::string& pool, const std::string& sequence, uint32_t rows,
-                                         uint32_t layer, const v1::RegionRef& ckv, const v1::RegionRef& kpe) {
-    v1::AppendRequest m;
-    m.set_pool(pool);
-    m.set_sequence(sequence);
-    m.set_row_count(rows);
-    m.set_dtype(v1::ROW_DTYPE_BFLOAT16);
-    v1::LayerRows* lr = m.add_layers();
-    lr->set_layer(layer);
-    *lr->mutable_ckv_ref() = ckv;
-    *lr->mutable_kpe_ref() = kpe;
-    lr->set_ckv_scale(kCkvScale);
-    lr->set_kpe_scale(kKpeScale);
-    return m;
-  }
-
-  // Stored bytes of [0, count) of `layer` are equal in both places.
-  void ExpectSameStored(const std::string& pool_a, const std::string& seq_a, const std::string& pool_b,
-                        const std::string& seq_b, uint32_t layer, uint32_t count) {
-    Stored a = Read(seq_a, layer, 0, count, false, 0, pool_a);
-    Stored b = Read(seq_b, layer, 0, count, false, 0, pool_b);
-    const std::string where = pool_a + "/" + seq_a + " vs " + pool_b + "/" + seq_b + " layer " + std::to_string(layer);
-    ASSERT_TRUE(a.status.ok()) << where << ": " << Describe(a.status);
-    ASSERT_TRUE(b.status.ok()) << where << ": " << Describe(b.status);
-    EXPECT_EQ(a.rows.rows, count) << where;
-    EXPECT_EQ(a.rows.ckv_packed, b.rows.ckv_packed) << where;
-    EXPECT_EQ(a.rows.ckv_sf, b.rows.ckv_sf) << where;
-    EXPECT_EQ(a.rows.kpe, b.rows.kpe) << where;
-  }
 };
 
 TEST_F(MultiGpuTest, EachPoolWorkerRunsOnItsPoolsDevice) {
@@ -267,8 +225,8 @@ TEST_F(MultiGpuTest, ConcurrentAppendsOnTwoDevicesStoreTheCpuBackendsBytes) {
     const std::string seq = "s" + std::to_string(i);
     const uint32_t length = static_cast<uint32_t>(rows_of(i).n + kDecodeSteps);
     for (uint32_t l = 0; l < 4; ++l) {
-      ExpectSameStored("g0", seq, "host", seq, l, length);
-      ExpectSameStored("g1", seq, "host", seq, l, length);
+      ExpectSameStored(seq, seq, {l}, length, "g0", "host");
+      ExpectSameStored(seq, seq, {l}, length, "g1", "host");
     }
   }
 }
@@ -276,15 +234,9 @@ TEST_F(MultiGpuTest, ConcurrentAppendsOnTwoDevicesStoreTheCpuBackendsBytes) {
 TEST_F(MultiGpuTest, RegionOnOneGpuFeedsAPoolOnAnother) {
   // Producer layout on cuda:1: [packed ckv rows][packed kpe rows][strided rows: ckv, kpe, 64 pad].
   const Rows rows = RandomRows(300, 31);
-  const uint64_t n = rows.n, kpe_off = n * kCkvRow, strided_off = kpe_off + n * kKpeRow;
-  const uint64_t stride = kCkvRow + kKpeRow + 64;
-  std::string bytes = rows.ckv_bytes() + rows.kpe_bytes();
-  for (uint64_t i = 0; i < n; ++i) {
-    std::string row(stride, '\0');
-    std::memcpy(row.data(), rows.ckv.data() + i * 512, kCkvRow);
-    std::memcpy(row.data() + kCkvRow, rows.kpe.data() + i * 64, kKpeRow);
-    bytes += row;
-  }
+  const ProducerLayout layout = MakeProducerLayout(rows);
+  const std::string& bytes = layout.bytes;
+  const uint64_t n = rows.n, kpe_off = layout.kpe_off, strided_off = layout.strided_off, stride = layout.stride;
   IpcProducerProcess producer(bytes, /*device=*/1);
   ASSERT_EQ(producer.mem_handle().size(), 64u);
   grpc::Status s = RegisterCuda("on1", producer, bytes.size(), /*with_event=*/true);
@@ -293,14 +245,14 @@ TEST_F(MultiGpuTest, RegionOnOneGpuFeedsAPoolOnAnother) {
   ASSERT_TRUE(s.ok()) << Describe(s);
 
   // The region's own device first: a pool on cuda:1 reads it in place.
-  s = Append({RegionMessage("g1", "same-device", n, 0, Ref("on1", 0), Ref("on1", kpe_off))});
+  s = Append({RegionMessage("same-device", 0, n, rows.dtype, {0}, Ref("on1", 0), Ref("on1", kpe_off), "g1")});
   ASSERT_TRUE(s.ok()) << Describe(s);
-  ExpectSameStored("g1", "same-device", "host", "bytes", 0, n);
+  ExpectSameStored("same-device", "bytes", {0}, n, "g1", "host");
 
   int can_access = 0;
   ASSERT_EQ(cudaDeviceCanAccessPeer(&can_access, 0, 1), cudaSuccess);
   std::printf("cudaDeviceCanAccessPeer(cuda:0 -> cuda:1) = %d\n", can_access);
-  s = Append({RegionMessage("g0", "packed", n, 0, Ref("on1", 0), Ref("on1", kpe_off))});
+  s = Append({RegionMessage("packed", 0, n, rows.dtype, {0}, Ref("on1", 0), Ref("on1", kpe_off), "g0")});
   if (can_access == 0) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
     EXPECT_NE(s.error_message().find("cuda:1"), std::string::npos) << Describe(s);
@@ -311,24 +263,18 @@ TEST_F(MultiGpuTest, RegionOnOneGpuFeedsAPoolOnAnother) {
   }
   // Packed rows: the kernel on cuda:0 reads cuda:1's memory in place.
   ASSERT_TRUE(s.ok()) << Describe(s);
-  ExpectSameStored("g0", "packed", "host", "bytes", 0, n);
+  ExpectSameStored("packed", "bytes", {0}, n, "g0", "host");
   // Strided rows.
-  s = Append({RegionMessage("g0", "strided", n, 1, Ref("on1", strided_off, stride),
-                            Ref("on1", strided_off + kCkvRow, stride))});
+  s = Append({RegionMessage("strided", 0, n, rows.dtype, {1}, Ref("on1", strided_off, stride),
+                            Ref("on1", strided_off + kCkvRow, stride), "g0")});
   ASSERT_TRUE(s.ok()) << Describe(s);
-  ExpectSameStored("g0", "strided", "host", "bytes", 1, n);
+  ExpectSameStored("strided", "bytes", {1}, n, "g0", "host");
   // AppendBatch: three sequences of 100 rows, gathered device to device from cuda:1 on cuda:0's stream.
   v1::AppendBatchRequest req;
   req.set_pool("g0");
   req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
   for (int i = 0; i < 3; ++i) {
-    v1::SequenceRows* sr = req.add_sequences();
-    sr->set_sequence("b" + std::to_string(i));
-    sr->set_row_count(100);
-    v1::LayerRows* lr = sr->add_layers();
-    lr->set_layer(3);
-    lr->set_ckv_scale(kCkvScale);
-    lr->set_kpe_scale(kKpeScale);
+    v1::LayerRows* lr = AddBatchLayer(req, "b" + std::to_string(i), 100, 3);
     *lr->mutable_ckv_ref() = Ref("on1", i * 100 * kCkvRow);
     *lr->mutable_kpe_ref() = Ref("on1", strided_off + i * 100 * stride + kCkvRow, stride);
   }
@@ -339,9 +285,7 @@ TEST_F(MultiGpuTest, RegionOnOneGpuFeedsAPoolOnAnother) {
   for (int i = 0; i < 3; ++i) {
     Stored one = Read("b" + std::to_string(i), 3, 0, 100, false, 0, "g0");
     ASSERT_TRUE(one.status.ok()) << Describe(one.status);
-    EXPECT_EQ(0, std::memcmp(one.rows.ckv_packed.data(), all.rows.ckv_packed.data() + i * 100 * 256, 100 * 256)) << i;
-    EXPECT_EQ(0, std::memcmp(one.rows.ckv_sf.data(), all.rows.ckv_sf.data() + i * 100 * 32, 100 * 32)) << i;
-    EXPECT_EQ(0, std::memcmp(one.rows.kpe.data(), all.rows.kpe.data() + i * 100 * 64, 100 * 64)) << i;
+    ExpectRowsOf(one.rows, all.rows, i * 100, 100);
   }
   // Unregistered while no append holds it: the mappings on both devices close.
   v1::UnregisterRegionRequest unreg;
@@ -386,24 +330,8 @@ TEST_F(MultiGpuTest, ExportPoolNamesEachPoolsDevice) {
     Stored host = Read("dec", 2, 0, 40, false, 0, "host");
     ASSERT_TRUE(host.status.ok()) << Describe(host.status);
     EXPECT_EQ(stored.rows.ckv_packed, host.rows.ckv_packed) << pool;
-    const uint32_t ps = exp.page_size();
-    struct Cache {
-      const v1::ExportedBuffer* buf;
-      const std::vector<uint8_t>* stored;
-    } caches[] = {{&exp.layers(2).ckv_cache(), &stored.rows.ckv_packed},
-                  {&exp.layers(2).ckv_sf_cache(), &stored.rows.ckv_sf},
-                  {&exp.layers(2).kpe_cache(), &stored.rows.kpe}};
-    for (const Cache& c : caches) {
-      const uint32_t stride = c.buf->entry_stride_bytes();
-      // The decode side opens the handle with the exported device current.
-      const std::string mem = ReadExported(c.buf->raw_handle(), c.buf->byte_size(), exp.device_id());
-      ASSERT_EQ(mem.size(), c.buf->byte_size()) << pool << ": the decode-side process could not read the cache";
-      for (uint32_t p = 0; p < 40; ++p) {
-        const uint64_t entry = uint64_t{seq.kv_indices(p / ps)} * ps + p % ps;
-        EXPECT_EQ(0, std::memcmp(mem.data() + c.buf->offset() + entry * stride, c.stored->data() + p * stride, stride))
-            << pool << " position " << p << " stride " << stride;
-      }
-    }
+    // The decode side opens the handles with the exported device current.
+    ASSERT_NO_FATAL_FAILURE(ExpectDecodeSideReads(exp, 2, seq, stored.rows, 40, exp.device_id(), pool));
   }
   // The cpu pool has nothing to export.
   grpc::ClientContext ctx;

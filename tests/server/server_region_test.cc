@@ -10,78 +10,19 @@
 
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
 
+#include "tests/server/region_helpers.h"
 #include "tests/server/service_fixture.h"
+#include "tests/testing/shm_object.h"
 
 namespace mlakv::server::testing {
 namespace {
 
-constexpr float kCkvScale = 0.0625f;
-constexpr float kKpeScale = 0.03125f;
-constexpr uint64_t kCkvRow = 512 * 2;
-constexpr uint64_t kKpeRow = 64 * 2;
-
-// A POSIX shared-memory object of `bytes` bytes, mapped read-write; unlinked
-// and unmapped at the end of the test.
-class ShmObject {
- public:
-  explicit ShmObject(uint64_t bytes) : bytes_(bytes) {
-    static std::atomic<int> counter{0};
-    name_ = "/mlakv-region-test-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
-    const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    EXPECT_GE(fd, 0) << name_ << ": " << std::strerror(errno);
-    if (fd < 0) return;
-    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0) << std::strerror(errno);
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
-    EXPECT_NE(p, MAP_FAILED) << std::strerror(errno);
-    data_ = p == MAP_FAILED ? nullptr : static_cast<uint8_t*>(p);
-  }
-  ~ShmObject() {
-    if (data_ != nullptr) munmap(data_, bytes_);
-    shm_unlink(name_.c_str());
-  }
-  const std::string& name() const { return name_; }
-  uint8_t* data() { return data_; }
-
- private:
-  std::string name_;
-  uint64_t bytes_;
-  uint8_t* data_ = nullptr;
-};
-
-v1::RegionRef Ref(const std::string& region, uint64_t offset, uint64_t stride = 0) {
-  v1::RegionRef r;
-  r.set_region(region);
-  r.set_offset(offset);
-  r.set_row_stride_bytes(stride);
-  return r;
-}
-
-// An Append message whose layers name `ckv` / `kpe` instead of carrying bytes.
-v1::AppendRequest RegionMessage(const std::string& sequence, uint32_t start, uint32_t rows, DType dtype,
-                                const std::vector<uint32_t>& layers, const v1::RegionRef& ckv,
-                                const v1::RegionRef& kpe) {
-  v1::AppendRequest m;
-  m.set_sequence(sequence);
-  m.set_start(start);
-  m.set_row_count(rows);
-  m.set_dtype(ProtoDType(dtype));
-  for (uint32_t l : layers) {
-    v1::LayerRows* lr = m.add_layers();
-    lr->set_layer(l);
-    *lr->mutable_ckv_ref() = ckv;
-    *lr->mutable_kpe_ref() = kpe;
-    lr->set_ckv_scale(kCkvScale);
-    lr->set_kpe_scale(kKpeScale);
-  }
-  return m;
-}
+using mlakv::testing::ShmObject;
 
 class RegionServiceTest : public ::testing::Test, public ServiceFixture {
  protected:
@@ -118,21 +59,6 @@ class RegionServiceTest : public ::testing::Test, public ServiceFixture {
   grpc::Status List(v1::ListRegionsResponse* out) {
     grpc::ClientContext ctx;
     return stub().ListRegions(&ctx, v1::ListRegionsRequest(), out);
-  }
-
-  // Layers `layers` of sequences `a` and `b` store the same bytes.
-  void ExpectSameStored(const std::string& a, const std::string& b, const std::vector<uint32_t>& layers,
-                        uint32_t count) {
-    for (uint32_t l : layers) {
-      Stored sa = Read(a, l, 0, count);
-      Stored sb = Read(b, l, 0, count);
-      ASSERT_TRUE(sa.status.ok()) << Describe(sa.status);
-      ASSERT_TRUE(sb.status.ok()) << Describe(sb.status);
-      EXPECT_EQ(sa.rows.rows, count);
-      EXPECT_EQ(sa.rows.ckv_packed, sb.rows.ckv_packed) << "layer " << l;
-      EXPECT_EQ(sa.rows.ckv_sf, sb.rows.ckv_sf) << "layer " << l;
-      EXPECT_EQ(sa.rows.kpe, sb.rows.kpe) << "layer " << l;
-    }
   }
 };
 
@@ -171,11 +97,7 @@ TEST_F(RegionServiceTest, StridedRowsAtARegionOffset) {
   const Rows rows = RandomRows(21, 12);
   const uint64_t stride = kCkvRow + kKpeRow + 64, region_off = 8192 + 100, first = 36;
   ShmObject shm(region_off + first + rows.n * stride);
-  for (int64_t i = 0; i < rows.n; ++i) {
-    uint8_t* row = shm.data() + region_off + first + i * stride;
-    std::memcpy(row, rows.ckv.data() + i * 512, kCkvRow);
-    std::memcpy(row + kCkvRow, rows.kpe.data() + i * 64, kKpeRow);
-  }
+  WriteStridedRows(rows, shm.data() + region_off + first, stride);
   grpc::Status s = RegisterShm("strided", shm.name(), region_off, first + rows.n * stride);
   ASSERT_TRUE(s.ok()) << Describe(s);
   s = Append({RegionMessage("ipc", 0, rows.n, rows.dtype, {1}, Ref("strided", first, stride),
@@ -197,13 +119,7 @@ TEST_F(RegionServiceTest, AppendBatchFromARegion) {
   v1::AppendBatchRequest req;
   req.set_dtype(ProtoDType(rows.dtype));
   for (int i = 0; i < 3; ++i) {
-    v1::SequenceRows* sr = req.add_sequences();
-    sr->set_sequence("b" + std::to_string(i));
-    sr->set_row_count(2);
-    v1::LayerRows* lr = sr->add_layers();
-    lr->set_layer(3);
-    lr->set_ckv_scale(kCkvScale);
-    lr->set_kpe_scale(kKpeScale);
+    v1::LayerRows* lr = AddBatchLayer(req, "b" + std::to_string(i), 2, 3);
     if (i < 2) {
       *lr->mutable_ckv_ref() = Ref("batch", i * 2 * kCkvRow);
       *lr->mutable_kpe_ref() = Ref("batch", rows.n * kCkvRow + i * 2 * kKpeRow);
@@ -224,9 +140,7 @@ TEST_F(RegionServiceTest, AppendBatchFromARegion) {
   for (int i = 0; i < 3; ++i) {
     Stored one = Read("b" + std::to_string(i), 3, 0, 2);
     ASSERT_TRUE(one.status.ok()) << Describe(one.status);
-    EXPECT_EQ(0, std::memcmp(one.rows.ckv_packed.data(), all.rows.ckv_packed.data() + i * 2 * 256, 2 * 256)) << i;
-    EXPECT_EQ(0, std::memcmp(one.rows.ckv_sf.data(), all.rows.ckv_sf.data() + i * 2 * 32, 2 * 32)) << i;
-    EXPECT_EQ(0, std::memcmp(one.rows.kpe.data(), all.rows.kpe.data() + i * 2 * 64, 2 * 64)) << i;
+    ExpectRowsOf(one.rows, all.rows, i * 2, 2);
   }
 }
 

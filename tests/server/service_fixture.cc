@@ -95,4 +95,19 @@ grpc::Status ServiceFixture::GetSequence(const std::string& id, v1::Sequence* ou
   return stub_->GetSequence(&ctx, req, out);
 }
 
+void ServiceFixture::ExpectSameStored(const std::string& a, const std::string& b, const std::vector<uint32_t>& layers,
+                                      uint32_t count, const std::string& pool_a, const std::string& pool_b) {
+  for (uint32_t l : layers) {
+    Stored sa = Read(a, l, 0, count, false, 0, pool_a);
+    Stored sb = Read(b, l, 0, count, false, 0, pool_b);
+    const std::string where = pool_a + "/" + a + " vs " + pool_b + "/" + b + " layer " + std::to_string(l);
+    ASSERT_TRUE(sa.status.ok()) << where << ": " << Describe(sa.status);
+    ASSERT_TRUE(sb.status.ok()) << where << ": " << Describe(sb.status);
+    EXPECT_EQ(sa.rows.rows, count) << where;
+    EXPECT_EQ(sa.rows.ckv_packed, sb.rows.ckv_packed) << where;
+    EXPECT_EQ(sa.rows.ckv_sf, sb.rows.ckv_sf) << where;
+    EXPECT_EQ(sa.rows.kpe, sb.rows.kpe) << where;
+  }
+}
+
 }  // namespace mlakv::server::testing

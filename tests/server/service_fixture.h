@@ -138,6 +138,10 @@ class ServiceFixture {
               uint32_t tokens_per_message = 0, const std::string& pool = "");
   v1::Pool GetPool();
   grpc::Status GetSequence(const std::string& id, v1::Sequence* out);
+  // Sequence `a` (in pool `pool_a`) and sequence `b` (in `pool_b`) store the
+  // same bytes in positions [0, count) of each of `layers`.
+  void ExpectSameStored(const std::string& a, const std::string& b, const std::vector<uint32_t>& layers,
+                        uint32_t count, const std::string& pool_a = "", const std::string& pool_b = "");
 
  private:
   std::unique_ptr<KvCacheServer> server_;
