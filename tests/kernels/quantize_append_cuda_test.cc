@@ -51,6 +51,16 @@ struct CudaRun {
   std::vector<uint8_t> ckv_cache, ckv_sf_cache, kpe_cache;
   unsigned int skipped = 0;
   absl::Status status;
+
+  // Waits for the device, then copies its caches and skip count here.
+  void ReadBack(const DeviceVector<uint8_t>& cc, const DeviceVector<uint8_t>& sf, const DeviceVector<uint8_t>& kc,
+                const DeviceVector<unsigned int>& skip_count) {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ckv_cache = cc.ToHost();
+    ckv_sf_cache = sf.ToHost();
+    kpe_cache = kc.ToHost();
+    skipped = skip_count.ToHost()[0];
+  }
 };
 
 // With `config`, launches through QuantizeAppendWithConfig instead of the
@@ -86,11 +96,7 @@ CudaRun RunCuda(PagedScenario& s, const QuantizeAppendConfig* config = nullptr) 
       run.status = QuantizeAppendWithConfig(*params, *config, nullptr);
     }
   }
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  run.ckv_cache = cc.ToHost();
-  run.ckv_sf_cache = sf.ToHost();
-  run.kpe_cache = kc.ToHost();
-  run.skipped = skipped.ToHost()[0];
+  run.ReadBack(cc, sf, kc, skipped);
   return run;
 }
 
@@ -260,11 +266,7 @@ CudaRun RunCudaBySegment(PagedScenario& s) {
   p.skipped_rows = skipped.get();
   CudaRun run;
   run.status = QuantizeAppend(p, nullptr);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  run.ckv_cache = cc.ToHost();
-  run.ckv_sf_cache = sf.ToHost();
-  run.kpe_cache = kc.ToHost();
-  run.skipped = skipped.ToHost()[0];
+  run.ReadBack(cc, sf, kc, skipped);
   return run;
 }
 
