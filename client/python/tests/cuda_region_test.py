@@ -22,12 +22,11 @@ import zlib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grpc  # noqa: E402
-import numpy as np  # noqa: E402
 
 import mlakv  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
+from server_test_case import CALL_TIMEOUT_S, RegionServerTestCase, WireSpy  # noqa: E402
 
-CALL_TIMEOUT_S = 60.0
 SCALES = dict(ckv_scale=0.01, kpe_scale=0.05)
 EXIT_ALL_SKIPPED = 77
 
@@ -47,36 +46,19 @@ SKIP_REASON = _cuda_missing()
 
 
 @unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
-class CudaRegionTest(unittest.TestCase):
+class CudaRegionTest(RegionServerTestCase):
+    server_device = "cuda:0"
+
     @classmethod
     def setUpClass(cls):
         import torch
 
         cls.torch = torch
-        cls.server = ServerProcess("--allow_ipc", device="cuda:0")
-        cls.server.start()
-        cls.client = mlakv.Client(cls.server.target, timeout=CALL_TIMEOUT_S)  # bytes and checks
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.stop()
-        if cls.server.returncode != 0:
-            raise AssertionError("mlakv-server exited with %s on SIGTERM:\n%s"
-                                 % (cls.server.returncode, cls.server.log_text()[-4000:]))
+        super().setUpClass()  # self.client: bytes and checks
 
     def setUp(self):
-        self.c = mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S)
+        super().setUp()
         self.gen = self.torch.Generator(device="cuda:0").manual_seed(zlib.crc32(self.id().encode()))
-
-    def tearDown(self):
-        self.c.close()
-        for s in self.client.sequences():
-            self.client.free(s.id)
-        left = [r.name for r in self.client.regions()]
-        for name in left:
-            self.client.unregister(name)
-        self.assertEqual(left, [], "Client.close left regions registered")
 
     def rows(self, n, dtype=None, lead=()):
         t = self.torch
@@ -85,32 +67,8 @@ class CudaRegionTest(unittest.TestCase):
         kpe = (t.randn(*lead, n, 64, device="cuda:0", generator=self.gen) * 2).to(dtype)
         return ckv, kpe
 
-    def assert_same_bytes(self, seq_a, seq_b, layer, layer_b=None):
-        layer_b = layer if layer_b is None else layer_b
-        a, b = self.client.export(seq_a, layer), self.client.export(seq_b, layer_b)
-        self.assertGreater(len(a["kpe"]), 0)
-        for k in ("ckv_packed", "ckv_sf", "kpe"):
-            np.testing.assert_array_equal(a[k], b[k], err_msg="%s layer %d vs %s layer %d: %s"
-                                          % (seq_a, layer, seq_b, layer_b, k))
-
-    def spy(self, client):
-        sent = []
-        real_append, real_batch = client._stub.Append, client._stub.AppendBatch
-
-        def append(requests, **kwargs):
-            msgs = list(requests)
-            sent.extend(msgs)
-            return real_append(iter(msgs), **kwargs)
-
-        def batch(request, **kwargs):
-            sent.append(request)
-            return real_batch(request, **kwargs)
-
-        client._stub.Append, client._stub.AppendBatch = append, batch
-        return sent
-
     def test_contiguous_rows_store_the_bytes_of_a_bytes_append(self):
-        sent = self.spy(self.c)
+        sent = WireSpy(self.c).appends
         ckv, kpe = self.rows(300)
         resp = self.c.append("cuda", 0, ckv, kpe, **SCALES)
         self.assertEqual(resp.rows_written, 300)
@@ -130,7 +88,7 @@ class CudaRegionTest(unittest.TestCase):
     def test_interleaved_rows_and_fp16(self):
         t = self.torch
         kv = (t.randn(77, 576, device="cuda:0", generator=self.gen) * 3).to(t.float16)
-        sent = self.spy(self.c)
+        sent = WireSpy(self.c).appends
         self.c.append("strided", 1, kv[:, :512], kv[:, 512:], **SCALES)
         layer = sent[0].layers[0]
         self.assertEqual((layer.ckv_ref.row_stride_bytes, layer.kpe_ref.row_stride_bytes), (1152, 1152))

@@ -15,54 +15,11 @@ import numpy as np
 import mlakv
 from mlakv import safetensors
 from server_process import ServerProcess
+from server_test_case import CALL_TIMEOUT_S, ServerTestCase, random_rows
 
 # ../shared/vectors beside the project; MLAKV_VECTORS_DIR in the environment wins (as for the C++ tests).
 VECTORS_DIR = (os.environ.get("MLAKV_VECTORS_DIR") or os.environ.get("MLAKV_VECTORS_DIR_DEFAULT")
                or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "..", "shared", "vectors"))
-CALL_TIMEOUT_S = 60.0
-
-
-def random_rows(rng, n, dtype="bf16", amax=4.0):
-    """n random rows: (ckv [n,512], kpe [n,64]) as float16 or bf16 bit patterns (uint16)."""
-    ckv = rng.uniform(-amax, amax, size=(n, 512)).astype(np.float32)
-    kpe = rng.uniform(-amax, amax, size=(n, 64)).astype(np.float32)
-    if dtype == "f16":
-        return ckv.astype(np.float16), kpe.astype(np.float16)
-    return to_bf16(ckv), to_bf16(kpe)
-
-
-def to_bf16(x):
-    """float32 -> bf16 bit patterns (uint16), round to nearest even (finite inputs)."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (rounded >> 16).astype(np.uint16)
-
-
-class ServerTestCase(unittest.TestCase):
-    """One fresh server per test class; self.client talks to it."""
-
-    server_args = ()
-
-    @classmethod
-    def setUpClass(cls):
-        cls.server = ServerProcess(*cls.server_args)
-        cls.server.start()
-        cls.client = mlakv.Client(cls.server.target, timeout=CALL_TIMEOUT_S)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        cls.server.stop()
-        if cls.server.returncode != 0:
-            raise AssertionError("mlakv-server exited with %s on SIGTERM:\n%s"
-                                 % (cls.server.returncode, cls.server.log_text()[-4000:]))
-
-    def assertCode(self, code, fn, *args, **kwargs):
-        with self.assertRaises(mlakv.Error) as ctx:
-            fn(*args, **kwargs)
-        self.assertEqual(ctx.exception.code, code, str(ctx.exception))
-        self.assertTrue(ctx.exception.message, "empty error message")
-        return ctx.exception
 
 
 class VectorRoundTripTest(ServerTestCase):

@@ -15,53 +15,17 @@ import grpc
 import numpy as np
 
 import mlakv
-from test_client import CALL_TIMEOUT_S, ServerTestCase, random_rows
+from server_test_case import CALL_TIMEOUT_S, RegionServerTestCase, ServerTestCase, WireSpy, random_rows
 
 SCALES = dict(ckv_scale=0.01, kpe_scale=0.05)
 
 
-class WireSpy:
-    """Records the Append / AppendBatch requests a client sends."""
-
-    def __init__(self, client):
-        self.appends, self.batches = [], []
-        real_append, real_batch = client._stub.Append, client._stub.AppendBatch
-
-        def append(requests, **kwargs):
-            msgs = list(requests)
-            self.appends.extend(msgs)
-            return real_append(iter(msgs), **kwargs)
-
-        def batch(request, **kwargs):
-            self.batches.append(request)
-            return real_batch(request, **kwargs)
-
-        client._stub.Append, client._stub.AppendBatch = append, batch
-
-
-class RegionTestCase(ServerTestCase):
-    server_args = ("--allow_ipc",)
+class RegionTestCase(RegionServerTestCase):
+    """self.spy records what self.c sends."""
 
     def setUp(self):
-        self.c = mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S)
+        super().setUp()
         self.spy = WireSpy(self.c)
-
-    def tearDown(self):
-        self.c.close()
-        for s in self.client.sequences():
-            self.client.free(s.id)
-        left = [r.name for r in self.client.regions()]
-        for name in left:  # so that one failure does not fail the tests after it
-            self.client.unregister(name)
-        self.assertEqual(left, [], "the test (or Client.close) left regions registered")
-
-    def assert_same_bytes(self, seq_a, seq_b, layer, layer_b=None):
-        layer_b = layer if layer_b is None else layer_b
-        a, b = self.client.export(seq_a, layer), self.client.export(seq_b, layer_b)
-        self.assertGreater(len(a["kpe"]), 0)
-        for k in ("ckv_packed", "ckv_sf", "kpe"):
-            np.testing.assert_array_equal(a[k], b[k], err_msg="%s layer %d vs %s layer %d: %s"
-                                          % (seq_a, layer, seq_b, layer_b, k))
 
 
 class RegisterShmTest(RegionTestCase):
