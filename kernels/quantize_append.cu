@@ -75,10 +75,11 @@ __device__ __forceinline__ float2 WidenPair(uint32_t w) {
   }
 }
 
-// kCodeTable: E2M1 codes from the shared-memory table `code_of` (6
+// kScaleTable: the block-scale multiplier from `out_scale_of` (else computed).
+// kCodeTable: E2M1 codes from the shared-memory table `code_of` (5
 // instructions a channel with the lookup, against 8 for the arithmetic form;
 // the kernel is issue-bound at large sizes, docs/performance.md).
-template <DType kDType, bool kCodeTable>
+template <DType kDType, bool kScaleTable, bool kCodeTable>
 __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, const format::ScaleConstants& k,
                                                  const float* out_scale_of, const uint8_t* code_of, int64_t entry,
                                                  int lane, const LaneRow& r) {
@@ -93,7 +94,8 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
 #pragma unroll
   for (int c = 0; c < kBlock; ++c) amax = format::AbsMaxAccumulate(amax, x[c]);
   const uint8_t sf = format::CkvScaleByte(amax, k);
-  const float out_scale = out_scale_of[sf & 0x7F];  // sf is never negative: amax, inv6g >= 0
+  // sf is never negative (amax, inv6g >= 0): 128 table entries cover it.
+  const float out_scale = kScaleTable ? out_scale_of[sf & 0x7F] : format::CkvOutScale(sf, k);
   // Channel c's code goes to bits 4(c % 8).. of word c / 8: byte k holds
   // channels 2k (low nibble) and 2k+1 (high nibble), SPEC step 5.
   uint2 packed = make_uint2(0, 0);
@@ -156,8 +158,6 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
   const format::ScaleConstants k = format::MakeScaleConstants(p.ckv_scale, p.kpe_scale);
-  // SPEC ckv step 4 depends on the scale byte alone: tabulate it once per
-  // block for the 128 non-negative bytes instead of a reciprocal per row.
   // The warp's first row is requested before the block fills its tables, so
   // its loads are in flight during the fill (one row: two would spill; the
   // scalar path spills even with one, so it loads after the fill).
@@ -165,11 +165,20 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
   const int64_t first_row = warp * kRowsPerWarp;
   constexpr bool kPreload = kVectorized;
   if (kPreload && first_row < p.num_rows) LoadLaneRow<kVectorized>(p, first_row, lane, pair[0]);
-  __shared__ float out_scale_of[128];
-  for (int b = threadIdx.x; b < 128; b += blockDim.x) out_scale_of[b] = format::CkvOutScale(static_cast<uint8_t>(b), k);
+  // SPEC ckv step 4 depends on the scale byte alone: with several rows per
+  // warp, tabulate it once per block for the 128 non-negative bytes instead
+  // of a reciprocal per row. At one row per warp (launches below 16k rows,
+  // decode) each lane needs exactly one value, so it computes it and the
+  // block skips the fill and the barrier.
+  constexpr bool kScaleTable = kRowsPerWarp > 1;
+  __shared__ float out_scale_of[kScaleTable ? 128 : 1];
+  if constexpr (kScaleTable) {
+    for (int b = threadIdx.x; b < 128; b += blockDim.x) {
+      out_scale_of[b] = format::CkvOutScale(static_cast<uint8_t>(b), k);
+    }
+  }
   // Large launches (8 rows per warp, a few thousand rows per block) fill the
-  // E2M1 code table once per block; small ones keep the arithmetic form and
-  // skip the fill.
+  // E2M1 code table once per block; smaller ones keep the arithmetic form.
   constexpr bool kCodeTable = kRowsPerWarp == 8;
   __shared__ uint8_t code_of[kCodeTable ? format::kE2M1TableSize : 1];
   if constexpr (kCodeTable) {
@@ -177,7 +186,7 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
       code_of[i] = static_cast<uint8_t>(format::FloatToE2M1Magnitude(format::E2M1TableRepresentative(i)));
     }
   }
-  __syncthreads();
+  if constexpr (kScaleTable || kCodeTable) __syncthreads();
 
   for (int64_t first = first_row; first < p.num_rows; first += num_warps * kRowsPerWarp) {
     const int rows = static_cast<int>(p.num_rows - first < kRowsPerWarp ? p.num_rows - first : kRowsPerWarp);
@@ -203,9 +212,11 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
       }
       const int64_t e0 = __shfl_sync(0xFFFFFFFFu, my_entry, r);
       const int64_t e1 = __shfl_sync(0xFFFFFFFFu, my_entry, (r + 1) % kWarpSize);
-      if (e0 >= 0) QuantizeAndStore<kDType, kCodeTable>(p, k, out_scale_of, code_of, e0, lane, pair[0]);
+      if (e0 >= 0) {
+        QuantizeAndStore<kDType, kScaleTable, kCodeTable>(p, k, out_scale_of, code_of, e0, lane, pair[0]);
+      }
       if (r + 1 < rows && e1 >= 0) {
-        QuantizeAndStore<kDType, kCodeTable>(p, k, out_scale_of, code_of, e1, lane, pair[1]);
+        QuantizeAndStore<kDType, kScaleTable, kCodeTable>(p, k, out_scale_of, code_of, e1, lane, pair[1]);
       }
     }
   }
