@@ -139,7 +139,13 @@ void KvCacheServer::Shutdown(absl::Duration grace) {
                absl::ToDoubleSeconds(grace));
   server_->GetHealthCheckService()->SetServingStatus(false);
   service_->StartDraining();
-  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace));
+  // Appends in flight get the grace period to finish while the server keeps
+  // answering new calls itself (UNAVAILABLE, "shutting down"); only then does
+  // the grpc::Server shut down, with what is left of the grace for the rest.
+  const absl::Time deadline = absl::Now() + grace;
+  while (service_->appends_in_flight() > 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::ZeroDuration())));
   server_->Wait();
   spdlog::info("all calls finished");
 }

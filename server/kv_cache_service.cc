@@ -267,7 +267,8 @@ grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContex
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   Pool* p = *pool;
   const RegionRegistry* regions = options_.regions;
-  p->worker().Post([p, req, resp, reactor, detail, dtype = *dtype, regions] {
+  appends_in_flight_.fetch_add(1);
+  p->worker().Post([this, p, req, resp, reactor, detail, dtype = *dtype, regions] {
     std::vector<std::unique_ptr<AppendTransaction>> txns;
     std::vector<AppendTransaction*> raw_txns;
     std::vector<SequenceRowsIn> rows;
@@ -308,6 +309,7 @@ grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContex
       resp->set_pages_allocated(pages);
     }
     LogCall("AppendBatch", detail, status);
+    appends_in_flight_.fetch_sub(1);
     reactor->Finish(ToGrpcStatus(status));
   });
   return reactor;
@@ -334,6 +336,8 @@ class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendR
       Done(Draining());
       return;
     }
+    service_->appends_in_flight_.fetch_add(1);
+    counted_ = true;
     StartRead(&buffers_[0]);
   }
 
@@ -535,12 +539,14 @@ class KvCacheService::AppendReactor : public grpc::ServerReadReactor<v1::AppendR
     LogCall("Append", absl::StrCat("pool='", pool_ ? pool_->name() : pool_field_, "' sequence='", sequence_,
                                    "' messages=", messages_, " rows=", txn_ ? txn_->rows_written() : 0),
             status);
+    if (counted_) service_->appends_in_flight_.fetch_sub(1);  // before Finish: OnDone may follow at once
     Finish(ToGrpcStatus(status));
   }
 
   KvCacheService* service_;
   grpc::CallbackServerContext* ctx_;
   v1::AppendResponse* resp_;
+  bool counted_ = false;  // in appends_in_flight_ (not when refused while draining)
   v1::AppendRequest buffers_[2];
   absl::Mutex mu_;
   int reading_ ABSL_GUARDED_BY(mu_) = 0;         // buffer a read is in flight into, -1: none

@@ -36,6 +36,11 @@ class KvCacheService final : public mlakv::v1::KvCache::CallbackService {
   // (an open Append stream included) run to their end.
   void StartDraining() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
+  // Appends (Append streams, AppendBatch calls) accepted and not yet
+  // finished: what a drain waits for before the grpc::Server shuts down, so
+  // that until then every new call gets this service's UNAVAILABLE rather
+  // than whatever a closing transport says (CANCELLED).
+  int appends_in_flight() const { return appends_in_flight_.load(); }
 
   // The pool `name` names (empty: the default), or NOT_FOUND listing the pools.
   absl::StatusOr<Pool*> FindPool(const std::string& name) const;
@@ -78,6 +83,7 @@ class KvCacheService final : public mlakv::v1::KvCache::CallbackService {
 
   const Options options_;
   std::atomic<bool> draining_{false};
+  std::atomic<int> appends_in_flight_{0};
 };
 
 }  // namespace mlakv::server
