@@ -2,13 +2,18 @@
 // byte count measured in the same run (the practical floor of a memory-bound
 // kernel).
 //
-//   quantize_append_bench [--device cuda|cpu] [--repeats N] [--sweep] [--only NAME] [--rows N]
+//   quantize_append_bench [--device cuda|cpu] [--repeats N] [--sweep] [--same_caches] [--only NAME] [--rows N]
+//
+// --same_caches: every launch writes the same caches (only the input rows
+// rotate), as the benchmark did before 2026-11-29 12:00 UTC.
 //
 // Bytes per row: 1152 read (bf16/fp16 ckv + kpe) + 8 read (batch index and
 // position) + 352 written (256 packed + 32 scales + 64 rope) = 1512. The copy
 // moves 1512/2 bytes per row (read + write = 1512). Times are medians over
-// --repeats launches after warm-up, each timed with CUDA events; small cases
-// rotate among several input buffers so that they are not served from L2.
+// --repeats launches after warm-up, each timed with CUDA events, the copy and
+// the kernel in alternating rounds; the kernel rotates among several sets of
+// input rows and caches (the copy among source/destination pairs) until four
+// L2s' worth are in play, so that no case is timed from L2 alone.
 #include <cuda_runtime.h>
 #include <time.h>
 
@@ -92,11 +97,11 @@ struct Device {
 };
 
 struct Prepared {
-  std::vector<QuantizeAppendParams> rotations;  // same placement, different input rows
+  std::vector<QuantizeAppendParams> rotations;  // same placement, different rows (and caches)
   int64_t rows;
 };
 
-Prepared Prepare(const Case& c, Device& dev, std::mt19937& rng) {
+Prepared Prepare(const Case& c, Device& dev, std::mt19937& rng, bool same_caches) {
   const int64_t rows = static_cast<int64_t>(c.sequences) * c.tokens_per_sequence;
   const int pages_per_seq = (c.prefix + c.tokens_per_sequence + c.page_size - 1) / c.page_size;
   const int num_pages = c.sequences * pages_per_seq;
@@ -130,15 +135,19 @@ Prepared Prepare(const Case& c, Device& dev, std::mt19937& rng) {
   p.num_pages = num_pages;
   p.page_size = c.page_size;
   const size_t entries = static_cast<size_t>(num_pages) * c.page_size;
-  p.ckv_cache = dev.Alloc<uint8_t>(entries * 256);
-  p.ckv_sf_cache = dev.Alloc<uint8_t>(entries * 32);
-  p.kpe_cache = dev.Alloc<uint8_t>(entries * 64);
-  CHECK_CUDA(cudaMemset(p.ckv_cache, 0xA5, entries * 256));
+  auto alloc_caches = [&dev, entries](QuantizeAppendParams& q) {
+    q.ckv_cache = dev.Alloc<uint8_t>(entries * 256);
+    q.ckv_sf_cache = dev.Alloc<uint8_t>(entries * 32);
+    q.kpe_cache = dev.Alloc<uint8_t>(entries * 64);
+    CHECK_CUDA(cudaMemset(q.ckv_cache, 0xA5, entries * 256));
+  };
+  alloc_caches(p);
   p.ckv_scale = 0.02f;
   p.kpe_scale = 0.05f;
-  // Rotate inputs until four L2s' worth of rows are in play.
-  const int64_t input_bytes = rows * 1152;
-  const int rotations = static_cast<int>(std::clamp<int64_t>((4 * kL2Bytes) / input_bytes + 1, 1, 64));
+  // Rotate inputs (and, unless same_caches, caches: a server appends to each
+  // layer's caches in turn) until four L2s' worth of bytes are in play.
+  const int64_t rotation_bytes = rows * 1152 + (same_caches ? 0 : static_cast<int64_t>(entries) * 352);
+  const int rotations = static_cast<int>(std::clamp<int64_t>((4 * kL2Bytes) / rotation_bytes + 1, 1, 64));
   Prepared out;
   out.rows = rows;
   for (int r = 0; r < rotations; ++r) {
@@ -149,35 +158,52 @@ Prepared Prepare(const Case& c, Device& dev, std::mt19937& rng) {
     QuantizeAppendParams q = p;
     q.append_ckv = ckv;
     q.append_kpe = kpe;
+    if (r > 0 && !same_caches) alloc_caches(q);
     out.rotations.push_back(q);
   }
   CHECK_CUDA(cudaDeviceSynchronize());
   return out;
 }
 
-template <typename F>
-double MedianMicros(int repeats, int warmup, F&& launch) {
+// Medians of `repeats` timed launches of A and of B (CUDA events around each
+// launch). They run in alternating rounds -- a few untimed launches of A,
+// then a share of A's timed ones, the same for B, and again -- so that each is
+// timed in its own steady state (paying for the write-back of its own earlier
+// launches' dirty L2 lines, not the other's: timing them strictly in turn
+// made the kernel pay for the copy's 50 MB of writes at 65k rows), while slow
+// drift of clocks and temperature reaches both alike.
+template <typename A, typename B>
+std::pair<double, double> AlternatingMedianMicros(int repeats, A&& launch_a, B&& launch_b) {
+  constexpr int kRounds = 5, kWarmupPerRound = 3;
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < warmup; ++i) launch(i);
-  std::vector<double> times;
-  for (int i = 0; i < repeats; ++i) {
-    CHECK_CUDA(cudaEventRecord(start));
-    launch(warmup + i);
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms * 1000.0);
+  std::vector<double> a, b;
+  auto run = [&](auto&& launch, std::vector<double>& times, int round) {
+    const int timed = (repeats + kRounds - 1) / kRounds;
+    for (int i = 0; i < kWarmupPerRound; ++i) launch(i);
+    for (int i = 0; i < timed && static_cast<int>(times.size()) < repeats; ++i) {
+      CHECK_CUDA(cudaEventRecord(start));
+      launch(kWarmupPerRound + round * timed + i);
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      times.push_back(ms * 1000.0);
+    }
+  };
+  for (int round = 0; round < kRounds; ++round) {
+    run(launch_a, a, round);
+    run(launch_b, b, round);
   }
   CHECK_CUDA(cudaEventDestroy(start));
   CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  return {a[a.size() / 2], b[b.size() / 2]};
 }
 
-int RunCuda(int repeats, bool sweep, const std::string& only) {
+int RunCuda(int repeats, bool sweep, bool same_caches, const std::string& only) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB; median of %d launches each (CUDA events)\n", prop.name,
@@ -189,15 +215,21 @@ int RunCuda(int repeats, bool sweep, const std::string& only) {
   if (sweep) {
     configs.clear();
     for (int rpw : {1, 2, 4, 8}) configs.push_back(QuantizeAppendConfig{rpw, 8, 8});
-    // Grid shape at 8 rows per warp: blocks per SM (4 are resident at once)
-    // and block size.
+    // Grid shape at 8 rows per warp: blocks per SM (4 are resident at once),
+    // block size, and how rows are dealt to warps.
     for (int bps : {2, 3, 4, 6}) configs.push_back(QuantizeAppendConfig{8, 8, bps});
     configs.push_back(QuantizeAppendConfig{8, 4, 8});
+    for (int bps : {4, 8}) configs.push_back(QuantizeAppendConfig{8, 8, bps, /*block_ranges=*/true});
+    // Whole-SM blocks: one table fill per SM instead of four.
+    for (int bps : {1, 2}) configs.push_back(QuantizeAppendConfig{8, 32, bps, /*block_ranges=*/true});
+    configs.push_back(QuantizeAppendConfig{8, 16, 2, /*block_ranges=*/true});
+    configs.push_back(QuantizeAppendConfig{8, 32, 2});
+    configs.push_back(QuantizeAppendConfig{1, 8, 8, /*block_ranges=*/true});
   }
   for (const Case& c : Cases()) {
     if (!only.empty() && c.name.find(only) == std::string::npos) continue;
     Device dev;
-    Prepared prep = Prepare(c, dev, rng);
+    Prepared prep = Prepare(c, dev, rng, same_caches);
     const int64_t bytes = prep.rows * kBytesPerRow;
     // The copy: bytes/2 each way, rotating through a pool at least 4 L2s large.
     const int64_t copy_bytes = bytes / 2;
@@ -205,24 +237,26 @@ int RunCuda(int repeats, bool sweep, const std::string& only) {
     uint8_t* src = dev.Alloc<uint8_t>(copy_bytes * copy_slots);
     uint8_t* dst = dev.Alloc<uint8_t>(copy_bytes * copy_slots);
     CHECK_CUDA(cudaMemset(src, 1, copy_bytes * copy_slots));
-    const double copy_us = MedianMicros(repeats, 5, [&](int i) {
+    auto copy = [&](int i) {
       const int slot = i % copy_slots;
       CHECK_CUDA(cudaMemcpyAsync(dst + slot * copy_bytes, src + slot * copy_bytes, copy_bytes,
                                  cudaMemcpyDeviceToDevice));
-    });
+    };
     for (const QuantizeAppendConfig& cfg : configs) {
       const QuantizeAppendConfig used = sweep ? cfg : DefaultQuantizeAppendConfig(prep.rows);
-      const double us = MedianMicros(repeats, 5, [&](int i) {
+      auto kernel = [&](int i) {
         const absl::Status s =
             QuantizeAppendWithConfig(prep.rotations[i % prep.rotations.size()], used, nullptr);
         if (!s.ok()) {
           std::fprintf(stderr, "%s\n", s.ToString().c_str());
           std::exit(1);
         }
-      });
-      std::printf("%-24s %9lld %10.2f %9.3f %10.2f %9.3f %7.3f %7.1f%%  rpw=%d wpb=%d bps=%d\n", c.name.c_str(),
+      };
+      const auto [copy_us, us] = AlternatingMedianMicros(repeats, copy, kernel);
+      std::printf("%-24s %9lld %10.2f %9.3f %10.2f %9.3f %7.3f %7.1f%%  rpw=%d wpb=%d bps=%d%s\n", c.name.c_str(),
                   static_cast<long long>(prep.rows), us, bytes / us / 1e6, copy_us, bytes / copy_us / 1e6,
-                  us / copy_us, 100.0 * copy_us / us, used.rows_per_warp, used.warps_per_block, used.blocks_per_sm);
+                  us / copy_us, 100.0 * copy_us / us, used.rows_per_warp, used.warps_per_block, used.blocks_per_sm,
+                  used.block_ranges ? " ranges" : "");
     }
     CHECK_CUDA(cudaGetLastError());
   }
@@ -308,7 +342,7 @@ int main(int argc, char** argv) {
   std::string device = "cuda", only;
   int64_t cpu_rows = 16 * 4096;
   int repeats = 50;
-  bool sweep = false;
+  bool sweep = false, same_caches = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--device" && i + 1 < argc) {
@@ -319,12 +353,14 @@ int main(int argc, char** argv) {
       cpu_rows = std::max<int64_t>(64, std::atoll(argv[++i]));
     } else if (a == "--sweep") {
       sweep = true;
+    } else if (a == "--same_caches") {
+      same_caches = true;
     } else if (a == "--only" && i + 1 < argc) {
       only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--device cuda|cpu] [--repeats N>=20] [--sweep] [--only CASE] [--rows N (cpu)]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--device cuda|cpu] [--repeats N>=20] [--sweep] [--same_caches] [--only CASE] [--rows N (cpu)]\n", argv[0]);
       return 2;
     }
   }
-  return device == "cpu" ? mlakv::RunCpu(std::min(repeats, 9), cpu_rows) : mlakv::RunCuda(repeats, sweep, only);
+  return device == "cpu" ? mlakv::RunCpu(std::min(repeats, 9), cpu_rows) : mlakv::RunCuda(repeats, sweep, same_caches, only);
 }

@@ -13,7 +13,9 @@
 //   step 3  lane j stores 8 packed bytes at ckv_cache[entry, 8j..8j+7], its
 //           scale byte at ckv_sf_cache[entry, j] and 2 kpe bytes at
 //           kpe_cache[entry, 2j..2j+1]: per warp, 256 + 32 + 64 contiguous bytes.
-// A warp handles kRowsPerWarp rows per iteration of a grid-stride loop:
+// A warp handles kRowsPerWarp rows per iteration of a loop over its share of
+// the rows (every W-th group of the launch, or every w-th group of its
+// block's contiguous range: QuantizeAppendConfig::block_ranges):
 // lane r follows row r's placement (batch -> kv_indptr -> kv_indices, three
 // dependent loads) so one lookup pass serves all the rows, and the entries are
 // broadcast with shuffles. Rows go two at a time, both loaded before use; the
@@ -33,7 +35,7 @@ using format::kCkvDim;
 using format::kKpeDim;
 
 constexpr int kWarpSize = 32;
-constexpr int kMaxWarpsPerBlock = 8;
+constexpr int kMaxWarpsPerBlock = 32;
 static_assert(kCkvBlocks == kWarpSize, "one lane per 16-channel ckv block: 512 / 16 must be 32");
 static_assert(kKpeDim == 2 * kWarpSize, "each lane owns two kpe channels: kpe_dim must be 64");
 
@@ -145,26 +147,41 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
   reinterpret_cast<uint16_t*>(p.kpe_cache + KpeOffset(entry))[lane] = format::QuantizeKpePair(rope.x, rope.y, k);
 }
 
-// Four resident blocks of 256 threads per SM caps registers at 64, which this
-// kernel fits without spilling (a cap of 48 for five blocks spills and ran
-// 25% slower on the H200; see docs/performance.md).
-constexpr int kMinBlocksPerSm = 4;
+// Blocks of up to 1024 threads, at least one resident per SM: the 64K
+// registers of an SM over 1024 threads cap registers at 64, which this kernel
+// fits without spilling; any 1024 threads (four blocks of 256, one of 1024)
+// are then resident at once. (A cap of 48, for 1280 threads, spilled and ran
+// 25% slower on the H200; see docs/performance.md.)
+constexpr int kMinBlocksPerSm = 1;
 
 template <DType kDType, bool kVectorized, int kRowsPerWarp>
 __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm)
-    QuantizeAppendKernel(const QuantizeAppendParams p) {
+    QuantizeAppendKernel(const QuantizeAppendParams p, bool block_ranges) {
   static_assert(kRowsPerWarp >= 1 && kRowsPerWarp <= kWarpSize, "lane r looks up row r's entry");
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
+  const int warp_in_block = threadIdx.x / kWarpSize;
+  const int warps_per_block = blockDim.x / kWarpSize;
+  // The warp takes row groups first_row, first_row + stride, ... below
+  // end_row (QuantizeAppendConfig::block_ranges says which form and why).
+  int64_t first_row, stride, end_row;
+  if (block_ranges) {
+    const int64_t share = p.num_rows / gridDim.x, extra = p.num_rows % gridDim.x;
+    const int64_t block_begin = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
+    end_row = block_begin + share + (blockIdx.x < extra ? 1 : 0);
+    first_row = block_begin + static_cast<int64_t>(warp_in_block) * kRowsPerWarp;
+    stride = static_cast<int64_t>(warps_per_block) * kRowsPerWarp;
+  } else {
+    first_row = (static_cast<int64_t>(blockIdx.x) * warps_per_block + warp_in_block) * kRowsPerWarp;
+    stride = static_cast<int64_t>(gridDim.x) * warps_per_block * kRowsPerWarp;
+    end_row = p.num_rows;
+  }
   const format::ScaleConstants k = format::MakeScaleConstants(p.ckv_scale, p.kpe_scale);
   // The warp's first row is requested before the block fills its tables, so
   // its loads are in flight during the fill (one row: two would spill; the
   // scalar path spills even with one, so it loads after the fill).
   LaneRow pair[2];
-  const int64_t first_row = warp * kRowsPerWarp;
   constexpr bool kPreload = kVectorized;
-  if (kPreload && first_row < p.num_rows) LoadLaneRow<kVectorized>(p, first_row, lane, pair[0]);
+  if (kPreload && first_row < end_row) LoadLaneRow<kVectorized>(p, first_row, lane, pair[0]);
   // SPEC ckv step 4 depends on the scale byte alone: with several rows per
   // warp, tabulate it once per block for the 128 non-negative bytes instead
   // of a reciprocal per row. At one row per warp (launches below 16k rows,
@@ -188,8 +205,8 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
   }
   if constexpr (kScaleTable || kCodeTable) __syncthreads();
 
-  for (int64_t first = first_row; first < p.num_rows; first += num_warps * kRowsPerWarp) {
-    const int rows = static_cast<int>(p.num_rows - first < kRowsPerWarp ? p.num_rows - first : kRowsPerWarp);
+  for (int64_t first = first_row; first < end_row; first += stride) {
+    const int rows = static_cast<int>(end_row - first < kRowsPerWarp ? end_row - first : kRowsPerWarp);
     // Rows are taken two at a time, both loaded before either is used. The
     // first pair's loads go out before the placement lookup, so they overlap.
     if (!kPreload || first != first_row) LoadLaneRow<kVectorized>(p, first, lane, pair[0]);
@@ -234,7 +251,7 @@ cudaError_t Launch(const QuantizeAppendParams& p, const QuantizeAppendConfig& co
   const int64_t wanted = (p.num_rows + rows_per_block - 1) / rows_per_block;
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, static_cast<int64_t>(sms) * config.blocks_per_sm));
   QuantizeAppendKernel<kDType, kVectorized, kRowsPerWarp>
-      <<<blocks, kWarpSize * config.warps_per_block, 0, stream>>>(p);
+      <<<blocks, kWarpSize * config.warps_per_block, 0, stream>>>(p, config.block_ranges);
   return cudaGetLastError();
 }
 
@@ -258,8 +275,17 @@ QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
   // At 8 rows per warp below ~128k rows, one wave of resident blocks (4 per
   // SM) that each take ~2 groups of rows beats two waves of blocks that fill
   // their tables for one group each (H200: 65k rows 81.7% vs 79.3% of the
-  // copy); above, 8 per SM is better (1M rows 90.8% vs 88.7%).
-  if (num_rows >= 16384 && num_rows < 131072) c.blocks_per_sm = 4;
+  // copy); above, 8 per SM is better (1M rows 90.8% vs 88.7%). That one wave
+  // takes the rows as equal contiguous ranges per block: dealt by warp, the
+  // 8,192 groups of 65k rows leave 32 of the 528 blocks half the work of the
+  // others, so some SMs get 56 groups and most 64, and the launch lasts as
+  // long as the busiest SM (H200: +1.2 to +2.0 points of the
+  // copy at 65k rows; no gain at 262k and 1M rows, which keep the grid-stride
+  // deal over two waves).
+  if (num_rows >= 16384 && num_rows < 131072) {
+    c.blocks_per_sm = 4;
+    c.block_ranges = true;
+  }
   return c;
 }
 

@@ -168,6 +168,13 @@ TEST(CudaConfigs, EveryLaunchConfigurationWritesTheCpuBytes) {
   std::vector<QuantizeAppendConfig> configs;
   for (int rpw : {1, 2, 4, 8}) configs.push_back(QuantizeAppendConfig{rpw, 8, 8});
   configs.push_back(QuantizeAppendConfig{8, 3, 1});  // few, odd-sized blocks: long grid-stride loops
+  // Rows dealt to blocks as contiguous ranges: ranges that are not a multiple
+  // of the rows per warp (partial groups mid-launch), and 1 row per warp.
+  for (int rpw : {1, 8}) configs.push_back(QuantizeAppendConfig{rpw, 8, 8, /*block_ranges=*/true});
+  configs.push_back(QuantizeAppendConfig{8, 3, 1, /*block_ranges=*/true});
+  // One block of 32 warps per SM (one table fill per SM).
+  configs.push_back(QuantizeAppendConfig{8, 32, 1, /*block_ranges=*/true});
+  configs.push_back(QuantizeAppendConfig{2, 32, 1});
   for (const DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     ScenarioOptions o;
     o.dtype = dtype;
@@ -181,7 +188,7 @@ TEST(CudaConfigs, EveryLaunchConfigurationWritesTheCpuBytes) {
       CudaRun gpu = RunCuda(s, &config);
       ASSERT_TRUE(gpu.status.ok()) << gpu.status;
       const std::string where = "rows_per_warp " + std::to_string(config.rows_per_warp) + " warps " +
-                                std::to_string(config.warps_per_block);
+                                std::to_string(config.warps_per_block) + (config.block_ranges ? " ranges" : "");
       EXPECT_EQ(gpu.skipped, 0u) << where;
       EXPECT_EQ(gpu.ckv_cache, cpu.ckv_cache) << where;
       EXPECT_EQ(gpu.ckv_sf_cache, cpu.ckv_sf_cache) << where;
