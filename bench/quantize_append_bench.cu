@@ -54,6 +54,8 @@ std::vector<Case> Cases() {
       {"decode_512x1", DType::kBFloat16, 64, 512, 1, 1000},
       {"decode_4096x1", DType::kBFloat16, 64, 4096, 1, 1000},
       {"prefill_1x4096", DType::kBFloat16, 64, 1, 4096, 0},
+      {"prefill_4x4096", DType::kBFloat16, 64, 4, 4096, 0},
+      {"prefill_8x4096", DType::kBFloat16, 64, 8, 4096, 0},
       {"prefill_16x4096", DType::kBFloat16, 64, 16, 4096, 0},
       {"prefill_64x4096", DType::kBFloat16, 64, 64, 4096, 0},
       {"prefill_256x4096", DType::kBFloat16, 64, 256, 4096, 0},
@@ -221,9 +223,12 @@ int RunCuda(int repeats, bool sweep, bool same_caches, const std::string& only) 
     configs.push_back(QuantizeAppendConfig{8, 4, 8});
     for (int bps : {4, 8}) configs.push_back(QuantizeAppendConfig{8, 8, bps, /*block_ranges=*/true});
     // Whole-SM blocks: one table fill per SM instead of four.
-    for (int bps : {1, 2}) configs.push_back(QuantizeAppendConfig{8, 32, bps, /*block_ranges=*/true});
-    configs.push_back(QuantizeAppendConfig{8, 16, 2, /*block_ranges=*/true});
+    configs.push_back(QuantizeAppendConfig{8, 32, 1, /*block_ranges=*/true});
     configs.push_back(QuantizeAppendConfig{8, 32, 2});
+    // 16 rows per lookup: at 65k rows in one wave, one chain per warp.
+    configs.push_back(QuantizeAppendConfig{16, 8, 4, /*block_ranges=*/true});
+    configs.push_back(QuantizeAppendConfig{16, 8, 8});
+    configs.push_back(QuantizeAppendConfig{16, 8, 4});
     configs.push_back(QuantizeAppendConfig{1, 8, 8, /*block_ranges=*/true});
   }
   for (const Case& c : Cases()) {

@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
   }
   // Large launches (8 rows per warp, a few thousand rows per block) fill the
   // E2M1 code table once per block; smaller ones keep the arithmetic form.
-  constexpr bool kCodeTable = kRowsPerWarp == 8;
+  constexpr bool kCodeTable = kRowsPerWarp >= 8;
   __shared__ uint8_t code_of[kCodeTable ? format::kE2M1TableSize : 1];
   if constexpr (kCodeTable) {
     for (int i = threadIdx.x; i < format::kE2M1TableSize; i += blockDim.x) {
@@ -220,7 +220,8 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
     if (skipped != 0 && lane == 0 && p.skipped_rows != nullptr) {
       atomicAdd(p.skipped_rows, static_cast<unsigned>(__popc(skipped)));  // never written (SPEC "Bounds")
     }
-#pragma unroll
+    constexpr int kUnroll = kRowsPerWarp > 8 ? 1 : (kRowsPerWarp + 1) / 2;  // 16 rows unrolled spill
+#pragma unroll kUnroll
     for (int r = 0; r < kRowsPerWarp; r += 2) {
       if (r >= rows) break;
       if (r > 0) {
@@ -246,9 +247,11 @@ cudaError_t Launch(const QuantizeAppendParams& p, const QuantizeAppendConfig& co
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   // Enough blocks to fill every SM, and no more than the rows need: a
-  // grid-stride loop covers the rest.
+  // grid-stride loop covers the rest. Dealt as block ranges, the grid is a
+  // whole number of blocks per SM, so that every SM gets the same rows.
   const int64_t rows_per_block = static_cast<int64_t>(config.warps_per_block) * kRowsPerWarp;
-  const int64_t wanted = (p.num_rows + rows_per_block - 1) / rows_per_block;
+  int64_t wanted = (p.num_rows + rows_per_block - 1) / rows_per_block;
+  if (config.block_ranges) wanted = (wanted + sms - 1) / sms * sms;
   const int blocks = static_cast<int>(std::min<int64_t>(wanted, static_cast<int64_t>(sms) * config.blocks_per_sm));
   QuantizeAppendKernel<kDType, kVectorized, kRowsPerWarp>
       <<<blocks, kWarpSize * config.warps_per_block, 0, stream>>>(p, config.block_ranges);
@@ -261,7 +264,8 @@ cudaError_t LaunchRows(const QuantizeAppendParams& p, const QuantizeAppendConfig
     case 1: return Launch<kDType, kVectorized, 1>(p, config, stream);
     case 2: return Launch<kDType, kVectorized, 2>(p, config, stream);
     case 4: return Launch<kDType, kVectorized, 4>(p, config, stream);
-    default: return Launch<kDType, kVectorized, 8>(p, config, stream);
+    case 8: return Launch<kDType, kVectorized, 8>(p, config, stream);
+    default: return Launch<kDType, kVectorized, 16>(p, config, stream);
   }
 }
 
@@ -270,18 +274,20 @@ cudaError_t LaunchRows(const QuantizeAppendParams& p, const QuantizeAppendConfig
 QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
   QuantizeAppendConfig c;
   // Few rows: one per warp, for the most warps in flight. Many rows: one
-  // placement lookup serves 8 rows (lanes 0..7 run the chains side by side).
-  c.rows_per_warp = num_rows >= 16384 ? 8 : 1;
-  // At 8 rows per warp below ~128k rows, one wave of resident blocks (4 per
-  // SM) that each take ~2 groups of rows beats two waves of blocks that fill
-  // their tables for one group each (H200: 65k rows 81.7% vs 79.3% of the
-  // copy); above, 8 per SM is better (1M rows 90.8% vs 88.7%). That one wave
-  // takes the rows as equal contiguous ranges per block: dealt by warp, the
-  // 8,192 groups of 65k rows leave 32 of the 528 blocks half the work of the
-  // others, so some SMs get 56 groups and most 64, and the launch lasts as
-  // long as the busiest SM (H200: +1.2 to +2.0 points of the
-  // copy at 65k rows; no gain at 262k and 1M rows, which keep the grid-stride
-  // deal over two waves).
+  // placement lookup serves 8 or 16 rows (lanes 0..15 run the chains side by
+  // side), which leaves each warp fewer dependent-load chains to wait on.
+  // From ~64k rows, 16: at 65k rows every warp of one wave then has exactly
+  // one group (H200, 8 runs of the four 65k cases: 88.6% of the copy on
+  // average against 87.5% with 8 rows per lookup).
+  c.rows_per_warp = num_rows >= 65536 ? 16 : num_rows >= 16384 ? 8 : 1;
+  // Below ~128k rows, one wave of resident blocks (4 of 8 warps per SM) that
+  // takes the rows as equal contiguous ranges per block. Two waves of blocks
+  // that each fill their tables for one group are slower (65k rows, v7: 81.7%
+  // vs 79.3% of the copy), and rows dealt by warp leave some blocks (so some
+  // SMs) a group per warp short while the launch lasts as long as the busiest
+  // SM (65k rows, 8 rows per lookup: +1.2 to +2.0 points of the copy with
+  // ranges). Above, 8 blocks per SM dealt by warp (1M rows: 90.8% vs 88.7%
+  // against 4 per SM; ranges gain nothing there).
   if (num_rows >= 16384 && num_rows < 131072) {
     c.blocks_per_sm = 4;
     c.block_ranges = true;
@@ -302,7 +308,7 @@ absl::Status QuantizeAppendWithConfig(const QuantizeAppendParams& p, const Quant
                                                    DTypeName(p.dtype)));
   }
   const int rpw = config.rows_per_warp;
-  if ((rpw != 1 && rpw != 2 && rpw != 4 && rpw != 8) ||
+  if ((rpw != 1 && rpw != 2 && rpw != 4 && rpw != 8 && rpw != 16) ||
       config.warps_per_block < 1 || config.warps_per_block > kMaxWarpsPerBlock || config.blocks_per_sm < 1) {
     return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: unsupported config rows_per_warp=",
                                                    config.rows_per_warp, " warps_per_block=", config.warps_per_block,

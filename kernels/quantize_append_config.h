@@ -8,7 +8,7 @@
 namespace mlakv {
 
 struct QuantizeAppendConfig {
-  int rows_per_warp = 1;    // rows per warp iteration, sharing one placement lookup (1, 2, 4, 8)
+  int rows_per_warp = 1;    // rows per warp iteration, sharing one placement lookup (1, 2, 4, 8, 16)
   int warps_per_block = 8;  // 1..32 warps of 32 threads
   int blocks_per_sm = 8;    // grid cap = blocks_per_sm x SMs; a grid-stride loop covers the rest
   // How rows are dealt to warps:
