@@ -217,7 +217,7 @@ int RunCuda(int repeats, bool sweep, bool same_caches, const std::string& only) 
   if (sweep) {
     configs.clear();
     for (int rpw : {1, 2, 4, 8}) configs.push_back(QuantizeAppendConfig{rpw, 8, 8});
-    // Grid shape at 8 rows per warp: blocks per SM (4 are resident at once),
+    // Grid shape at 8 rows per warp: blocks per SM (4 of 8 warps are resident at once),
     // block size, and how rows are dealt to warps.
     for (int bps : {2, 3, 4, 6}) configs.push_back(QuantizeAppendConfig{8, 8, bps});
     configs.push_back(QuantizeAppendConfig{8, 4, 8});

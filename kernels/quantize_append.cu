@@ -7,8 +7,8 @@
 //   step 2  lane j computes block j's amax, scale byte and 8 packed bytes with
 //           nothing shared between lanes (a block never spans two lanes); the
 //           element multiplier of each scale byte comes from a 128-entry
-//           table the block fills once in shared memory, and at 8 rows per
-//           warp the E2M1 codes from a 2048-entry one (nvfp4_format.h,
+//           table the block fills once in shared memory, and at 8 or more
+//           rows per warp the E2M1 codes from a 2048-entry one (nvfp4_format.h,
 //           E2M1TableIndex), filled from the same arithmetic.
 //   step 3  lane j stores 8 packed bytes at ckv_cache[entry, 8j..8j+7], its
 //           scale byte at ckv_sf_cache[entry, j] and 2 kpe bytes at
@@ -194,8 +194,9 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
       out_scale_of[b] = format::CkvOutScale(static_cast<uint8_t>(b), k);
     }
   }
-  // Large launches (8 rows per warp, a few thousand rows per block) fill the
-  // E2M1 code table once per block; smaller ones keep the arithmetic form.
+  // Large launches (8 or 16 rows per warp, 124 to a few thousand rows per
+  // block) fill the E2M1 code table once per block; smaller ones keep the
+  // arithmetic form.
   constexpr bool kCodeTable = kRowsPerWarp >= 8;
   __shared__ uint8_t code_of[kCodeTable ? format::kE2M1TableSize : 1];
   if constexpr (kCodeTable) {

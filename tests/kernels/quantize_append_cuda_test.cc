@@ -175,6 +175,8 @@ TEST(CudaConfigs, EveryLaunchConfigurationWritesTheCpuBytes) {
   // One block of 32 warps per SM (one table fill per SM).
   configs.push_back(QuantizeAppendConfig{8, 32, 1, /*block_ranges=*/true});
   configs.push_back(QuantizeAppendConfig{2, 32, 1});
+  configs.push_back(QuantizeAppendConfig{16, 8, 8});
+  configs.push_back(QuantizeAppendConfig{16, 5, 2, /*block_ranges=*/true});
   for (const DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     ScenarioOptions o;
     o.dtype = dtype;
