@@ -234,25 +234,30 @@ absl::Status RegionRegistry::ResolveRows(const std::string& who, const v1::Layer
   if (absl::Status s = CheckAllowed("an append naming a region"); !s.ok()) return s;
   int64_t ckv_device_stride = 0, kpe_device_stride = 0;  // > 0: rows in a CUDA region
   const void* events[2] = {nullptr, nullptr};
-  if (in.has_ckv_ref()) {
-    if (!in.ckv().empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(who, ": carries both ckv bytes and ckv_ref; send the rows one way"));
+  // One tensor's rows by reference, when it names a region.
+  auto resolve = [&](const char* tensor, bool has_ref, const std::string& inline_bytes, const v1::RegionRef& ref,
+                     int64_t row_bytes, int64_t* device_stride, const void** event,
+                     std::string_view* rows) -> absl::Status {
+    if (!has_ref) return absl::OkStatus();
+    if (!inline_bytes.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": carries both ", tensor, " bytes and ", tensor,
+                                                     "_ref; send the rows one way"));
     }
-    absl::StatusOr<std::string_view> v = ResolveOne(who, "ckv", in.ckv_ref(), format::kCkvDim * kElementBytes,
-                                                    row_count, pool_device, hold, &ckv_device_stride, &events[0]);
+    absl::StatusOr<std::string_view> v =
+        ResolveOne(who, tensor, ref, row_bytes, row_count, pool_device, hold, device_stride, event);
     if (!v.ok()) return v.status();
-    out->ckv = *v;
+    *rows = *v;
+    return absl::OkStatus();
+  };
+  if (absl::Status s = resolve("ckv", in.has_ckv_ref(), in.ckv(), in.ckv_ref(), format::kCkvDim * kElementBytes,
+                               &ckv_device_stride, &events[0], &out->ckv);
+      !s.ok()) {
+    return s;
   }
-  if (in.has_kpe_ref()) {
-    if (!in.kpe().empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(who, ": carries both kpe bytes and kpe_ref; send the rows one way"));
-    }
-    absl::StatusOr<std::string_view> v = ResolveOne(who, "kpe", in.kpe_ref(), format::kKpeDim * kElementBytes,
-                                                    row_count, pool_device, hold, &kpe_device_stride, &events[1]);
-    if (!v.ok()) return v.status();
-    out->kpe = *v;
+  if (absl::Status s = resolve("kpe", in.has_kpe_ref(), in.kpe(), in.kpe_ref(), format::kKpeDim * kElementBytes,
+                               &kpe_device_stride, &events[1], &out->kpe);
+      !s.ok()) {
+    return s;
   }
   // CUDA rows: both tensors must come from CUDA regions (one backend call
   // reads a row's ckv and kpe the same way); their pointers are valid on the

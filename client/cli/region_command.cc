@@ -7,6 +7,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "client/cli/cli_flags.h"
 #include "client/cli/command_support.h"
@@ -35,12 +36,6 @@ constexpr char kUsage[] =
     "       mlakv region unregister --name N [--server ADDR] [--json]";
 constexpr size_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t and cudaIpcEventHandle_t
 
-int HexDigit(char c) {
-  if (c >= '0' && c <= '9') return c - '0';
-  c = absl::ascii_tolower(c);
-  return c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-}
-
 // 128 hex digits -> 64 bytes.
 absl::StatusOr<std::string> ParseHexHandle(const char* what, absl::string_view hex) {
   hex = absl::StripAsciiWhitespace(hex);
@@ -49,16 +44,13 @@ absl::StatusOr<std::string> ParseHexHandle(const char* what, absl::string_view h
                                                    2 * kIpcHandleBytes, " hex digits (", kIpcHandleBytes,
                                                    " bytes)"));
   }
-  std::string bytes(kIpcHandleBytes, '\0');
-  for (size_t i = 0; i < kIpcHandleBytes; ++i) {
-    const int hi = HexDigit(hex[2 * i]), lo = HexDigit(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": '", hex.substr(2 * i, 2), "' at character ", 2 * i,
-                                                     " is not a hex byte"));
+  for (size_t i = 0; i < hex.size(); ++i) {
+    if (!absl::ascii_isxdigit(hex[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": '", hex.substr(i, 1), "' at character ", i, " is not a hex digit"));
     }
-    bytes[i] = static_cast<char>(hi * 16 + lo);
   }
-  return bytes;
+  return absl::HexStringToBytes(hex);
 }
 
 // A handle from --X_file (64 raw bytes or 128 hex digits) or --X_hex; empty

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/escaping.h"
+
 extern char** environ;
 
 #ifndef MLAKV_CUDA_IPC_PRODUCER
@@ -26,24 +28,6 @@ const char* ProducerPath() {
 }
 
 }  // namespace
-
-std::string Unhex(const std::string& hex) {
-  std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
-    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
-  }
-  return out;
-}
-
-std::string Hex(const std::string& bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char b : bytes) {
-    out.push_back(digits[b >> 4]);
-    out.push_back(digits[b & 15]);
-  }
-  return out;
-}
 
 IpcProducerProcess::IpcProducerProcess(const std::string& bytes, int device) : device_(device) {
   int in[2], out[2];
@@ -82,8 +66,8 @@ IpcProducerProcess::IpcProducerProcess(const std::string& bytes, int device) : d
     ADD_FAILURE() << "unexpected producer line: " << line;
     return;
   }
-  mem_handle_ = Unhex(mh);
-  event_handle_ = Unhex(eh);
+  mem_handle_ = absl::HexStringToBytes(mh);
+  event_handle_ = absl::HexStringToBytes(eh);
   allocation_bytes_ = alloc;
 }
 
@@ -106,7 +90,7 @@ std::string ReadExported(const std::string& handle, uint64_t bytes, int device) 
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, out[1], 1);
   posix_spawn_file_actions_addclose(&fa, out[0]);
-  const std::string hex = Hex(handle), size = std::to_string(bytes), dev = std::to_string(device);
+  const std::string hex = absl::BytesToHexString(handle), size = std::to_string(bytes), dev = std::to_string(device);
   char* argv[] = {const_cast<char*>(ProducerPath()), const_cast<char*>("--read"), const_cast<char*>(dev.c_str()),
                   const_cast<char*>(hex.c_str()), const_cast<char*>(size.c_str()), nullptr};
   pid_t pid = -1;

@@ -59,7 +59,4 @@ std::string ReadExported(const std::string& handle, uint64_t bytes, int device =
 void ExpectDecodeSideReads(const v1::ExportPoolResponse& exp, uint32_t layer, const v1::Sequence& seq,
                            const QuantizedRows& stored, uint32_t positions, int device, const std::string& what);
 
-std::string Hex(const std::string& bytes);
-std::string Unhex(const std::string& hex);
-
 }  // namespace mlakv::server::testing

@@ -49,6 +49,15 @@ class RegionServiceTest : public ::testing::Test, public ServiceFixture {
     grpc::ClientContext ctx;
     return stub().RegisterShmRegion(&ctx, req, out ? out : &local);
   }
+  grpc::Status RegisterCuda(const std::string& name, const std::string& raw_handle, uint64_t bytes) {
+    v1::RegisterCudaRegionRequest req;
+    req.set_name(name);
+    req.set_raw_handle(raw_handle);
+    req.set_byte_size(bytes);
+    v1::Region region;
+    grpc::ClientContext ctx;
+    return stub().RegisterCudaRegion(&ctx, req, &region);
+  }
   grpc::Status Unregister(const std::string& name, v1::UnregisterRegionResponse* out = nullptr) {
     v1::UnregisterRegionRequest req;
     req.set_name(name);
@@ -151,16 +160,8 @@ TEST_F(RegionServiceTest, EverythingRefusedWithoutAllowIpc) {
   grpc::Status s = RegisterShm("r", shm.name(), 0, 0);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
   EXPECT_NE(s.error_message().find("--allow_ipc"), std::string::npos) << Describe(s);
-  v1::RegisterCudaRegionRequest creq;
-  creq.set_name("c");
-  creq.set_raw_handle(std::string(64, '\0'));
-  creq.set_byte_size(1024);
-  v1::Region region;
-  {
-    grpc::ClientContext ctx;
-    s = stub().RegisterCudaRegion(&ctx, creq, &region);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
-  }
+  s = RegisterCuda("c", std::string(64, '\0'), 1024);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
   s = Unregister("r");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << Describe(s);
   v1::ListRegionsResponse list;
@@ -177,13 +178,7 @@ TEST_F(RegionServiceTest, DuplicateNameIsAlreadyExists) {
   ASSERT_TRUE(s.ok()) << Describe(s);
   s = RegisterShm("dup", shm.name(), 4096, 4096);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << Describe(s);
-  v1::RegisterCudaRegionRequest creq;
-  creq.set_name("dup");
-  creq.set_raw_handle(std::string(64, '\0'));
-  creq.set_byte_size(1024);
-  v1::Region region;
-  grpc::ClientContext ctx;
-  s = stub().RegisterCudaRegion(&ctx, creq, &region);
+  s = RegisterCuda("dup", std::string(64, '\0'), 1024);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << Describe(s);
   v1::ListRegionsResponse list;
   s = List(&list);
@@ -234,14 +229,8 @@ TEST_F(RegionServiceTest, OutOfRangeRegistrationsAndRefs) {
 
 TEST_F(RegionServiceTest, MalformedRequestsAreInvalidArgument) {
   ShmObject shm(1 << 16);
-  v1::RegisterCudaRegionRequest creq;
-  creq.set_name("c");
-  creq.set_byte_size(1024);
   for (size_t bytes : {0, 63, 65, 128}) {
-    creq.set_raw_handle(std::string(bytes, '\x5a'));
-    v1::Region region;
-    grpc::ClientContext ctx;
-    grpc::Status s = stub().RegisterCudaRegion(&ctx, creq, &region);
+    grpc::Status s = RegisterCuda("c", std::string(bytes, '\x5a'), 1024);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bytes << ": " << Describe(s);
     EXPECT_NE(s.error_message().find("64"), std::string::npos) << Describe(s);
   }
