@@ -1,5 +1,7 @@
 #include "client/kv_cache_client.h"
 
+#include "client/append_stream.h"
+
 #include <algorithm>
 #include <fstream>
 #include <sstream>
@@ -297,19 +299,12 @@ absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& appen
   std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer = stub_->Append(&context, &response);
   // An append of zero rows is still one message: it creates the sequence and
   // may reserve pages.
-  uint32_t first = 0;
-  bool half_closed = false;
-  do {
-    const uint32_t count = std::min(rows_per_message, append.rows - first);
-    const bool last = first + count >= append.rows;
-    const v1::AppendRequest message = AppendMessage(append, first, count, first == 0);
-    // A write fails only when the stream is already broken; Finish says why.
-    if (!writer->Write(message, last ? grpc::WriteOptions().set_last_message() : grpc::WriteOptions())) break;
-    half_closed = last;
-    first += count;
-  } while (first < append.rows);
-  if (!half_closed) writer->WritesDone();
-  if (absl::Status s = FromGrpcStatus(writer->Finish()); !s.ok()) return s;
+  const size_t messages = append.rows == 0 ? 1 : (size_t{append.rows} + rows_per_message - 1) / rows_per_message;
+  const grpc::Status status = WriteAppendStream(*writer, messages, [&](size_t i) {
+    const uint32_t first = static_cast<uint32_t>(i * rows_per_message);
+    return AppendMessage(append, first, std::min(rows_per_message, append.rows - first), i == 0);
+  });
+  if (absl::Status s = FromGrpcStatus(status); !s.ok()) return s;
   return response;
 }
 
