@@ -12,6 +12,7 @@ absl::StatusOr<std::unique_ptr<HealthProbeServer>> HealthProbeServer::Create(con
   // registers no other service, so it serves only grpc.health.v1.Health.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use is an error (kv_cache_server.cc)
   int port = 0;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

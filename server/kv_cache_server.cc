@@ -78,6 +78,11 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
     interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(options.metrics));
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
+  // gRPC sets SO_REUSEPORT on Linux listeners by default, which lets a
+  // second server bind a port already in use and take a share of its
+  // connections: clients would see sequences appear and vanish. A port in
+  // use is an error here instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
   if (!options.listen.empty()) {
     builder.AddListeningPort(options.listen,

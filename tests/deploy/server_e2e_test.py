@@ -413,6 +413,25 @@ class BadFlags(unittest.TestCase):
         self.assertIn("--metrics_listen", out)
 
 
+class PortInUse(unittest.TestCase):
+    """A second server on a port another one serves exits with an error; it
+    never shares the port (gRPC's default SO_REUSEPORT would let it take half
+    of the first one's connections)."""
+
+    def test_grpc_and_health_ports_in_use_are_refused(self):
+        srv = Server("--health_listen", "127.0.0.1:0")
+        self.addCleanup(srv.close)
+        for args, expected in ((["--listen", srv.target], "cannot listen on '%s'" % srv.target),
+                               (["--listen", "127.0.0.1:0", "--health_listen", "127.0.0.1:%d" % srv.health_port],
+                                "--health_listen 127.0.0.1:%d: cannot listen there" % srv.health_port)):
+            with self.subTest(args=args):
+                p = subprocess.run([SERVER, "--device", "cpu", *args], capture_output=True, text=True, timeout=30)
+                self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertIn(expected, p.stdout + p.stderr)
+        with mlakv.Client(srv.target, timeout=10) as c:  # the first server is unaffected
+            self.assertEqual([p.name for p in c.pools()], ["default"])
+
+
 if __name__ == "__main__":
     for tool in ("promtool", "openssl"):
         if shutil.which(tool) is None:

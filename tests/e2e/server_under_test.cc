@@ -1,14 +1,15 @@
 #include "tests/e2e/server_under_test.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <string_view>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -20,20 +21,19 @@ std::string FromEnvOr(const char* name, const char* fallback) {
   return value != nullptr && *value != '\0' ? value : fallback;
 }
 
-// A loopback port nobody listens on right now (the kernel's pick for port 0).
-absl::StatusOr<int> PickFreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::InternalError("socket() failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  close(fd);
-  if (!ok) return absl::InternalError("cannot bind a loopback port");
-  return ntohs(addr.sin_port);
+// The port of the server's "listening on 127.0.0.1:PORT" line, once that
+// line is complete in `log`.
+std::optional<int> ListeningPort(const std::string& log) {
+  constexpr std::string_view kPrefix = "listening on 127.0.0.1:";
+  const size_t at = log.find(kPrefix);
+  if (at == std::string::npos) return std::nullopt;
+  const size_t begin = at + kPrefix.size();
+  const size_t end = log.find('\n', begin);
+  int port = 0;
+  if (end == std::string::npos || !absl::SimpleAtoi(absl::string_view(log).substr(begin, end - begin), &port)) {
+    return std::nullopt;
+  }
+  return port;
 }
 
 }  // namespace
@@ -57,39 +57,32 @@ absl::StatusOr<std::unique_ptr<ServerUnderTest>> ServerUnderTest::Start(const Op
     argv.insert(argv.end(), {"--config", config});
   }
   argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
-  // A port picked here could be taken before the server binds it: retry.
-  absl::Status last = absl::UnknownError("not started");
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    absl::StatusOr<int> port = PickFreePort();
-    if (!port.ok()) return port.status();
-    const std::string target = absl::StrCat("127.0.0.1:", *port);
-    std::vector<std::string> args = argv;
-    args.insert(args.end(), {"--listen", target});
-    const std::string log = dir + "/server.log";
-    std::optional<ChildProcess> child = ChildProcess::Start(args, log);
-    if (!child) return absl::InternalError("fork failed");
-    std::unique_ptr<ServerUnderTest> server(new ServerUnderTest(dir, target, std::move(*child)));
+  // Port 0: the server binds a free port itself and logs it, so no other
+  // process can take the port between a pick here and the server's bind.
+  argv.insert(argv.end(), {"--listen", "127.0.0.1:0"});
+  std::optional<ChildProcess> child = ChildProcess::Start(argv, dir + "/server.log");
+  if (!child) return absl::InternalError("fork failed");
+  std::unique_ptr<ServerUnderTest> server(new ServerUnderTest(dir, "", std::move(*child)));
 
-    const absl::Time deadline = absl::Now() + options.ready_timeout;
-    while (absl::Now() < deadline) {
+  const absl::Time deadline = absl::Now() + options.ready_timeout;
+  absl::Status last = absl::UnavailableError("no 'listening on' line in the server's log");
+  while (absl::Now() < deadline) {
+    if (std::optional<int> code = server->process_->Poll()) {
+      return absl::UnavailableError(absl::StrCat("server exited with ", *code, " before serving:\n", server->Log()));
+    }
+    if (server->target_.empty()) {
+      if (std::optional<int> port = ListeningPort(server->Log())) server->target_ = absl::StrCat("127.0.0.1:", *port);
+    }
+    if (!server->target_.empty()) {
       // A fresh channel each time: a channel that failed to connect waits out
       // gRPC's reconnect backoff (1 s, 1.6 s, ...) before it tries again.
       last = server->NewClient()->CheckHealth(absl::Milliseconds(500));
       if (last.ok()) return server;
-      if (std::optional<int> code = server->process_->Poll()) {
-        last = absl::UnavailableError(absl::StrCat("server exited with ", *code, " before serving:\n", server->Log()));
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    if (!server->process_->Poll()) {  // still running yet never healthy: give up
-      return absl::DeadlineExceededError(absl::StrCat("server on ", target, " not SERVING after ",
-                                                      absl::FormatDuration(options.ready_timeout), ": ",
-                                                      last.message(), "\n", server->Log()));
-    }
-    server->dir_.clear();  // keep the directory for the next attempt
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return last;
+  return absl::DeadlineExceededError(absl::StrCat("server not SERVING after ", absl::FormatDuration(options.ready_timeout),
+                                                  ": ", last.message(), "\n", server->Log()));
 }
 
 ServerUnderTest::~ServerUnderTest() {

@@ -35,16 +35,24 @@ stop_server() {
 }
 trap 'stop_server; rm -rf "$work"' EXIT
 
-# A free loopback port; retried if another process takes it before the server binds.
+# start_server SCHEME [SERVER FLAGS...]: mlakv-server on port 0 (it binds a
+# free port itself and logs it in its start-up line, "... ready: grpc
+# 127.0.0.1:PORT ...", so no other process can take the port between a pick
+# and the bind); returns once Health/Check, called with ${health_args[@]},
+# says SERVING. Sets pid and url.
+health_args=(--http2-prior-knowledge)
 start_server() {
-  local port
-  port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-  "$server_bin" --listen "127.0.0.1:$port" --device cpu >"$work/server.log" 2>&1 &
+  local scheme=$1 port=
+  shift
+  "$server_bin" --listen 127.0.0.1:0 --device cpu "$@" >"$work/server.log" 2>&1 &
   pid=$!
-  url="http://127.0.0.1:$port"
   for _ in $(seq 300); do  # <= 30 s
     kill -0 "$pid" 2>/dev/null || { pid=; return 1; }
-    if timeout 5 "$buf" curl --protocol grpc --http2-prior-knowledge --connect-timeout 1 \
+    if [ -z "$port" ]; then
+      port=$(sed -n 's/.* ready: grpc 127\.0\.0\.1:\([0-9][0-9]*\) .*/\1/p' "$work/server.log")
+      url="$scheme://127.0.0.1:$port"
+    fi
+    if [ -n "$port" ] && timeout 5 "$buf" curl --protocol grpc "${health_args[@]}" --connect-timeout 1 \
         "$url/grpc.health.v1.Health/Check" 2>/dev/null | grep -q SERVING; then
       return 0
     fi
@@ -53,11 +61,7 @@ start_server() {
   stop_server
   return 1
 }
-started=0
-for _ in 1 2 3; do
-  if start_server; then started=1; break; fi
-done
-[ "$started" -eq 1 ] || { cat "$work/server.log" >&2; fail "mlakv-server did not become SERVING"; }
+start_server http || { cat "$work/server.log" >&2; fail "mlakv-server did not become SERVING"; }
 echo "server at $url (pid $pid)"
 
 # show_cmd ARGS...: prints "$ buf curl ARGS" with shell quoting a person can paste.
@@ -180,18 +184,10 @@ openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 
   -addext subjectAltName=IP:127.0.0.1 -keyout "$work/key.pem" -out "$work/cert.pem" 2>/dev/null ||
   fail "openssl could not make a test certificate"
 echo "tok-$$" >"$work/token"
-port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"$server_bin" --listen "127.0.0.1:$port" --device cpu --tls_cert "$work/cert.pem" --tls_key "$work/key.pem" \
-  --auth_token_file "$work/token" >"$work/server.log" 2>&1 &
-pid=$!
-url="https://127.0.0.1:$port"
 tls=(--cacert "$work/cert.pem")
-for _ in $(seq 300); do
-  kill -0 "$pid" 2>/dev/null || { cat "$work/server.log" >&2; fail "TLS server exited"; }
-  timeout 5 "$buf" curl --protocol grpc "${tls[@]}" -H "authorization: Bearer tok-$$" --reflect-header '*' \
-    "$url/grpc.health.v1.Health/Check" 2>/dev/null | grep -q SERVING && break
-  sleep 0.1
-done
+health_args=("${tls[@]}" -H "authorization: Bearer tok-$$" --reflect-header '*')
+start_server https --tls_cert "$work/cert.pem" --tls_key "$work/key.pem" --auth_token_file "$work/token" ||
+  { cat "$work/server.log" >&2; fail "TLS server did not become SERVING"; }
 bufc "${tls[@]}" -H "authorization: Bearer tok-$$" --reflect-header '*' --list-services "$url"
 expect_text mlakv.v1.KvCache
 show_cmd "${tls[@]}" -H 'authorization: Bearer wrong' --reflect-header "authorization: Bearer tok-$$" \

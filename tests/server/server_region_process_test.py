@@ -12,7 +12,6 @@ Environment (set by ctest): MLAKV_SERVER, MLAKV_PY_GEN, PYTHONPATH=client/python
 import os
 import random
 import re
-import socket
 import struct
 import sys
 import unittest
@@ -52,12 +51,6 @@ def read_raw(stub, sequence, layer, count):
     return ckv, sf, kpe
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ipc_regions_gauge(metrics_target):
     with urllib.request.urlopen("http://%s/metrics" % metrics_target, timeout=TIMEOUT_S) as r:
         text = r.read().decode()
@@ -78,8 +71,8 @@ class RegionProcessTest(unittest.TestCase):
         try:
             shm.buf[4096:4096 + len(ckv)] = ckv
             shm.buf[4096 + len(ckv):4096 + len(ckv) + len(kpe)] = kpe
-            metrics = "127.0.0.1:%d" % free_port()
-            with ServerProcess("--allow_ipc", "--metrics_listen", metrics) as server:
+            with ServerProcess("--allow_ipc", "--metrics_listen", "127.0.0.1:0") as server:
+                metrics = "127.0.0.1:%d" % server.metrics_port()
                 with grpc.insecure_channel(server.target) as channel:
                     stub = pb_grpc.KvCacheStub(channel)
                     region = stub.RegisterShmRegion(

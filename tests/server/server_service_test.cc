@@ -5,6 +5,7 @@
 // appends leave nothing), truncate/free, AppendBatch for 64 sequences, and
 // stored bytes equal to the kernel's (QuantizeRows on the CPU) and to
 // ../shared/vectors, byte for byte. Pool invariants are checked after each test.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -698,6 +699,24 @@ TEST_F(ServiceTest, CancelledStreamLeavesNoPages) {
   ASSERT_TRUE(GetSequence("keep", &seq).ok());
   EXPECT_EQ(seq.layer_lengths(0), 10u);
   EXPECT_EQ(mlakv::testing::DescribeMismatch(before, Read("keep", 0, 0, 10).rows), "") << "rewrites restored";
+}
+
+// gRPC's default SO_REUSEPORT would let a second server bind this port and
+// take a share of its connections; here that is an error.
+TEST_F(ServiceTest, SecondServerOnAPortInUseIsRefused) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 8", "", "127.0.0.1:0");
+  ASSERT_GT(server().bound_port(), 0);
+  KvCacheServer::Options options;
+  options.config.add_pools()->set_name("default");
+  options.config.mutable_pools(0)->set_num_layers(2);
+  options.config.mutable_pools(0)->set_page_size(16);
+  options.config.mutable_pools(0)->set_num_pages(8);
+  options.listen = server().bound_address();
+  options.default_device = kDevice;
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> second = KvCacheServer::Create(options);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
+  EXPECT_THAT(std::string(second.status().message()), ::testing::HasSubstr("cannot listen on '" + options.listen));
 }
 
 // Over real HTTP/2 on loopback, where a cancel and a half-close reach the

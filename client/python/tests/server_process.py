@@ -1,17 +1,20 @@
-"""A real mlakv-server process on a free loopback port, for tests and examples.
+"""A real mlakv-server process on a loopback port it picks itself, for tests and examples.
 
     with ServerProcess() as server:          # binary from $MLAKV_SERVER
         client = mlakv.Client(server.target)
 
-Starts `mlakv-server --listen 127.0.0.1:PORT --device cpu [extra args]`, waits
-until grpc.health.v1 says SERVING (bounded), and always stops it (SIGTERM, then
-SIGKILL after a grace period), also at interpreter exit.
+Starts `mlakv-server --listen 127.0.0.1:0 --device cpu [extra args]` and reads
+the port the server bound from its start-up line ("... ready: grpc
+127.0.0.1:PORT ..."), so no other process can take the port between a pick
+and the bind. Waits until grpc.health.v1 says SERVING (bounded), and always
+stops the server (SIGTERM, then SIGKILL after a grace period), also at
+interpreter exit.
 """
 
 import atexit
 import os
+import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,12 +23,6 @@ import mlakv
 
 START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 10.0
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -46,6 +43,13 @@ class ServerProcess:
     def target(self):
         return "127.0.0.1:%d" % self.port
 
+    def metrics_port(self):
+        """The port of --metrics_listen (port 0 picks one), from the start-up line."""
+        m = re.search(r" ready: .*metrics port (\d+)", self.log_text())
+        if not m:
+            raise RuntimeError("no metrics port in the server's start-up line (--metrics_listen not given?)")
+        return int(m.group(1))
+
     def log_text(self):
         if self.log is None:
             return ""
@@ -54,20 +58,17 @@ class ServerProcess:
             return f.read().decode(errors="replace")
 
     def start(self):
-        last = ""
-        for _ in range(3):  # a port taken between probe and bind: try another
-            self.port = _free_port()
-            self.log = tempfile.NamedTemporaryFile(prefix="mlakv-server-", suffix=".log", delete=False)
-            cmd = [self.binary, "--listen", self.target, "--device", self.device] + self.args
-            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            atexit.register(self.stop)
-            if self._wait_serving():
-                return self
-            last = self.log_text()
-            self.stop()
-            os.unlink(self.log.name)
-            self.log = None
-        raise RuntimeError("mlakv-server did not become SERVING; last log:\n" + last[-4000:])
+        self.log = tempfile.NamedTemporaryFile(prefix="mlakv-server-", suffix=".log", delete=False)
+        cmd = [self.binary, "--listen", "127.0.0.1:0", "--device", self.device] + self.args
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        atexit.register(self.stop)
+        if self._wait_serving():
+            return self
+        last = self.log_text()
+        self.stop()
+        os.unlink(self.log.name)
+        self.log = None
+        raise RuntimeError("mlakv-server did not become SERVING; log:\n" + last[-4000:])
 
     def _wait_serving(self):
         # A fresh channel per try: one channel that failed to connect would
@@ -76,12 +77,17 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
-            with mlakv.Client(self.target, credentials=self.credentials, timeout=1.0) as client:
-                try:
-                    if client.health() == "SERVING":
-                        return True
-                except mlakv.Error:
-                    pass
+            if self.port is None:
+                m = re.search(r" ready: grpc 127\.0\.0\.1:(\d+) .*\n", self.log_text())
+                if m:
+                    self.port = int(m.group(1))
+            if self.port is not None:
+                with mlakv.Client(self.target, credentials=self.credentials, timeout=1.0) as client:
+                    try:
+                        if client.health() == "SERVING":
+                            return True
+                    except mlakv.Error:
+                        pass
             time.sleep(0.05)
         return False
 
