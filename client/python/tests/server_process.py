@@ -58,6 +58,7 @@ class ServerProcess:
             return f.read().decode(errors="replace")
 
     def start(self):
+        self.port = None  # a restarted server binds a new port
         self.log = tempfile.NamedTemporaryFile(prefix="mlakv-server-", suffix=".log", delete=False)
         cmd = [self.binary, "--listen", "127.0.0.1:0", "--device", self.device] + self.args
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
