@@ -304,7 +304,8 @@ absl::Status AppendReactor::CommitStream() {
     }
     const uint64_t bound = SequenceProtoBytesBound(sequence_.size(), pool_->name().size(),
                                                    view_ == v1::SEQUENCE_VIEW_BASIC ? pages - first_new : pages,
-                                                   pool_->num_layers()) +
+                                                   pool_->num_pages(),
+                                                   view_ == v1::SEQUENCE_VIEW_BASIC ? 0 : pool_->num_layers()) +
                            32;
     if (bound > max_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(

@@ -10,6 +10,7 @@
 #include "grpc/health/v1/health.pb.h"
 #include "server/instrumented_backend.h"
 #include "server/mapping_fault_guard.h"
+#include "server/reflection_option.h"
 #include "server/metrics_interceptor.h"
 #include "server/server_config.h"
 #include "spdlog/spdlog.h"
@@ -17,26 +18,10 @@
 namespace mlakv::server {
 namespace {
 
-// Server reflection on one builder only. InitProtoReflectionServerBuilderPlugin
-// would add it to every server the process builds — the plaintext health
-// probe port included, which must serve grpc.health.v1.Health and nothing
-// else (docs/deploy.md) — so the plugin is handed to this builder alone.
-class ReflectionOnThisServer : public grpc::ServerBuilderOption {
- public:
-  void UpdateArguments(grpc::ChannelArguments*) override {}
-  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
-    plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
-  }
-};
-
-// Health checking and reflection of the main port. Reflection describes
-// services from the descriptors linked into the binary; touching
-// grpc.health.v1's descriptor keeps health.pb.o (from mlakv_proto) linked so
-// that reflection can describe grpc.health.v1.Health too.
 void EnableHealthAndReflection(grpc::ServerBuilder& builder) {
   static_cast<void>(grpc::health::v1::HealthCheckRequest::descriptor());
   grpc::EnableDefaultHealthCheckService(true);
-  builder.SetOption(std::make_unique<ReflectionOnThisServer>());
+  builder.SetOption(std::make_unique<ReflectionOption>(/*serve=*/true));
 }
 
 // "host:port" with the port replaced by `port`.

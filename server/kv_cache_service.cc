@@ -240,7 +240,7 @@ grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContex
         const size_t pages = txn.original_pages() + txn.pages_allocated();
         bound += SequenceProtoBytesBound(txn.sequence_id().size(), p->name().size(),
                                          c.view == v1::SEQUENCE_VIEW_BASIC ? txn.pages_allocated() : pages,
-                                         p->num_layers());
+                                         p->num_pages(), c.view == v1::SEQUENCE_VIEW_BASIC ? 0 : p->num_layers());
       }
       auto last_check = [&]() -> absl::Status {
         MLAKV_RETURN_IF_ERROR(hold.CheckNoFaults("AppendBatch"));

@@ -165,10 +165,6 @@ absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r
   if (!r.layers.empty() && !dtype) {
     return absl::InvalidArgumentError(absl::StrCat(who, ": dtype is unset; set ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
   }
-  if (static_cast<uint64_t>(r.start) + r.row_count > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
-    return absl::OutOfRangeError(absl::StrCat(who, ": start ", r.start, " + row_count ", r.row_count,
-                                              " passes position 2^31 - 1 (positions are int32)"));
-  }
   absl::flat_hash_set<int64_t> seen;
   for (const LayerRowsIn& lr : r.layers) {
     if (lr.layer < 0 || lr.layer >= options_.num_layers) {
@@ -202,6 +198,11 @@ absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r
         }
       }
     }
+  }
+  // Byte counts first (they say what the message is), then where it lands.
+  if (static_cast<uint64_t>(r.start) + r.row_count > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+    return absl::OutOfRangeError(absl::StrCat(who, ": start ", r.start, " + row_count ", r.row_count,
+                                              " passes position 2^31 - 1 (positions are int32)"));
   }
   return absl::OkStatus();
 }

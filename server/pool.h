@@ -153,6 +153,7 @@ class Pool {
   const std::string& device() const { return device_; }
   int32_t num_layers() const { return options_.num_layers; }
   int32_t page_size() const { return options_.page_size; }
+  int32_t num_pages() const { return options_.num_pages; }
   SerialExecutor& worker() { return *worker_; }
 
   // ---- appends (Stage / Commit / Abort on worker()) ------------------------

@@ -75,12 +75,28 @@ void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* o
   out->set_capacity_tokens(s.capacity_tokens);
 }
 
-uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, size_t layers) {
-  // Each field: a tag (1 byte here) and a varint (at most 5 bytes for
-  // uint32); strings and packed fields add a length of at most 5 bytes; the
-  // enclosing message's own tag and length add 6 more.
-  return (1 + 5 + pool_bytes) + (1 + 5 + id_bytes) + (1 + 5 + 5 * static_cast<uint64_t>(pages)) +
-         (1 + 5 + 5 * static_cast<uint64_t>(layers)) + 5 * 6 + 6;
+namespace {
+
+// Bytes of `v` as a protobuf varint.
+uint64_t VarintBytes(uint64_t v) {
+  uint64_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, uint32_t num_pages, size_t layers) {
+  // Strings and packed fields: a tag, a length varint and the bytes; the six
+  // scalar fields at most a tag and 5 bytes each; the enclosing message's
+  // own tag and length 6 more. Page ids are below num_pages, lengths below 2^31.
+  const uint64_t page_id = VarintBytes(num_pages == 0 ? 0 : num_pages - 1);
+  const uint64_t page_ids = page_id * pages, lengths = 5 * static_cast<uint64_t>(layers);
+  return (1 + VarintBytes(pool_bytes) + pool_bytes) + (1 + VarintBytes(id_bytes) + id_bytes) +
+         (1 + VarintBytes(page_ids) + page_ids) + (1 + VarintBytes(lengths) + lengths) + 6 * 6 + 6;
 }
 
 absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t start, uint32_t row_count,

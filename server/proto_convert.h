@@ -28,9 +28,10 @@ void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* o
              v1::SequenceView view = v1::SEQUENCE_VIEW_FULL, size_t first_new_page = 0);
 
 // An upper bound of the serialized size of a Sequence message holding
-// `pages` page ids and `layers` lengths, whose id and pool name have those
-// byte counts (for refusing, before a commit, a response over the send limit).
-uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, size_t layers);
+// `pages` page ids below `num_pages` and `layers` lengths below 2^31, whose
+// id and pool name have those byte counts (for refusing, before a commit, a
+// response over the send limit).
+uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, uint32_t num_pages, size_t layers);
 
 // The rows of one sequence as Pool::Stage takes them: LayerRows' bytes, or
 // the rows their RegionRefs name (resolved by `regions`; `hold` keeps them
