@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/nvfp4_format.h"
 #include "kernels/quantize_rows.h"
 #include "server/pool.h"
 
@@ -23,7 +24,7 @@ constexpr int kPages = 12;
 constexpr int kSequences = 4;     // ids "s0".."s3"
 constexpr uint32_t kMaxSequences = 3;
 constexpr float kCkv = 0.25f, kKpe = 0.5f;
-constexpr size_t kEntryBytes = 256 + 32 + 64;
+constexpr size_t kEntryBytes = format::kEntryBytes;
 
 using Entry = std::array<uint8_t, kEntryBytes>;  // one stored token of one layer
 
