@@ -16,6 +16,10 @@ Python client (client/python) and the `mlakv` CLI:
   * DrainOnSigterm: with an Append stream open, SIGTERM turns health
     NOT_SERVING, mlakv_draining to 1, refuses new calls, cancels the stream
     after --drain_grace_s and exits 0.
+  * MetricsEndpointUnderSlowClients: stalled connections to the metrics port
+    delay neither scrapes nor the exit on SIGTERM.
+  * PortInUse: the gRPC, health and metrics ports of a running server are
+    refused to a second one (exit 1).
   * Bad security flags stop the server at start with exit status 2.
 
 Environment: MLAKV_SERVER, MLAKV_CLI, MLAKV_PY_GEN (generated Python stubs),
@@ -26,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -418,18 +423,52 @@ class PortInUse(unittest.TestCase):
     never shares the port (gRPC's default SO_REUSEPORT would let it take half
     of the first one's connections)."""
 
-    def test_grpc_and_health_ports_in_use_are_refused(self):
+    def test_grpc_health_and_metrics_ports_in_use_are_refused(self):
         srv = Server("--health_listen", "127.0.0.1:0")
         self.addCleanup(srv.close)
+        metrics = "127.0.0.1:%d" % srv.metrics_port
         for args, expected in ((["--listen", srv.target], "cannot listen on '%s'" % srv.target),
                                (["--listen", "127.0.0.1:0", "--health_listen", "127.0.0.1:%d" % srv.health_port],
-                                "--health_listen 127.0.0.1:%d: cannot listen there" % srv.health_port)):
+                                "--health_listen 127.0.0.1:%d: cannot listen there" % srv.health_port),
+                               (["--listen", "127.0.0.1:0", "--metrics_listen", metrics],
+                                "--metrics_listen: cannot listen on '%s'" % metrics)):
             with self.subTest(args=args):
                 p = subprocess.run([SERVER, "--device", "cpu", *args], capture_output=True, text=True, timeout=30)
-                self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
                 self.assertIn(expected, p.stdout + p.stderr)
         with mlakv.Client(srv.target, timeout=10) as c:  # the first server is unaffected
             self.assertEqual([p.name for p in c.pools()], ["default"])
+        self.assertIn("mlakv_build_info", srv.scrape())  # and so is its metrics port
+
+
+class MetricsEndpointUnderSlowClients(unittest.TestCase):
+    """The real process: connections to the metrics port that send half a
+    request head and stall neither delay scrapes nor the exit on SIGTERM."""
+
+    def stalled(self, port, n):
+        socks = []
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+            socks.append(s)
+            self.addCleanup(s.close)
+        return socks
+
+    def test_scrapes_and_shutdown_with_stalled_connections(self):
+        srv = Server()
+        self.addCleanup(srv.close)
+        self.stalled(srv.metrics_port, 3)  # the endpoint serves 4 connections at once
+        time.sleep(0.2)
+        for _ in range(3):
+            t0 = time.monotonic()
+            text = srv.scrape()
+            self.assertLess(time.monotonic() - t0, 1.0, "a scrape waited behind stalled connections")
+            self.assertIn("mlakv_build_info", text)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        rc = srv.proc.wait(15)
+        self.assertEqual(rc, 0, srv.text())
+        self.assertLess(time.monotonic() - t0, 1.5, "exit waited for the stalled metrics connections")
 
 
 if __name__ == "__main__":
