@@ -137,7 +137,11 @@ v1::AppendRequest AppendMessage(const AppendRows& append, uint32_t first, uint32
   message.set_start(append.start + first);
   message.set_row_count(count);
   message.set_dtype(append.dtype);
-  if (is_first) message.set_reserve_tokens(append.reserve_tokens);
+  if (is_first) {
+    message.set_reserve_tokens(append.reserve_tokens);
+    if (append.expect_length) message.set_expect_length(*append.expect_length);
+    message.set_view(append.view);
+  }
   for (const LayerBytes& layer : append.layers) {
     v1::LayerRows* rows = message.add_layers();
     rows->set_layer(layer.layer);

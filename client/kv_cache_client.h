@@ -60,6 +60,13 @@ struct AppendRows {
   v1::RowDType dtype = v1::ROW_DTYPE_BFLOAT16;
   std::vector<LayerBytes> layers;
   uint32_t reserve_tokens = 0;  // allocate pages for this many tokens up front
+  // Apply only if every layer written holds exactly this many tokens (else
+  // FAILED_PRECONDITION, nothing written): set it to `start` when appending
+  // at the end of a sequence, so that retrying an append whose response was
+  // lost cannot write its tokens twice (docs/reliability.md "Retries").
+  std::optional<uint32_t> expect_length;
+  // What the response's sequence carries (BASIC: no whole page table).
+  v1::SequenceView view = v1::SEQUENCE_VIEW_UNSPECIFIED;
 };
 
 // The stored bytes of one layer of a sequence, in token order.

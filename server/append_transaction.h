@@ -39,6 +39,9 @@ class AppendTransaction {
   uint64_t rows_written() const { return rows_written_; }
   // Pages allocated so far by this append.
   uint32_t pages_allocated() const { return pages_allocated_; }
+  // Pages the sequence held before the append (its new pages follow them in
+  // the page table).
+  size_t original_pages() const { return original_pages_; }
   bool finished() const { return finished_; }
 
  private:

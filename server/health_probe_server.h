@@ -3,8 +3,9 @@
 //
 // Kubelet's native gRPC probes speak neither TLS nor mutual TLS, so when the
 // main port requires them the probes point here. Nothing but the health
-// service is registered, so no KvCache call can bypass TLS or the token
-// through this port. Its status follows the main server's through
+// service is registered (ProbeHealthService; no reflection, no KvCache), so
+// no call can bypass TLS or the token through this port and the port
+// describes nothing of the API. Its status follows the main server's through
 // SetServing (NOT_SERVING from the start of a drain).
 #pragma once
 
@@ -13,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "grpcpp/server.h"
+#include "server/probe_health_service.h"
 
 namespace mlakv::server {
 
@@ -30,7 +32,9 @@ class HealthProbeServer {
   void Shutdown();
 
  private:
-  HealthProbeServer(std::unique_ptr<grpc::Server> server, int port) : server_(std::move(server)), port_(port) {}
+  HealthProbeServer(std::unique_ptr<ProbeHealthService> health, std::unique_ptr<grpc::Server> server, int port)
+      : health_(std::move(health)), server_(std::move(server)), port_(port) {}
+  std::unique_ptr<ProbeHealthService> health_;  // outlives server_
   std::unique_ptr<grpc::Server> server_;
   const int port_;
   bool shut_down_ = false;

@@ -9,6 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.pb.h"
 #include "server/instrumented_backend.h"
+#include "server/mapping_fault_guard.h"
+#include "server/reflection_option.h"
 #include "server/metrics_interceptor.h"
 #include "server/server_config.h"
 #include "spdlog/spdlog.h"
@@ -16,14 +18,10 @@
 namespace mlakv::server {
 namespace {
 
-// The one visible place where health checking and reflection are switched on.
-// Reflection describes services from the descriptors linked into the binary;
-// touching grpc.health.v1's descriptor keeps health.pb.o (from mlakv_proto)
-// linked so that reflection can describe grpc.health.v1.Health too.
-void EnableHealthAndReflection() {
+void EnableHealthAndReflection(grpc::ServerBuilder& builder) {
   static_cast<void>(grpc::health::v1::HealthCheckRequest::descriptor());
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  builder.SetOption(std::make_unique<ReflectionOption>(/*serve=*/true));
 }
 
 // "host:port" with the port replaced by `port`.
@@ -62,13 +60,36 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
         absl::StrCat("max_message_bytes ", max_message, " is below 65536; one row message needs more"));
   }
   service_options.max_message_bytes = max_message;
-  server->regions_ = std::make_unique<RegionRegistry>(RegionRegistry::Options{.allow_ipc = options.allow_ipc});
+  const v1::ServerConfig& config = options.config;
+  const uint32_t max_regions = config.max_regions() == 0 ? kDefaultMaxRegions : config.max_regions();
+  if (max_regions > static_cast<uint32_t>(MappingFaultGuard::kMaxRanges)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_regions ", max_regions, " exceeds ", MappingFaultGuard::kMaxRanges));
+  }
+  server->regions_ = std::make_unique<RegionRegistry>(RegionRegistry::Options{
+      .allow_ipc = options.allow_ipc,
+      .max_regions = max_regions,
+      .max_region_bytes = config.max_region_bytes() == 0 ? kDefaultMaxRegionBytes : config.max_region_bytes()});
   service_options.regions = server->regions_.get();
+  service_options.append_idle_timeout = absl::Seconds(
+      config.append_idle_timeout_seconds() == 0 ? kDefaultAppendIdleTimeoutSeconds : config.append_idle_timeout_seconds());
+  if (options.metrics != nullptr) {  // operations: rows and bytes of appends, by pool
+    service_options.on_append = [metrics = options.metrics](const AppendOutcome& o) {
+      metrics->AppendFinished(o.method, o.pool, o.ok, o.rows, o.bytes, o.seconds);
+    };
+  }
   server->service_ = std::make_unique<KvCacheService>(service_options);
 
-  EnableHealthAndReflection();
   grpc::ServerBuilder builder;
-  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint32_t>(max_message, INT32_MAX)));
+  EnableHealthAndReflection(builder);
+  // No receive limit in gRPC itself: the service enforces max_message_bytes
+  // on every append message it is handed. gRPC's own limit would end an
+  // Append stream whose next message is too large the same way as a clean
+  // half-close (the cancellation it causes reaches the call only later), so
+  // the messages before it could commit; and it bounds no memory, since gRPC
+  // receives a whole message before it compares its size
+  // (docs/reliability.md "Atomic streams").
+  builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint32_t>(max_message, INT32_MAX)));
   builder.RegisterService(server->service_.get());
   // ---- operations: per-RPC metrics, TLS / token credentials ----

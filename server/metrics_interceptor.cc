@@ -3,15 +3,14 @@
 #include <chrono>
 #include <string>
 
-#include "mlakv/v1/kv_cache.pb.h"
-
 namespace mlakv::server {
 namespace {
 
 using grpc::experimental::InterceptionHookPoints;
 
-constexpr char kKvCacheService[] = "mlakv.v1.KvCache";
-
+// Per-RPC metrics only: the interceptor never looks into messages (Append is
+// a raw ByteBuffer method, and the service itself reports what an append
+// wrote, through KvCacheService::Options::on_append).
 class MetricsInterceptor : public grpc::experimental::Interceptor {
  public:
   MetricsInterceptor(grpc::experimental::ServerRpcInfo* info, ServerMetrics* metrics)
@@ -26,10 +25,6 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
       service_ = "unknown";
       method_ = full.empty() ? "unknown" : full;
     }
-    if (service_ == kKvCacheService) {
-      if (method_ == "Append") kind_ = Kind::kAppend;
-      if (method_ == "AppendBatch") kind_ = Kind::kAppendBatch;
-    }
     metrics_->RpcStarted(service_, method_);
   }
 
@@ -39,15 +34,6 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
   }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (kind_ != Kind::kOther && methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
-      if (const void* msg = methods->GetRecvMessage()) CountRequest(msg);
-    }
-    if (kind_ != Kind::kOther && methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
-      if (const void* msg = methods->GetSendMessage()) {
-        rows_ = kind_ == Kind::kAppend ? static_cast<const v1::AppendResponse*>(msg)->rows_written()
-                                       : static_cast<const v1::AppendBatchResponse*>(msg)->rows_written();
-      }
-    }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS) && !finished_) {
       Finish(methods->GetSendStatus().error_code());
     }
@@ -55,40 +41,15 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
   }
 
  private:
-  enum class Kind { kOther, kAppend, kAppendBatch };
-
-  static uint64_t LayerBytes(const v1::LayerRows& l) { return l.ckv().size() + l.kpe().size(); }
-
-  void CountRequest(const void* msg) {
-    if (kind_ == Kind::kAppend) {
-      const auto& req = *static_cast<const v1::AppendRequest*>(msg);
-      if (pool_.empty() && !req.pool().empty()) pool_ = req.pool();
-      for (const auto& l : req.layers()) bytes_ += LayerBytes(l);
-    } else {
-      const auto& req = *static_cast<const v1::AppendBatchRequest*>(msg);
-      pool_ = req.pool();
-      for (const auto& s : req.sequences()) {
-        for (const auto& l : s.layers()) bytes_ += LayerBytes(l);
-      }
-    }
-  }
-
   void Finish(grpc::StatusCode code) {
     finished_ = true;
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     metrics_->RpcFinished(service_, method_, code, seconds);
-    if (kind_ != Kind::kOther) {
-      metrics_->AppendFinished(method_, pool_, code == grpc::StatusCode::OK, rows_, bytes_, seconds);
-    }
   }
 
   ServerMetrics* const metrics_;
   const std::chrono::steady_clock::time_point start_;
   std::string service_, method_;
-  Kind kind_ = Kind::kOther;
-  std::string pool_;  // as named by the request; empty = the default pool
-  uint64_t rows_ = 0;
-  uint64_t bytes_ = 0;
   bool finished_ = false;
 };
 

@@ -1,10 +1,9 @@
 // MetricsInterceptorFactory: a gRPC server interceptor that records every RPC
 // in ServerMetrics without any code in the service: count by service, method
-// and status code, latency, in-flight; for Append and AppendBatch also the
-// rows (from the response's rows_written) and input bytes (ckv + kpe of the
-// received messages) of successful calls, and their latency. It passes the
-// names as the call carries them; ServerMetrics maps every one it does not
-// know (a method no service registers, a pool not configured) to "unknown".
+// and status code, latency, in-flight. What appends wrote (rows, bytes, by
+// pool) is reported by the service itself (KvCacheService::Options::on_append).
+// It passes the names as the call carries them; ServerMetrics maps every one
+// it does not know (a method no service registers) to "unknown".
 // Register with ServerBuilder::experimental().SetInterceptorCreators.
 // Calls refused by the transport or the auth processor never reach it (see
 // mlakv_auth_failures_total for the latter).

@@ -20,8 +20,10 @@ add_library(mlakv_observability STATIC
   ${CMAKE_CURRENT_LIST_DIR}/bearer_token_auth.cc
   ${CMAKE_CURRENT_LIST_DIR}/server_credentials.cc
   ${CMAKE_CURRENT_LIST_DIR}/health_probe_server.cc
+  ${CMAKE_CURRENT_LIST_DIR}/reflection_option.cc
+  ${CMAKE_CURRENT_LIST_DIR}/probe_health_service.cc
   ${CMAKE_CURRENT_LIST_DIR}/instrumented_backend.cc)
 target_link_libraries(mlakv_observability
-  PUBLIC mlakv_proto mlakv_common gRPC::grpc++ prometheus-cpp::core absl::status absl::statusor absl::strings
-         absl::synchronization absl::time absl::flat_hash_map absl::flat_hash_set
+  PUBLIC mlakv_proto mlakv_common gRPC::grpc++ gRPC::grpc++_reflection prometheus-cpp::core absl::status
+         absl::statusor absl::strings absl::synchronization absl::time absl::flat_hash_map absl::flat_hash_set
   PRIVATE civetweb::civetweb-cpp)

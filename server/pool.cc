@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/quote.h"
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_append.h"
 #include "spdlog/spdlog.h"
@@ -20,8 +21,6 @@ using format::kCkvSfBytes;
 using format::kKpeBytes;
 using format::kKpeDim;
 
-constexpr size_t kMaxSequenceIdBytes = 1024;
-
 const char* ShortDTypeName(DType d) { return d == DType::kFloat16 ? "fp16" : "bf16"; }
 
 bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
@@ -30,18 +29,39 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t NowNs() { return absl::ToUnixNanos(absl::Now()); }
 
+// "sequence 'id'" for messages, with the id quoted safely (common/quote.h).
+std::string Who(const std::string& id) { return absl::StrCat("sequence ", Quote(id)); }
+
 }  // namespace
+
+// What Stage decides under the lock and carries to the writes outside it.
+struct Pool::StagePlan {
+  struct NewScales {
+    float ckv_scale = 0.0f;
+    float kpe_scale = 0.0f;
+    size_t owner = 0;  // index of the transaction that named them (its Abort unsets them)
+  };
+  std::map<int32_t, NewScales> new_scales;  // layer -> scales this call sets
+  std::vector<int64_t> new_pages;           // [txns] pages each transaction needs beyond what it holds
+  int64_t total_new_pages = 0;
+  // The writes: per layer its segments, against one page table for the call.
+  std::map<int32_t, std::vector<AppendSegment>> segments;
+  std::vector<int32_t> kv_indptr{0}, kv_indices;
+  std::vector<LayerAppend> appends;
+  std::vector<AppendTransaction::Undo*> undo_to_capture;
+};
 
 // ---- Pool --------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(const Options& options) {
-  const std::string where = absl::StrCat("pool '", options.name, "': ");
+  const std::string where = absl::StrCat("pool ", Quote(options.name), ": ");
   if (options.name.empty()) return absl::InvalidArgumentError("pool name is empty");
   if (options.num_layers < 1 || options.page_size < 1 || options.num_pages < 1) {
     return absl::InvalidArgumentError(absl::StrCat(where, "num_layers, page_size and num_pages must be >= 1, got ",
                                                    options.num_layers, ", ", options.page_size, ", ",
                                                    options.num_pages));
   }
+  if (options.max_sequences < 1) return absl::InvalidArgumentError(absl::StrCat(where, "max_sequences must be >= 1"));
   if (static_cast<int64_t>(options.num_pages) * options.page_size > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(absl::StrCat(where, "num_pages x page_size = ",
                                                    static_cast<int64_t>(options.num_pages) * options.page_size,
@@ -103,259 +123,273 @@ int64_t Pool::EntryOf(const Sequence& seq, uint32_t position) const {
 
 void Pool::ReleasePages(std::span<const int32_t> pages) {
   if (absl::Status s = allocator_->Free(pages); !s.ok()) {
-    spdlog::error("pool '{}': {}", name(), std::string(s.message()));  // a bug; the pages stay used rather than corrupt the list
+    spdlog::error("pool {}: {}", Quote(name()), std::string(s.message()));  // a bug; the pages stay used rather than corrupt the list
   }
 }
+
+// ---- appends ---------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<AppendTransaction>> Pool::BeginAppend(const std::string& id) {
   if (id.empty()) return absl::InvalidArgumentError("sequence id is empty; name the sequence (e.g. the request id)");
   if (id.size() > kMaxSequenceIdBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sequence id is ", id.size(), " bytes; at most ", kMaxSequenceIdBytes, " are accepted"));
+    return absl::InvalidArgumentError(absl::StrCat("sequence id ", Quote(id), " is ", id.size(), " bytes; at most ",
+                                                   kMaxSequenceIdBytes, " are accepted"));
   }
   absl::MutexLock lock(&mu_);
   Sequence* seq = sequences_.Find(id);
   bool created = false;
   if (seq == nullptr) {
+    if (sequences_.size() >= options_.max_sequences) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "pool ", Quote(name()), " holds ", sequences_.size(), " sequences, its max_sequences; ", Who(id),
+          " cannot be created. Free sequences, or configure a larger max_sequences"));
+    }
     seq = sequences_.Add(std::string(id));
     created = true;
   } else if (seq->busy()) {
-    return absl::AbortedError(absl::StrCat("sequence '", id, "' of pool '", name(),
-                                           "' has another append in progress; retry when it has finished"));
+    return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
+                                           " has another append in progress; retry when it has finished"));
+  } else {
+    sequences_.MarkBusy(seq);
   }
-  seq->set_busy(true);
   std::unique_ptr<AppendTransaction> txn(new AppendTransaction(this, seq, std::string(id), options_.num_layers));
   txn->created_ = created;
   return txn;
 }
 
-absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
-                         std::optional<DType> dtype) {
-  if (txns.size() != rows.size()) return absl::InternalError("Pool::Stage: txns and rows differ in length");
-  const int32_t ps = options_.page_size;
+absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r, std::optional<DType> dtype) const {
+  if (r.row_count > 0 && r.layers.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": row_count is ", r.row_count, " but no layers carry rows; add LayerRows entries"));
+  }
+  if (!r.layers.empty() && !dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": dtype is unset; set ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
+  }
+  absl::flat_hash_set<int64_t> seen;
+  for (const LayerRowsIn& lr : r.layers) {
+    if (lr.layer < 0 || lr.layer >= options_.num_layers) {
+      return absl::OutOfRangeError(absl::StrCat(who, ": layer ", lr.layer, " is outside [0, ", options_.num_layers,
+                                                ") of pool ", Quote(name())));
+    }
+    if (!seen.insert(lr.layer).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": layer ", lr.layer, " appears twice in one message; send one entry per layer"));
+    }
+    const int esize = DTypeSize(*dtype);
+    const uint64_t ckv_row = static_cast<uint64_t>(kCkvDim) * esize, kpe_row = static_cast<uint64_t>(kKpeDim) * esize;
+    if (lr.ckv.size() != r.row_count * ckv_row) {
+      return absl::InvalidArgumentError(absl::StrCat(who, " layer ", lr.layer, ": ckv bytes ", lr.ckv.size(),
+                                                     " is not rows(", r.row_count, ") x ", ckv_row, " for ",
+                                                     ShortDTypeName(*dtype)));
+    }
+    if (lr.kpe.size() != r.row_count * kpe_row) {
+      return absl::InvalidArgumentError(absl::StrCat(who, " layer ", lr.layer, ": kpe bytes ", lr.kpe.size(),
+                                                     " is not rows(", r.row_count, ") x ", kpe_row, " for ",
+                                                     ShortDTypeName(*dtype)));
+    }
+    // Scales: named (both set) or not (both 0).
+    if (lr.ckv_scale != 0.0f || lr.kpe_scale != 0.0f) {
+      for (auto [value, what] :
+           {std::pair<float, const char*>{lr.ckv_scale, "ckv_scale"}, {lr.kpe_scale, "kpe_scale"}}) {
+        if (absl::StatusOr<float> s = CheckDecodeScale(value, what); !s.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              who, " layer ", lr.layer, ": ", s.status().message(),
+              value == 0.0f ? "; name both ckv_scale and kpe_scale, or neither to use the layer's" : ""));
+        }
+      }
+    }
+  }
+  // Byte counts first (they say what the message is), then where it lands.
+  if (static_cast<uint64_t>(r.start) + r.row_count > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+    return absl::OutOfRangeError(absl::StrCat(who, ": start ", r.start, " + row_count ", r.row_count,
+                                              " passes position 2^31 - 1 (positions are int32)"));
+  }
+  return absl::OkStatus();
+}
 
-  // Per layer: the rows of every sequence, against the batch's page table.
-  struct LayerPlan {
-    std::vector<AppendSegment> segments;
-  };
-  std::map<int32_t, LayerPlan> plans;
-  std::vector<int32_t> kv_indptr{0}, kv_indices;
-  std::vector<LayerAppend> appends;
-  std::vector<AppendTransaction::Undo*> undo_to_capture;
-
-  {
-    absl::MutexLock lock(&mu_);
-    // ---- 1. validate everything; nothing changes in this step -------------
-    std::map<int32_t, std::pair<float, float>> new_scales;  // layer -> scales this call sets
-    std::map<int32_t, size_t> new_scales_owner;              // layer -> index of the txn that named them
-    std::vector<int64_t> new_pages(txns.size(), 0);
-    int64_t total_new_pages = 0;
-    for (size_t i = 0; i < txns.size(); ++i) {
-      AppendTransaction& txn = *txns[i];
-      const SequenceRowsIn& r = *rows[i];
-      if (txn.finished_) return absl::InternalError("Pool::Stage on a finished transaction");
-      const std::string who = absl::StrCat("sequence '", txn.id_, "'");
-      if (r.row_count > 0 && r.layers.empty()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(who, ": row_count is ", r.row_count, " but no layers carry rows; add LayerRows entries"));
+absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const SequenceRowsIn& r,
+                              StagePlan& plan) const {
+  const std::string who = Who(txn.id_);
+  if (r.expect_length) {
+    // The layers these rows write, or the sequence as a whole.
+    auto mismatch = [&](uint32_t have, const std::string& what) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, " ", what, " holds ", have, " tokens, not the ", *r.expect_length,
+          " this append expects (expect_length); nothing was written. An earlier attempt of this append may "
+          "have committed: read the sequence before retrying"));
+    };
+    if (r.layers.empty()) {
+      const uint32_t have = *std::min_element(txn.committed_.begin(), txn.committed_.end());
+      if (have != *r.expect_length) return mismatch(have, "");
+    }
+    for (const LayerRowsIn& lr : r.layers) {
+      const uint32_t have = txn.committed_[lr.layer];
+      if (have != *r.expect_length) return mismatch(have, absl::StrCat("layer ", lr.layer));
+    }
+  }
+  for (const LayerRowsIn& lr : r.layers) {
+    const int32_t layer = static_cast<int32_t>(lr.layer);
+    const bool named = lr.ckv_scale != 0.0f || lr.kpe_scale != 0.0f;
+    const LayerState& st = layers_[layer];
+    auto decided = plan.new_scales.find(layer);
+    if (decided != plan.new_scales.end()) {
+      if (named && (!SameBits(lr.ckv_scale, decided->second.ckv_scale) ||
+                    !SameBits(lr.kpe_scale, decided->second.kpe_scale))) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            who, " layer ", layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale,
+            " but another sequence of this call names ckv_scale ", decided->second.ckv_scale, " kpe_scale ",
+            decided->second.kpe_scale, "; one layer has one pair of scales"));
       }
-      if (!r.layers.empty() && !dtype) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(who, ": dtype is unset; set ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
-      }
-      const uint64_t end = static_cast<uint64_t>(r.start) + r.row_count;
-      const uint64_t needed_tokens = std::max<uint64_t>(r.row_count == 0 || r.layers.empty() ? 0 : end, r.reserve_tokens);
-      if (needed_tokens > static_cast<uint64_t>(max_tokens_)) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            who, " would need ", needed_tokens, " tokens but pool '", name(), "' holds at most ", max_tokens_,
-            " (", options_.num_pages, " pages of ", ps, "); nothing was written"));
-      }
-      absl::flat_hash_set<int64_t> seen;
-      for (const LayerRowsIn& lr : r.layers) {
-        if (lr.layer < 0 || lr.layer >= options_.num_layers) {
-          return absl::OutOfRangeError(absl::StrCat(who, ": layer ", lr.layer, " is outside [0, ",
-                                                    options_.num_layers, ") of pool '", name(), "'"));
-        }
-        if (!seen.insert(lr.layer).second) {
-          return absl::InvalidArgumentError(absl::StrCat(who, ": layer ", lr.layer,
-                                                         " appears twice in one message; send one entry per layer"));
-        }
-        const int esize = DTypeSize(*dtype);
-        const uint64_t ckv_row = static_cast<uint64_t>(kCkvDim) * esize, kpe_row = static_cast<uint64_t>(kKpeDim) * esize;
-        if (lr.ckv.size() != r.row_count * ckv_row) {
-          return absl::InvalidArgumentError(absl::StrCat(who, " layer ", lr.layer, ": ckv bytes ", lr.ckv.size(),
-                                                         " is not rows(", r.row_count, ") x ", ckv_row, " for ",
-                                                         ShortDTypeName(*dtype)));
-        }
-        if (lr.kpe.size() != r.row_count * kpe_row) {
-          return absl::InvalidArgumentError(absl::StrCat(who, " layer ", lr.layer, ": kpe bytes ", lr.kpe.size(),
-                                                         " is not rows(", r.row_count, ") x ", kpe_row, " for ",
-                                                         ShortDTypeName(*dtype)));
-        }
-        // Scales: named (both set) or not (both 0).
-        const bool named = lr.ckv_scale != 0.0f || lr.kpe_scale != 0.0f;
-        if (named) {
-          for (auto [value, what] : {std::pair<float, const char*>{lr.ckv_scale, "ckv_scale"},
-                                     {lr.kpe_scale, "kpe_scale"}}) {
-            if (absl::StatusOr<float> s = CheckDecodeScale(value, what); !s.ok()) {
-              return absl::InvalidArgumentError(absl::StrCat(
-                  who, " layer ", lr.layer, ": ", s.status().message(),
-                  value == 0.0f ? "; name both ckv_scale and kpe_scale, or neither to use the layer's" : ""));
-            }
-          }
-        }
-        const LayerState& st = layers_[lr.layer];
-        auto decided = new_scales.find(static_cast<int32_t>(lr.layer));
-        if (decided != new_scales.end()) {
-          if (named && (!SameBits(lr.ckv_scale, decided->second.first) ||
-                        !SameBits(lr.kpe_scale, decided->second.second))) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                who, " layer ", lr.layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale,
-                " but another sequence of this call names ckv_scale ", decided->second.first, " kpe_scale ",
-                decided->second.second, "; one layer has one pair of scales"));
-          }
-        } else if (st.scales_set) {
-          if (named && (!SameBits(lr.ckv_scale, st.ckv_scale) || !SameBits(lr.kpe_scale, st.kpe_scale))) {
-            const bool replaceable = !st.scales_from_config && st.tokens == 0 && st.staged_users == 0;
-            if (!replaceable) {
-              return absl::FailedPreconditionError(absl::StrCat(
-                  who, " layer ", lr.layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale,
-                  " but layer ", lr.layer, " of pool '", name(), "' has ckv_scale ", st.ckv_scale, " kpe_scale ",
-                  st.kpe_scale,
-                  st.scales_from_config ? " fixed by configuration"
-                                        : absl::StrCat(" and stores ", st.tokens,
-                                                       " tokens (scales change only while a layer is empty)"),
-                  "; append with the layer's scales or leave them unset"));
-            }
-            new_scales[static_cast<int32_t>(lr.layer)] = {lr.ckv_scale, lr.kpe_scale};
-            new_scales_owner[static_cast<int32_t>(lr.layer)] = i;
-          }
-        } else if (named) {
-          new_scales[static_cast<int32_t>(lr.layer)] = {lr.ckv_scale, lr.kpe_scale};
-          new_scales_owner[static_cast<int32_t>(lr.layer)] = i;
-        } else if (r.row_count > 0) {
+    } else if (st.scales_set) {
+      if (named && (!SameBits(lr.ckv_scale, st.ckv_scale) || !SameBits(lr.kpe_scale, st.kpe_scale))) {
+        const bool replaceable = !st.scales_from_config && st.tokens == 0 && st.staged_users == 0;
+        if (!replaceable) {
           return absl::FailedPreconditionError(absl::StrCat(
-              who, " layer ", lr.layer, ": layer ", lr.layer, " of pool '", name(),
-              "' has no scales yet; name ckv_scale and kpe_scale in the first append to it (or configure them)"));
+              who, " layer ", layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale, " but layer ",
+              layer, " of pool ", Quote(name()), " has ckv_scale ", st.ckv_scale, " kpe_scale ", st.kpe_scale,
+              st.scales_from_config
+                  ? " fixed by configuration"
+                  : absl::StrCat(" and stores ", st.tokens, " tokens (scales change only while a layer is empty)"),
+              "; append with the layer's scales or leave them unset"));
         }
-        // No holes: start at or before what the layer holds (committed, or
-        // staged by this same append).
-        if (r.row_count > 0) {
-          const uint32_t have = std::max(txn.committed_[lr.layer], txn.staged_end_[lr.layer]);
-          if (r.start > have) {
-            return absl::OutOfRangeError(absl::StrCat(who, " layer ", lr.layer, ": start ", r.start,
-                                                      " would leave a hole; the layer holds ", have,
-                                                      " tokens, so an append must start at or before ", have));
-          }
-        }
+        plan.new_scales[layer] = {lr.ckv_scale, lr.kpe_scale, index};
       }
-      const int64_t pages_needed = CeilDiv(static_cast<int64_t>(needed_tokens), ps);
-      new_pages[i] = std::max<int64_t>(0, pages_needed - static_cast<int64_t>(txn.sequence_->pages().size()));
-      total_new_pages += new_pages[i];
+    } else if (named) {
+      plan.new_scales[layer] = {lr.ckv_scale, lr.kpe_scale, index};
+    } else if (r.row_count > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, " layer ", layer, ": layer ", layer, " of pool ", Quote(name()),
+          " has no scales yet; name ckv_scale and kpe_scale in the first append to it (or configure them)"));
     }
-    if (total_new_pages > allocator_->free_count()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "pool '", name(), "' is full: this append needs ", total_new_pages, " more pages but ",
-          allocator_->free_count(), " of ", allocator_->total(), " are free (page_size ", ps,
-          "); nothing was written. Free or truncate sequences, or configure a larger pool"));
-    }
-
-    // ---- 2. allocate, set scales, plan the writes -------------------------
-    absl::StatusOr<std::vector<int32_t>> pages = allocator_->Allocate(total_new_pages);
-    if (!pages.ok()) return pages.status();
-    size_t next = 0;
-    for (size_t i = 0; i < txns.size(); ++i) {
-      AppendTransaction& txn = *txns[i];
-      sequences_.AttachPages(txn.sequence_, std::span<const int32_t>(pages->data() + next, new_pages[i]));
-      next += new_pages[i];
-      txn.pages_allocated_ += static_cast<uint32_t>(new_pages[i]);
-    }
-    for (const auto& [layer, scales] : new_scales) {
-      LayerState& st = layers_[layer];
-      txns[new_scales_owner[layer]]->scales_before_.push_back(
-          {.layer = layer, .set = st.scales_set, .ckv_scale = st.ckv_scale, .kpe_scale = st.kpe_scale});
-      st.scales_set = true;
-      st.ckv_scale = scales.first;
-      st.kpe_scale = scales.second;
-    }
-    for (size_t i = 0; i < txns.size(); ++i) {
-      AppendTransaction& txn = *txns[i];
-      const SequenceRowsIn& r = *rows[i];
-      const Sequence& seq = *txn.sequence_;
-      for (int32_t page : seq.pages()) kv_indices.push_back(page);
-      kv_indptr.push_back(static_cast<int32_t>(kv_indices.size()));
-      if (r.row_count == 0) continue;
-      for (const LayerRowsIn& lr : r.layers) {
-        const int32_t l = static_cast<int32_t>(lr.layer);
-        if (!txn.touched_[l]) {
-          txn.touched_[l] = true;
-          ++layers_[l].staged_users;
-        }
-        plans[l].segments.push_back({.ckv = lr.ckv.data(),
-                                     .kpe = lr.kpe.data(),
-                                     .rows = static_cast<int32_t>(r.row_count),
-                                     .request = static_cast<int32_t>(i),
-                                     .start = static_cast<int32_t>(r.start),
-                                     .device = lr.rows_device,
-                                     .ckv_stride_bytes = lr.ckv_stride_bytes,
-                                     .kpe_stride_bytes = lr.kpe_stride_bytes,
-                                     .wait_events = {lr.wait_events[0], lr.wait_events[1]}});
-        // Committed positions this message rewrites and whose old bytes are
-        // not saved yet.
-        const uint32_t rewrite_end = std::min<uint64_t>(static_cast<uint64_t>(r.start) + r.row_count, txn.committed_[l]);
-        if (r.start < rewrite_end) {
-          std::vector<bool>& saved = txn.saved_[l];
-          if (saved.empty()) saved.assign(txn.committed_[l], false);
-          AppendTransaction::Undo undo;
-          undo.layer = l;
-          for (uint32_t p = r.start; p < rewrite_end; ++p) {
-            if (saved[p]) continue;
-            saved[p] = true;
-            undo.entries.push_back(EntryOf(seq, p));
-          }
-          if (!undo.entries.empty()) txn.undo_.push_back(std::move(undo));
-        }
+    // No holes: start at or before what the layer holds (committed, or
+    // staged by this same append).
+    if (r.row_count > 0) {
+      const uint32_t have = std::max(txn.committed_[layer], txn.staged_end_[layer]);
+      if (r.start > have) {
+        return absl::OutOfRangeError(absl::StrCat(who, " layer ", layer, ": start ", r.start,
+                                                  " would leave a hole; the layer holds ", have,
+                                                  " tokens, so an append must start at or before ", have));
       }
-    }
-    // Pointers into undo_ stay valid: nothing else appends to it before the
-    // capture below, and the vector is not touched by other threads.
-    for (AppendTransaction* txn : txns) {
-      for (AppendTransaction::Undo& u : txn->undo_) {
-        if (!u.captured) undo_to_capture.push_back(&u);
-      }
-    }
-    for (auto& [layer, plan] : plans) {
-      const LayerState& st = layers_[layer];
-      appends.push_back({.layer = layer,
-                         .dtype = dtype.value_or(DType::kBFloat16),
-                         .ckv_scale = st.ckv_scale,
-                         .kpe_scale = st.kpe_scale,
-                         .segments = plan.segments,
-                         .kv_indptr = {},
-                         .kv_indices = {}});
     }
   }
-  for (LayerAppend& a : appends) {
-    a.kv_indptr = kv_indptr;
-    a.kv_indices = kv_indices;
+  // Capacity this sequence needs (checked for the whole call afterwards).
+  const uint64_t end = static_cast<uint64_t>(r.start) + r.row_count;
+  const uint64_t needed_tokens = std::max<uint64_t>(r.row_count == 0 || r.layers.empty() ? 0 : end, r.reserve_tokens);
+  if (needed_tokens > static_cast<uint64_t>(max_tokens_)) {
+    return absl::ResourceExhaustedError(absl::StrCat(who, " would need ", needed_tokens, " tokens but pool ",
+                                                     Quote(name()), " holds at most ", max_tokens_, " (",
+                                                     options_.num_pages, " pages of ", options_.page_size,
+                                                     "); nothing was written"));
   }
+  const int64_t pages_needed = CeilDiv(static_cast<int64_t>(needed_tokens), options_.page_size);
+  plan.new_pages[index] = std::max<int64_t>(0, pages_needed - static_cast<int64_t>(txn.sequence_->pages().size()));
+  plan.total_new_pages += plan.new_pages[index];
+  return absl::OkStatus();
+}
 
-  // ---- 3. save what will be rewritten, then write (outside mu_) -----------
-  for (AppendTransaction::Undo* u : undo_to_capture) {
+absl::Status Pool::CheckCapacity(const StagePlan& plan) const {
+  if (plan.total_new_pages <= allocator_->free_count()) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "pool ", Quote(name()), " is full: this append needs ", plan.total_new_pages, " more pages but ",
+      allocator_->free_count(), " of ", allocator_->total(), " are free (page_size ", options_.page_size,
+      "); nothing was written. Free or truncate sequences, or configure a larger pool"));
+}
+
+void Pool::Reserve(std::span<AppendTransaction* const> txns, StagePlan& plan) {
+  std::vector<int32_t> pages = *allocator_->Allocate(plan.total_new_pages);  // CheckCapacity passed under this lock
+  size_t next = 0;
+  for (size_t i = 0; i < txns.size(); ++i) {
+    AppendTransaction& txn = *txns[i];
+    sequences_.AttachPages(txn.sequence_, std::span<const int32_t>(pages.data() + next, plan.new_pages[i]));
+    next += plan.new_pages[i];
+    txn.pages_allocated_ += static_cast<uint32_t>(plan.new_pages[i]);
+  }
+  for (const auto& [layer, scales] : plan.new_scales) {
+    LayerState& st = layers_[layer];
+    txns[scales.owner]->scales_before_.push_back(
+        {.layer = layer, .set = st.scales_set, .ckv_scale = st.ckv_scale, .kpe_scale = st.kpe_scale});
+    st.scales_set = true;
+    st.ckv_scale = scales.ckv_scale;
+    st.kpe_scale = scales.kpe_scale;
+  }
+}
+
+void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
+                      std::optional<DType> dtype, StagePlan& plan) {
+  for (size_t i = 0; i < txns.size(); ++i) {
+    AppendTransaction& txn = *txns[i];
+    const SequenceRowsIn& r = *rows[i];
+    const Sequence& seq = *txn.sequence_;
+    for (int32_t page : seq.pages()) plan.kv_indices.push_back(page);
+    plan.kv_indptr.push_back(static_cast<int32_t>(plan.kv_indices.size()));
+    if (r.row_count == 0) continue;
+    for (const LayerRowsIn& lr : r.layers) {
+      const int32_t l = static_cast<int32_t>(lr.layer);
+      if (!txn.touched_[l]) {
+        txn.touched_[l] = true;
+        ++layers_[l].staged_users;
+      }
+      plan.segments[l].push_back({.ckv = lr.ckv.data(),
+                                  .kpe = lr.kpe.data(),
+                                  .rows = static_cast<int32_t>(r.row_count),
+                                  .request = static_cast<int32_t>(i),
+                                  .start = static_cast<int32_t>(r.start),
+                                  .device = lr.rows_device,
+                                  .ckv_stride_bytes = lr.ckv_stride_bytes,
+                                  .kpe_stride_bytes = lr.kpe_stride_bytes,
+                                  .wait_events = {lr.wait_events[0], lr.wait_events[1]}});
+      // Committed positions these rows rewrite whose old bytes are not saved yet.
+      const uint32_t rewrite_end = std::min<uint64_t>(static_cast<uint64_t>(r.start) + r.row_count, txn.committed_[l]);
+      if (r.start < rewrite_end) {
+        std::vector<bool>& saved = txn.saved_[l];
+        if (saved.empty()) saved.assign(txn.committed_[l], false);
+        AppendTransaction::Undo undo;
+        undo.layer = l;
+        for (uint32_t p = r.start; p < rewrite_end; ++p) {
+          if (saved[p]) continue;
+          saved[p] = true;
+          undo.entries.push_back(EntryOf(seq, p));
+        }
+        if (!undo.entries.empty()) txn.undo_.push_back(std::move(undo));
+      }
+    }
+  }
+  // Pointers into undo_ stay valid: nothing else appends to it before the
+  // capture, and only this worker touches it.
+  for (AppendTransaction* txn : txns) {
+    for (AppendTransaction::Undo& u : txn->undo_) {
+      if (!u.captured) plan.undo_to_capture.push_back(&u);
+    }
+  }
+  for (auto& [layer, segments] : plan.segments) {
+    const LayerState& st = layers_[layer];
+    plan.appends.push_back({.layer = layer,
+                            .dtype = dtype.value_or(DType::kBFloat16),
+                            .ckv_scale = st.ckv_scale,
+                            .kpe_scale = st.kpe_scale,
+                            .segments = segments,
+                            .kv_indptr = plan.kv_indptr,
+                            .kv_indices = plan.kv_indices});
+  }
+}
+
+absl::Status Pool::CaptureUndo(const StagePlan& plan) {
+  for (AppendTransaction::Undo* u : plan.undo_to_capture) {
     const size_t n = u->entries.size();
     u->ckv_packed.resize(n * kCkvPackedBytes);
     u->ckv_sf.resize(n * kCkvSfBytes);
     u->kpe.resize(n * kKpeBytes);
-    if (absl::Status s = backend_->ReadEntries(u->layer, u->entries, {u->ckv_packed.data(), u->ckv_sf.data(), u->kpe.data()});
+    if (absl::Status s =
+            backend_->ReadEntries(u->layer, u->entries, {u->ckv_packed.data(), u->ckv_sf.data(), u->kpe.data()});
         !s.ok()) {
       return s;
     }
     u->captured = true;
   }
-  if (absl::Status s = backend_->Append(appends); !s.ok()) return s;
+  return absl::OkStatus();
+}
 
-  // ---- 4. record what the transactions hold now ---------------------------
-  absl::MutexLock lock(&mu_);
+void Pool::RecordStaged(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows) {
   for (size_t i = 0; i < txns.size(); ++i) {
     AppendTransaction& txn = *txns[i];
     const SequenceRowsIn& r = *rows[i];
@@ -365,6 +399,32 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
       txn.rows_written_ += r.row_count;
     }
   }
+}
+
+absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
+                         std::optional<DType> dtype) {
+  if (txns.size() != rows.size()) return absl::InternalError("Pool::Stage: txns and rows differ in length");
+  for (size_t i = 0; i < txns.size(); ++i) {
+    if (txns[i]->finished_) return absl::InternalError("Pool::Stage on a finished transaction");
+    if (absl::Status s = ValidateShape(Who(txns[i]->id_), *rows[i], dtype); !s.ok()) return s;
+  }
+  StagePlan plan;
+  plan.new_pages.assign(txns.size(), 0);
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < txns.size(); ++i) {
+      if (absl::Status s = CheckState(i, *txns[i], *rows[i], plan); !s.ok()) return s;
+    }
+    if (absl::Status s = CheckCapacity(plan); !s.ok()) return s;
+    Reserve(txns, plan);
+    PlanWrites(txns, rows, dtype, plan);
+  }
+  // Save what will be rewritten, then write (outside mu_; only this worker
+  // touches the caches).
+  if (absl::Status s = CaptureUndo(plan); !s.ok()) return s;
+  if (absl::Status s = backend_->Append(plan.appends); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  RecordStaged(txns, rows);
   return absl::OkStatus();
 }
 
@@ -379,12 +439,18 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
     seq.set_layer_length(l, after);
     --layers_[l].staged_users;
   }
-  seq.set_busy(false);
-  seq.set_committed(true);
-  seq.Touch(NowNs());
   txn.undo_.clear();
   txn.finished_ = true;
-  return SnapshotOf(seq);
+  SequenceSnapshot snapshot = SnapshotOf(seq);
+  if (txn.created_ && seq.empty()) {
+    // Nothing written and nothing reserved: a new id is not kept (an append
+    // of zero rows must not leave a sequence behind).
+    sequences_.Erase(&seq);
+    return snapshot;
+  }
+  sequences_.SetCommitted(&seq);
+  sequences_.MarkIdle(&seq, NowNs());
+  return snapshot;
 }
 
 void Pool::Abort(AppendTransaction& txn) {
@@ -398,8 +464,8 @@ void Pool::Abort(AppendTransaction& txn) {
             {const_cast<uint8_t*>(u.ckv_packed.data()), const_cast<uint8_t*>(u.ckv_sf.data()),
              const_cast<uint8_t*>(u.kpe.data())});
         !s.ok()) {
-      spdlog::error("pool '{}': restoring {} rewritten rows of sequence '{}' layer {} failed: {}", name(),
-                    u.entries.size(), txn.id_, u.layer, std::string(s.message()));
+      spdlog::error("pool {}: restoring {} rewritten rows of {} layer {} failed: {}", Quote(name()), u.entries.size(),
+                    Who(txn.id_), u.layer, std::string(s.message()));
     }
   }
   txn.undo_.clear();
@@ -421,7 +487,7 @@ void Pool::Abort(AppendTransaction& txn) {
   if (txn.created_) {
     sequences_.Erase(seq);
   } else {
-    seq->set_busy(false);
+    sequences_.MarkIdle(seq, NowNs());  // an attempted append is a use too
   }
   txn.finished_ = true;
 }
@@ -443,7 +509,7 @@ SequenceSnapshot Pool::SnapshotOf(const Sequence& seq) const {
 absl::StatusOr<Sequence*> Pool::FindCommitted(const std::string& id) const {
   Sequence* seq = sequences_.Find(id);
   if (seq == nullptr || !seq->committed()) {
-    return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found in pool '", name(), "'"));
+    return absl::NotFoundError(absl::StrCat(Who(id), " not found in pool ", Quote(name())));
   }
   return seq;
 }
@@ -459,6 +525,7 @@ PoolSnapshot Pool::Snapshot() const {
   p.pages_free = allocator_->free_count();
   p.pages_used = allocator_->used_count();
   p.sequences = static_cast<uint32_t>(sequences_.committed_count());
+  p.max_sequences = options_.max_sequences;
   p.cache_bytes = backend_->cache_bytes();
   for (const LayerState& st : layers_) {
     p.layers.push_back({.scales_set = st.scales_set,
@@ -470,11 +537,11 @@ PoolSnapshot Pool::Snapshot() const {
   return p;
 }
 
-absl::StatusOr<SequenceSnapshot> Pool::GetSequence(const std::string& id) const {
-  absl::ReaderMutexLock lock(&mu_);
+absl::StatusOr<SequenceSnapshot> Pool::GetSequence(const std::string& id) {
+  absl::MutexLock lock(&mu_);  // exclusive: a query by id is a use (it moves in the use order)
   absl::StatusOr<Sequence*> seq = FindCommitted(id);
   if (!seq.ok()) return seq.status();
-  (*seq)->Touch(NowNs());
+  sequences_.Touch(*seq, NowNs());
   return SnapshotOf(**seq);
 }
 
@@ -496,7 +563,7 @@ absl::StatusOr<PageSnapshot> Pool::GetPage(int64_t page) const {
   absl::ReaderMutexLock lock(&mu_);
   if (page < 0 || page >= allocator_->total()) {
     return absl::OutOfRangeError(
-        absl::StrCat("page ", page, " is outside [0, ", allocator_->total(), ") of pool '", name(), "'"));
+        absl::StrCat("page ", page, " is outside [0, ", allocator_->total(), ") of pool ", Quote(name())));
   }
   PageSnapshot p;
   p.page = static_cast<int32_t>(page);
@@ -520,8 +587,8 @@ absl::StatusOr<uint32_t> Pool::FreeSequence(const std::string& id) {
   if (!found.ok()) return found.status();
   Sequence* seq = *found;
   if (seq->busy()) {
-    return absl::AbortedError(absl::StrCat("sequence '", id, "' of pool '", name(),
-                                           "' has an append in progress; free it when the append has finished"));
+    return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
+                                           " has an append in progress; free it when the append has finished"));
   }
   return EraseSequence(seq);
 }
@@ -534,21 +601,30 @@ uint32_t Pool::EraseSequence(Sequence* seq) {
   return static_cast<uint32_t>(cut.size());
 }
 
-int Pool::FreeIdle(absl::Time now) {
+int Pool::FreeIdle(absl::Time now, int max_batch) {
   if (options_.idle_ttl <= absl::ZeroDuration()) return 0;
   const int64_t cutoff = absl::ToUnixNanos(now - options_.idle_ttl);
-  absl::MutexLock lock(&mu_);
-  std::vector<Sequence*> idle;
-  for (const Sequence* seq : sequences_.ListAfter("", std::numeric_limits<size_t>::max())) {
-    if (!seq->busy() && seq->last_used_ns() < cutoff) idle.push_back(const_cast<Sequence*>(seq));
+  int freed = 0;
+  while (true) {
+    std::vector<std::pair<std::string, uint32_t>> logged;
+    {
+      absl::MutexLock lock(&mu_);
+      // The use-order list holds exactly the idle committed sequences, least
+      // recently used first: only the ones freed are visited.
+      while (static_cast<int>(logged.size()) < max_batch) {
+        Sequence* oldest = sequences_.LeastRecentlyUsed();
+        if (oldest == nullptr || oldest->last_used_ns() >= cutoff) break;
+        std::string id = oldest->id();
+        logged.emplace_back(std::move(id), EraseSequence(oldest));
+      }
+    }
+    for (const auto& [id, pages] : logged) {
+      spdlog::info("pool {}: freed {} ({} pages), idle for more than {}", Quote(name()), Who(id), pages,
+                   absl::FormatDuration(options_.idle_ttl));
+    }
+    freed += static_cast<int>(logged.size());
+    if (static_cast<int>(logged.size()) < max_batch) return freed;
   }
-  for (Sequence* seq : idle) {
-    const std::string id = seq->id();
-    const uint32_t pages = EraseSequence(seq);
-    spdlog::info("pool '{}': freed sequence '{}' ({} pages), idle for more than {}", name(), id, pages,
-                 absl::FormatDuration(options_.idle_ttl));
-  }
-  return static_cast<int>(idle.size());
 }
 
 absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, uint32_t length) {
@@ -557,11 +633,11 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, u
   if (!found.ok()) return found.status();
   Sequence* seq = *found;
   if (seq->busy()) {
-    return absl::AbortedError(absl::StrCat("sequence '", id, "' of pool '", name(),
-                                           "' has an append in progress; truncate it when the append has finished"));
+    return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
+                                           " has an append in progress; truncate it when the append has finished"));
   }
   if (length > seq->max_length()) {
-    return absl::OutOfRangeError(absl::StrCat("cannot truncate sequence '", id, "' to ", length,
+    return absl::OutOfRangeError(absl::StrCat("cannot truncate ", Who(id), " to ", length,
                                               " tokens: its longest layer holds ", seq->max_length()));
   }
   for (int32_t l = 0; l < options_.num_layers; ++l) {
@@ -572,48 +648,59 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, u
     }
   }
   ReleasePages(sequences_.DetachTail(seq, static_cast<size_t>(CeilDiv(length, options_.page_size))));
-  seq->Touch(NowNs());
-  return SnapshotOf(*seq);
+  SequenceSnapshot snapshot = SnapshotOf(*seq);
+  if (seq->empty()) {
+    sequences_.Erase(seq);  // cut to nothing: not kept (docs/server.md "Model")
+  } else {
+    sequences_.Touch(seq, NowNs());
+  }
+  return snapshot;
 }
 
 // ---- reads ---------------------------------------------------------------------
 
 absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const std::string& id, std::span<const uint32_t> layers,
-                                                    uint32_t start, uint32_t* count) const {
-  absl::ReaderMutexLock lock(&mu_);
+                                                    uint32_t start, uint32_t* count) {
+  absl::MutexLock lock(&mu_);
   absl::StatusOr<Sequence*> found = FindCommitted(id);
   if (!found.ok()) return found.status();
   const Sequence& seq = **found;
-  seq.Touch(NowNs());
   std::vector<int32_t> out;
   if (layers.empty()) {
     for (int32_t l = 0; l < options_.num_layers; ++l) out.push_back(l);
   }
+  std::vector<bool> named(options_.num_layers, false);
   for (uint32_t l : layers) {
     if (l >= static_cast<uint32_t>(options_.num_layers)) {
       return absl::OutOfRangeError(
-          absl::StrCat("layer ", l, " is outside [0, ", options_.num_layers, ") of pool '", name(), "'"));
+          absl::StrCat("layer ", l, " is outside [0, ", options_.num_layers, ") of pool ", Quote(name())));
     }
+    if (named[l]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", l, " is named twice in one ReadSequence; name each layer once"));
+    }
+    named[l] = true;
     out.push_back(static_cast<int32_t>(l));
   }
   uint32_t shortest = std::numeric_limits<uint32_t>::max();
   for (int32_t l : out) shortest = std::min(shortest, seq.layer_length(l));
   if (*count == 0) {
     if (start > shortest) {
-      return absl::OutOfRangeError(absl::StrCat("start ", start, " is past the shortest requested layer of sequence '",
-                                                id, "', which holds ", shortest, " tokens"));
+      return absl::OutOfRangeError(absl::StrCat("start ", start, " is past the shortest requested layer of ", Who(id),
+                                                ", which holds ", shortest, " tokens"));
     }
     *count = shortest - start;
   } else {
     const uint64_t end = static_cast<uint64_t>(start) + *count;
     for (int32_t l : out) {
       if (end > seq.layer_length(l)) {
-        return absl::OutOfRangeError(absl::StrCat("tokens [", start, ", ", end, ") of sequence '", id,
-                                                  "' are not all written in layer ", l, ", which holds ",
+        return absl::OutOfRangeError(absl::StrCat("tokens [", start, ", ", end, ") of ", Who(id),
+                                                  " are not all written in layer ", l, ", which holds ",
                                                   seq.layer_length(l), " tokens"));
       }
     }
   }
+  sequences_.Touch(*found, NowNs());
   return out;
 }
 
@@ -627,8 +714,8 @@ absl::Status Pool::ReadRows(const std::string& id, int32_t layer, uint32_t start
     const Sequence& seq = **found;
     if (layer < 0 || layer >= options_.num_layers) return absl::OutOfRangeError(absl::StrCat("layer ", layer));
     if (static_cast<uint64_t>(start) + count > seq.layer_length(layer)) {
-      return absl::AbortedError(absl::StrCat("sequence '", id, "' layer ", layer, " was cut to ",
-                                             seq.layer_length(layer), " tokens while being read"));
+      return absl::AbortedError(absl::StrCat(Who(id), " layer ", layer, " was cut to ", seq.layer_length(layer),
+                                             " tokens while being read"));
     }
     entries.reserve(count);
     for (uint32_t p = start; p < start + count; ++p) entries.push_back(EntryOf(seq, p));
@@ -661,18 +748,26 @@ absl::Status Pool::CheckInvariants() const {
       ++owned;
       const auto& pages = owner.sequence->pages();
       if (owner.page_index >= pages.size() || pages[owner.page_index] != p) {
-        return absl::InternalError(absl::StrCat("page ", p, " owner index disagrees with the page table of '",
-                                                owner.sequence->id(), "'"));
+        return absl::InternalError(
+            absl::StrCat("page ", p, " owner index disagrees with the page table of ", Who(owner.sequence->id())));
       }
     }
   }
   if (owned != allocator_->used_count()) return absl::InternalError("owned pages != used pages");
   std::vector<uint64_t> tokens(options_.num_layers, 0);
-  for (const Sequence* seq : sequences_.ListAfter("", std::numeric_limits<size_t>::max())) {
+  const std::vector<const Sequence*> all = sequences_.ListAfter("", std::numeric_limits<size_t>::max());
+  if (all.size() != sequences_.committed_count()) {
+    return absl::InternalError(
+        absl::StrCat("committed_count ", sequences_.committed_count(), " != ", all.size(), " committed sequences"));
+  }
+  size_t idle = 0;
+  for (const Sequence* seq : all) {
+    if (seq->empty()) return absl::InternalError(absl::StrCat(Who(seq->id()), " is committed but holds nothing"));
+    if (!seq->busy()) ++idle;
     for (int32_t l = 0; l < options_.num_layers; ++l) {
       tokens[l] += seq->layer_length(l);
       if (seq->layer_length(l) > seq->pages().size() * static_cast<uint64_t>(options_.page_size)) {
-        return absl::InternalError(absl::StrCat("sequence '", seq->id(), "' layer ", l, " holds more tokens than its pages"));
+        return absl::InternalError(absl::StrCat(Who(seq->id()), " layer ", l, " holds more tokens than its pages"));
       }
     }
   }
@@ -681,6 +776,21 @@ absl::Status Pool::CheckInvariants() const {
       return absl::InternalError(absl::StrCat("layer ", l, " token count ", layers_[l].tokens,
                                               " != sum over sequences ", tokens[l]));
     }
+  }
+  size_t linked = 0;
+  int64_t previous = std::numeric_limits<int64_t>::min();
+  for (const Sequence* s = sequences_.LeastRecentlyUsed(); s != nullptr; s = SequenceTable::MoreRecent(s)) {
+    if (!s->committed() || s->busy()) {
+      return absl::InternalError(absl::StrCat(Who(s->id()), " is in the use-order list but busy or uncommitted"));
+    }
+    if (s->last_used_ns() < previous) {
+      return absl::InternalError(absl::StrCat("use-order list out of order at ", Who(s->id())));
+    }
+    previous = s->last_used_ns();
+    if (++linked > all.size()) return absl::InternalError("use-order list has a cycle");
+  }
+  if (linked != idle) {
+    return absl::InternalError(absl::StrCat("use-order list has ", linked, " sequences but ", idle, " are idle"));
   }
   return absl::OkStatus();
 }

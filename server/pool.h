@@ -3,7 +3,8 @@
 //
 // Threading (docs/server.md "Concurrency"):
 //  * `mu_` guards all metadata (allocator, sequences, layer states). It is
-//    held only for short, non-blocking sections, never across backend work.
+//    held only for short, non-blocking sections, never across backend work,
+//    and no section scans every sequence (docs/reliability.md).
 //  * Cache memory is touched only from the pool's SerialExecutor (`worker()`):
 //    Stage / Commit / Abort / ReadRows must be called there. Queries, Free and
 //    Truncate take `mu_` only and may run on any thread: Free and Truncate
@@ -34,6 +35,9 @@
 
 namespace mlakv::server {
 
+// Longest sequence id, in bytes, any call accepts.
+inline constexpr size_t kMaxSequenceIdBytes = 1024;
+
 // Rows of one layer inside an append (views into the request; not owned).
 struct LayerRowsIn {
   int64_t layer = 0;         // must be in [0, num_layers)
@@ -58,6 +62,9 @@ struct SequenceRowsIn {
   uint32_t row_count = 0;       // rows per layer
   std::vector<LayerRowsIn> layers;
   uint32_t reserve_tokens = 0;  // allocate pages for at least this many tokens
+  // Apply only if every layer these rows write (none: the sequence's length)
+  // holds exactly this many committed tokens; else FAILED_PRECONDITION.
+  std::optional<uint32_t> expect_length;
 };
 
 struct SequenceSnapshot {
@@ -87,6 +94,7 @@ struct PoolSnapshot {
   int32_t pages_free = 0;
   int32_t pages_used = 0;
   uint32_t sequences = 0;
+  uint32_t max_sequences = 0;
   uint64_t cache_bytes = 0;
   std::vector<LayerSnapshot> layers;
 };
@@ -129,6 +137,9 @@ class Pool {
     // Sequences not used (appended, read, truncated, queried by id) for this
     // long are freed by FreeIdle; zero keeps them until freed.
     absl::Duration idle_ttl = absl::ZeroDuration();
+    // Most sequences the pool holds at once, appends in flight that create
+    // one included; a new id beyond it is RESOURCE_EXHAUSTED. >= 1.
+    uint32_t max_sequences = 1u << 20;
     // ---- operations: wraps the backend once created (metrics' kernel timing,
     // InstrumentedBackend); null leaves it as is.
     std::function<std::unique_ptr<CacheBackend>(std::unique_ptr<CacheBackend>)> wrap_backend;
@@ -142,21 +153,29 @@ class Pool {
   const std::string& device() const { return device_; }
   int32_t num_layers() const { return options_.num_layers; }
   int32_t page_size() const { return options_.page_size; }
+  int32_t num_pages() const { return options_.num_pages; }
   SerialExecutor& worker() { return *worker_; }
 
   // ---- appends (Stage / Commit / Abort on worker()) ------------------------
 
   // Holds `sequence` for an append, creating it (invisible until commit) if
-  // new. ABORTED when another append to it is in flight.
+  // new. INVALID_ARGUMENT for an empty or over-long id, ABORTED when another
+  // append to it is in flight, RESOURCE_EXHAUSTED when a new id would exceed
+  // max_sequences.
   absl::StatusOr<std::unique_ptr<AppendTransaction>> BeginAppend(const std::string& sequence);
   // Validates rows for one or more transactions (one per sequence), allocates
   // the pages they reach, saves bytes they will rewrite, then quantizes them
-  // into the caches, one backend call for all. Nothing is allocated or written
-  // unless every row of every sequence is valid; on any error the caller must
-  // Abort every transaction passed. `dtype` may be unset only if no rows come.
+  // into the caches, one backend call for all. Checks run in this order and
+  // nothing is allocated or written unless all pass: the shape of every
+  // row set (INVALID_ARGUMENT / OUT_OF_RANGE), the state it meets (holes,
+  // scales, expect_length: OUT_OF_RANGE / FAILED_PRECONDITION), then
+  // capacity (RESOURCE_EXHAUSTED). On any error the caller must Abort every
+  // transaction passed. `dtype` may be unset only if no rows come.
   absl::Status Stage(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
                      std::optional<DType> dtype);
-  // Advances the lengths; the sequence is visible and free for the next append.
+  // Advances the lengths; the sequence is visible and free for the next
+  // append. A sequence the append created that holds no page and no token
+  // is not kept (the snapshot then describes it empty).
   SequenceSnapshot Commit(AppendTransaction& txn);
   // Restores rewritten rows, returns the pages the append allocated, erases a
   // sequence it created, unsets scales it set on a layer that stays empty.
@@ -165,38 +184,44 @@ class Pool {
   // ---- queries and releases (any thread) ----------------------------------
 
   PoolSnapshot Snapshot() const;
-  absl::StatusOr<SequenceSnapshot> GetSequence(const std::string& id) const;
+  absl::StatusOr<SequenceSnapshot> GetSequence(const std::string& id);
   // `limit` in [1, 1000]; `page_token` is the last id of the previous page.
   SequenceListing ListSequences(size_t limit, const std::string& page_token) const;
   absl::StatusOr<PageSnapshot> GetPage(int64_t page) const;
   // Returns the number of pages freed.
   absl::StatusOr<uint32_t> FreeSequence(const std::string& id);
+  // A sequence cut to 0 tokens holds nothing and is removed, as by FreeSequence.
   absl::StatusOr<SequenceSnapshot> TruncateSequence(const std::string& id, uint32_t length);
 
   // ---- reads (ReadRows on worker()) ---------------------------------------
 
-  // Checks a read of [start, start + count) of `layers` (empty: all) and
-  // resolves count 0 to "up to the shortest requested layer". Returns the
-  // layers to read and sets *count.
+  // Checks a read of [start, start + count) of `layers` (empty: all; a layer
+  // named twice is INVALID_ARGUMENT) and resolves count 0 to "up to the
+  // shortest requested layer". Returns the layers to read and sets *count.
   absl::StatusOr<std::vector<int32_t>> PlanRead(const std::string& id, std::span<const uint32_t> layers, uint32_t start,
-                                                uint32_t* count) const;
+                                                uint32_t* count);
   // Copies the stored bytes of [start, start + count) of one layer into
   // `out` ([count, 256] / [count, 32] / [count, 64]) and reports the layer's
   // scales. Fails if the sequence was freed or cut below the range meanwhile.
   absl::Status ReadRows(const std::string& id, int32_t layer, uint32_t start, uint32_t count, const EntryRows& out,
                         LayerSnapshot* layer_state) const;
 
-  // Frees every committed sequence without an append in flight that was last
-  // used before now - idle_ttl (nothing when idle_ttl is zero). Returns how
-  // many were freed. KvCacheServer calls it periodically.
-  int FreeIdle(absl::Time now);
+  // Frees committed sequences without an append in flight that were last
+  // used before now - idle_ttl (nothing when idle_ttl is zero), least
+  // recently used first, at most `max_batch` per hold of the lock so appends
+  // are not held up. Returns how many were freed. KvCacheServer calls it
+  // periodically.
+  int FreeIdle(absl::Time now, int max_batch = 1024);
   absl::Duration idle_ttl() const { return options_.idle_ttl; }
 
   // ExportPool: the caches' CUDA IPC handles (FAILED_PRECONDITION on cpu). Any thread.
   absl::StatusOr<std::vector<CacheBackend::LayerHandles>> ExportHandles() const { return backend_->ExportHandles(); }
 
-  // Checks free + used == total and that every used page has exactly one
-  // owner whose page table names it (tests call this after every step).
+  // Checks free + used == total, that every used page has exactly one owner
+  // whose page table names it, the per-layer token counts, the sequence
+  // count, that no committed sequence is empty, and that the use-order list
+  // holds exactly the idle committed sequences, oldest first (tests call
+  // this after every step; it scans everything).
   absl::Status CheckInvariants() const;
 
  private:
@@ -208,10 +233,30 @@ class Pool {
     uint64_t tokens = 0;       // committed tokens over all sequences
     int32_t staged_users = 0;  // in-flight appends with rows staged in this layer
   };
+  struct StagePlan;
 
   Pool(const Options& options, std::string device, std::unique_ptr<CacheBackend> backend,
        std::unique_ptr<PageAllocator> allocator);
   friend class AppendTransaction;
+
+  // ---- the steps of Stage ----
+  // Shape of one sequence's rows; needs no state.
+  absl::Status ValidateShape(const std::string& who, const SequenceRowsIn& rows, std::optional<DType> dtype) const;
+  // Against the pool's state: scales, holes, expect_length; records scales
+  // to set and pages to allocate in `plan`.
+  absl::Status CheckState(size_t index, const AppendTransaction& txn, const SequenceRowsIn& rows, StagePlan& plan) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CheckCapacity(const StagePlan& plan) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Allocates the planned pages and sets the planned scales (cannot fail
+  // after CheckCapacity).
+  void Reserve(std::span<AppendTransaction* const> txns, StagePlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Segments per layer, page tables, and the committed positions to save.
+  void PlanWrites(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
+                  std::optional<DType> dtype, StagePlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads the bytes the writes will overwrite into the undo logs (backend).
+  absl::Status CaptureUndo(const StagePlan& plan);
+  void RecordStaged(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   SequenceSnapshot SnapshotOf(const Sequence& seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The committed sequence `id`, or NOT_FOUND naming the pool.

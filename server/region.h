@@ -30,6 +30,10 @@ class Region {
   virtual int device() const { return -1; }
   // A one-line description for listings and logs.
   virtual std::string Describe() const = 0;
+  // True once a read of the region faulted (a shared-memory object shrank
+  // under the read, MappingFaultGuard): the rows read were garbage and the
+  // region cannot be read again.
+  virtual bool faulted() const { return false; }
 };
 
 }  // namespace mlakv::server

@@ -4,9 +4,11 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/quote.h"
 #include "kernels/nvfp4_format.h"
 #include "server/cuda_ipc_region.h"
 #include "server/shm_region.h"
+#include "common/status_macros.h"
 
 namespace mlakv::server {
 namespace {
@@ -19,6 +21,47 @@ constexpr uint64_t kElementBytes = 2;
 
 }  // namespace
 
+absl::Status RegionHold::CheckNoFaults(const std::string& who) const {
+  for (const auto& region : regions) {
+    if (region->faulted()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, ": ", region->Describe(),
+          " shrank while this append read it, so the rows read are not the producer's; nothing was written. "
+          "Unregister the region and register it again (a producer must not shrink an object while it is "
+          "registered)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+RegionRegistry::RegionRegistry(Options options) : options_(options), worker_(std::make_unique<SerialExecutor>()) {}
+
+RegionRegistry::~RegionRegistry() {
+  worker_.reset();  // finishes the registrations and releases queued
+}
+
+absl::Status RegionRegistry::Admit(const std::string& name, uint64_t bytes) {
+  // Count first, then check, so that concurrent registrations cannot all pass.
+  const uint32_t regions = accounting_->regions.fetch_add(1) + 1;
+  const uint64_t total = accounting_->bytes.fetch_add(bytes) + bytes;
+  if (regions <= options_.max_regions && total <= options_.max_region_bytes) return absl::OkStatus();
+  accounting_->regions.fetch_sub(1);
+  accounting_->bytes.fetch_sub(bytes);
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "region ", Quote(name), " of ", bytes, " bytes would make ", regions, " regions of ", total,
+      " bytes, over this server's limits of ", options_.max_regions, " regions and ", options_.max_region_bytes,
+      " bytes (max_regions, max_region_bytes; unregistered regions count until the appends holding them end); "
+      "unregister regions you no longer use"));
+}
+
+std::shared_ptr<const Region> RegionRegistry::Adopt(std::unique_ptr<Region> region, uint64_t bytes) {
+  return std::shared_ptr<const Region>(region.release(), [accounting = accounting_, bytes](const Region* r) {
+    delete r;
+    accounting->regions.fetch_sub(1);
+    accounting->bytes.fetch_sub(bytes);
+  });
+}
+
 absl::Status RegionRegistry::CheckAllowed(const char* what) const {
   if (options_.allow_ipc) return absl::OkStatus();
   return absl::PermissionDeniedError(
@@ -28,11 +71,11 @@ absl::Status RegionRegistry::CheckAllowed(const char* what) const {
 
 absl::Status RegionRegistry::CheckNewName(const std::string& name) const {
   if (name.empty() || name.size() > kMaxNameBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("region name of ", name.size(), " bytes; a region name has 1..", kMaxNameBytes, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("region name ", Quote(name), " has ", name.size(),
+                                                   " bytes; a region name has 1..", kMaxNameBytes, " bytes"));
   }
   if (regions_.contains(name)) {
-    return absl::AlreadyExistsError(absl::StrCat("region '", name, "' is already registered (",
+    return absl::AlreadyExistsError(absl::StrCat("region ", Quote(name), " is already registered (",
                                                  regions_.at(name)->Describe(),
                                                  "); unregister it first or pick another name"));
   }
@@ -63,16 +106,17 @@ absl::StatusOr<v1::Region> RegionRegistry::RegisterShm(const v1::RegisterShmRegi
     absl::ReaderMutexLock lock(&mu_);
     if (absl::Status s = CheckNewName(req.name()); !s.ok()) return s;
   }
+  const std::string where = absl::StrCat("region ", Quote(req.name()));
+  if (absl::Status s = ShmRegion::CheckName(req.shm_name()); !s.ok()) return WithContext(s, where);
   // Mapped outside the lock; the name is checked again before it is taken.
   absl::StatusOr<std::unique_ptr<ShmRegion>> region =
       ShmRegion::Create({.shm_name = req.shm_name(), .offset = req.offset(), .byte_size = req.byte_size()});
-  if (!region.ok()) {
-    return absl::Status(region.status().code(),
-                        absl::StrCat("region '", req.name(), "': ", region.status().message()));
-  }
+  if (!region.ok()) return WithContext(region.status(), where);
+  const uint64_t bytes = (*region)->byte_size();
+  if (absl::Status s = Admit(req.name(), bytes); !s.ok()) return s;
+  std::shared_ptr<const Region> shared = Adopt(std::move(*region), bytes);
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckNewName(req.name()); !s.ok()) return s;
-  std::shared_ptr<const Region> shared(std::move(*region));
   regions_.emplace(req.name(), shared);
   return ToProto(req.name(), *shared, 1);
 }
@@ -83,20 +127,23 @@ absl::StatusOr<v1::Region> RegionRegistry::RegisterCuda(const v1::RegisterCudaRe
     absl::ReaderMutexLock lock(&mu_);
     if (absl::Status s = CheckNewName(req.name()); !s.ok()) return s;
   }
+  const std::string where = absl::StrCat("region ", Quote(req.name()));
   if (req.raw_handle().size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("region '", req.name(), "': raw_handle has ",
+    return absl::InvalidArgumentError(absl::StrCat(where, ": raw_handle has ",
                                                    req.raw_handle().size(), " bytes; a cudaIpcMemHandle_t has ",
                                                    kCudaIpcHandleBytes));
   }
   if (!req.raw_event_handle().empty() && req.raw_event_handle().size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("region '", req.name(), "': raw_event_handle has ",
+    return absl::InvalidArgumentError(absl::StrCat(where, ": raw_event_handle has ",
                                                    req.raw_event_handle().size(),
                                                    " bytes; a cudaIpcEventHandle_t has ", kCudaIpcHandleBytes,
                                                    " (or leave it empty)"));
   }
   if (req.byte_size() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("region '", req.name(), "': byte_size is 0"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": byte_size is 0"));
   }
+  // Counted before the open, so the limits hold while it runs.
+  if (absl::Status s = Admit(req.name(), req.byte_size()); !s.ok()) return s;
   // Opened outside the lock (cudaIpcOpenMemHandle may take milliseconds).
   absl::StatusOr<std::unique_ptr<CudaIpcRegion>> region =
       CudaIpcRegion::Create({.raw_handle = req.raw_handle(),
@@ -104,10 +151,11 @@ absl::StatusOr<v1::Region> RegionRegistry::RegisterCuda(const v1::RegisterCudaRe
                              .byte_size = req.byte_size(),
                              .raw_event_handle = req.raw_event_handle()});
   if (!region.ok()) {
-    return absl::Status(region.status().code(),
-                        absl::StrCat("region '", req.name(), "': ", region.status().message()));
+    accounting_->regions.fetch_sub(1);
+    accounting_->bytes.fetch_sub(req.byte_size());
+    return WithContext(region.status(), where);
   }
-  std::shared_ptr<const Region> shared(std::move(*region));
+  std::shared_ptr<const Region> shared = Adopt(std::move(*region), req.byte_size());
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckNewName(req.name()); !s.ok()) return s;  // `shared` closes the handle
   regions_.emplace(req.name(), shared);
@@ -120,12 +168,16 @@ absl::StatusOr<uint32_t> RegionRegistry::Unregister(const std::string& name) {
   {
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(name);
-    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region '", name, "' is not registered"));
+    if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("region ", Quote(name), " is not registered"));
     region = std::move(it->second);
     regions_.erase(it);
   }
   // `region` is the registry's former reference; the others are appends'.
-  return static_cast<uint32_t>(std::max(0L, region.use_count() - 1));
+  const uint32_t holders = static_cast<uint32_t>(std::max(0L, region.use_count() - 1));
+  // The release (munmap, cudaIpcCloseMemHandle) happens on the worker when
+  // this was the last reference.
+  worker_->Post([region = std::move(region)]() mutable { region.reset(); });
+  return holders;
 }
 
 absl::StatusOr<std::vector<v1::Region>> RegionRegistry::List() const {
@@ -152,7 +204,7 @@ absl::StatusOr<std::string_view> RegionRegistry::ResolveOne(const std::string& w
                                                             uint32_t row_count, const std::string& pool_device,
                                                             RegionHold* hold, int64_t* device_stride,
                                                             const void** device_events) const {
-  const std::string what = absl::StrCat(who, ": ", field, "_ref region '", ref.region(), "'");
+  const std::string what = absl::StrCat(who, ": ", field, "_ref region ", Quote(ref.region()));
   std::shared_ptr<const Region> region;
   {
     absl::ReaderMutexLock lock(&mu_);
@@ -195,6 +247,11 @@ absl::StatusOr<std::string_view> RegionRegistry::ResolveOne(const std::string& w
   }
   if (std::find(hold->regions.begin(), hold->regions.end(), region) == hold->regions.end()) {
     hold->regions.push_back(region);
+  }
+  if (region->faulted()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": ", region->Describe(),
+        " shrank while an earlier append read it and cannot be read again; unregister it and register it again"));
   }
   if (region->kind() == Region::Kind::kShm) {
     if (absl::Status s = static_cast<const ShmRegion&>(*region).CheckSize(); !s.ok()) {

@@ -2,11 +2,12 @@
 //
 // A page id names the same slot in every layer, so one page list serves all
 // layers: page i holds positions [i * page_size, (i + 1) * page_size).
-// Plain state; the owning Pool serializes access under its mutex.
+// Plain state; the owning Pool serializes access under its mutex, and the
+// SequenceTable links idle committed sequences into its use-order list
+// (lru_prev_ / lru_next_, touched only by SequenceTable).
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -16,6 +17,8 @@ namespace mlakv::server {
 class Sequence {
  public:
   Sequence(std::string id, int32_t num_layers) : id_(std::move(id)), layer_lengths_(num_layers, 0) {}
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
 
   const std::string& id() const { return id_; }
 
@@ -30,6 +33,8 @@ class Sequence {
   // Tokens written in every layer (min over layers) / in the longest layer.
   uint32_t length() const { return *std::min_element(layer_lengths_.begin(), layer_lengths_.end()); }
   uint32_t max_length() const { return *std::max_element(layer_lengths_.begin(), layer_lengths_.end()); }
+  // Holds no page and no token (then it must not stay in the table).
+  bool empty() const { return pages_.empty() && max_length() == 0; }
 
   // Entries of page `page_index` filled in `layer` (0..page_size).
   uint32_t FilledInPage(int32_t layer, uint32_t page_index, uint32_t page_size) const {
@@ -39,26 +44,29 @@ class Sequence {
   }
 
   // When the sequence was last appended to, read, truncated or queried by id
-  // (nanoseconds since the Unix epoch); atomic so that readers holding the
-  // pool's mutex shared may touch it.
-  int64_t last_used_ns() const { return last_used_ns_.load(std::memory_order_relaxed); }
-  void Touch(int64_t now_ns) const { last_used_ns_.store(now_ns, std::memory_order_relaxed); }
+  // (nanoseconds since the Unix epoch). Set by SequenceTable::Touch, which
+  // also moves it to the most recent end of the use-order list.
+  int64_t last_used_ns() const { return last_used_ns_; }
 
   // True while an append holds the sequence exclusively (see docs/server.md).
   bool busy() const { return busy_; }
-  void set_busy(bool busy) { busy_ = busy; }
   // False until the first append to a new id commits: until then the sequence
   // is invisible to queries and an aborted first append erases it.
   bool committed() const { return committed_; }
-  void set_committed(bool committed) { committed_ = committed; }
 
  private:
+  friend class SequenceTable;
+
   std::string id_;
   std::vector<int32_t> pages_;
   std::vector<uint32_t> layer_lengths_;  // [num_layers]
   bool busy_ = false;
   bool committed_ = false;
-  mutable std::atomic<int64_t> last_used_ns_{0};
+  int64_t last_used_ns_ = 0;
+  // Use-order list of SequenceTable: linked iff committed and not busy.
+  Sequence* lru_prev_ = nullptr;
+  Sequence* lru_next_ = nullptr;
+  bool in_lru_ = false;
 };
 
 }  // namespace mlakv::server

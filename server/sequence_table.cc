@@ -1,5 +1,7 @@
 #include "server/sequence_table.h"
 
+#include <algorithm>
+
 namespace mlakv::server {
 
 Sequence* SequenceTable::Find(std::string_view id) const {
@@ -10,13 +12,75 @@ Sequence* SequenceTable::Find(std::string_view id) const {
 Sequence* SequenceTable::Add(std::string id) {
   auto seq = std::make_unique<Sequence>(id, num_layers_);
   Sequence* raw = seq.get();
+  raw->busy_ = true;
   by_id_.emplace(std::move(id), std::move(seq));
   return raw;
 }
 
 void SequenceTable::Erase(Sequence* sequence) {
   for (int32_t page : sequence->pages()) owners_[page] = Owner{};
-  by_id_.erase(sequence->id());
+  Unlink(sequence);
+  if (sequence->committed_) --committed_count_;
+  auto it = by_id_.find(sequence->id());
+  by_id_.erase(it);  // destroys `sequence`
+}
+
+void SequenceTable::MarkBusy(Sequence* sequence) {
+  Unlink(sequence);
+  sequence->busy_ = true;
+}
+
+void SequenceTable::MarkIdle(Sequence* sequence, int64_t now_ns) {
+  sequence->busy_ = false;
+  sequence->last_used_ns_ = NotBeforeTail(now_ns);
+  if (sequence->committed_) Link(sequence);
+}
+
+void SequenceTable::SetCommitted(Sequence* sequence) {
+  if (sequence->committed_) return;
+  sequence->committed_ = true;
+  ++committed_count_;
+}
+
+void SequenceTable::Touch(Sequence* sequence, int64_t now_ns) {
+  sequence->last_used_ns_ = NotBeforeTail(now_ns);
+  if (!sequence->in_lru_) return;
+  Unlink(sequence);
+  Link(sequence);
+}
+
+int64_t SequenceTable::NotBeforeTail(int64_t now_ns) const {
+  // The wall clock may step back; the list must stay ordered by time.
+  return lru_tail_ != nullptr ? std::max(now_ns, lru_tail_->last_used_ns_) : now_ns;
+}
+
+void SequenceTable::Link(Sequence* sequence) {
+  if (sequence->in_lru_) return;
+  sequence->lru_prev_ = lru_tail_;
+  sequence->lru_next_ = nullptr;
+  if (lru_tail_ != nullptr) {
+    lru_tail_->lru_next_ = sequence;
+  } else {
+    lru_head_ = sequence;
+  }
+  lru_tail_ = sequence;
+  sequence->in_lru_ = true;
+}
+
+void SequenceTable::Unlink(Sequence* sequence) {
+  if (!sequence->in_lru_) return;
+  if (sequence->lru_prev_ != nullptr) {
+    sequence->lru_prev_->lru_next_ = sequence->lru_next_;
+  } else {
+    lru_head_ = sequence->lru_next_;
+  }
+  if (sequence->lru_next_ != nullptr) {
+    sequence->lru_next_->lru_prev_ = sequence->lru_prev_;
+  } else {
+    lru_tail_ = sequence->lru_prev_;
+  }
+  sequence->lru_prev_ = sequence->lru_next_ = nullptr;
+  sequence->in_lru_ = false;
 }
 
 void SequenceTable::AttachPages(Sequence* sequence, std::span<const int32_t> pages) {
@@ -43,12 +107,6 @@ std::vector<const Sequence*> SequenceTable::ListAfter(std::string_view after, si
     if (it->second->committed()) out.push_back(it->second.get());
   }
   return out;
-}
-
-size_t SequenceTable::committed_count() const {
-  size_t n = 0;
-  for (const auto& [id, seq] : by_id_) n += seq->committed() ? 1 : 0;
-  return n;
 }
 
 }  // namespace mlakv::server

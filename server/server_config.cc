@@ -150,6 +150,7 @@ absl::StatusOr<std::vector<Pool::Options>> PoolOptionsFromConfig(const v1::Serve
       }
     }
     o.idle_ttl = absl::Seconds(pc.sequence_idle_ttl_seconds());
+    o.max_sequences = pc.max_sequences() == 0 ? kDefaultMaxSequences : pc.max_sequences();
     out.push_back(std::move(o));
   }
   return out;

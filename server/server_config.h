@@ -22,6 +22,11 @@ inline constexpr uint32_t kDefaultNumLayers = 61;
 inline constexpr uint32_t kDefaultPageSize = 64;
 inline constexpr uint32_t kDefaultNumPages = 256;
 inline constexpr uint32_t kDefaultMaxMessageBytes = 64u << 20;
+// Limits (docs/reliability.md "Limits"); a 0 in the config means these.
+inline constexpr uint32_t kDefaultMaxSequences = 1u << 20;
+inline constexpr uint32_t kDefaultAppendIdleTimeoutSeconds = 60;
+inline constexpr uint32_t kDefaultMaxRegions = 256;
+inline constexpr uint64_t kDefaultMaxRegionBytes = 1ull << 40;
 
 // The config with no file: one default pool, everything else unset.
 v1::ServerConfig DefaultServerConfig();

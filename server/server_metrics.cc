@@ -219,8 +219,9 @@ void ServerMetrics::RpcFinished(const std::string& service, const std::string& m
 
 void ServerMetrics::AppendFinished(const std::string& method, const std::string& pool, bool ok, uint64_t rows,
                                    uint64_t bytes, double seconds) {
-  // Only the interceptor calls this, for KvCache Append / AppendBatch; the
-  // check keeps the label bounded for any other caller too.
+  // The service calls this (KvCacheService::Options::on_append) for KvCache
+  // Append / AppendBatch; the check keeps the label bounded for any other
+  // caller too.
   const std::string m = methods_.Contains(v1::KvCache::service_full_name(), method) ? method : kUnknown;
   Families& f = *families_;
   f.append_latency.Get({m}).Observe(seconds);

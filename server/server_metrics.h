@@ -78,9 +78,10 @@ class ServerMetrics {
   // a pair outside RpcMethodSet::Served() counts as ("unknown", "unknown").
   void RpcStarted(const std::string& service, const std::string& method);
   void RpcFinished(const std::string& service, const std::string& method, grpc::StatusCode code, double seconds);
-  // One Append / AppendBatch call; rows and bytes count only when ok. `pool`
-  // as the request named it (empty: the default pool); a pool that is not
-  // configured counts as "unknown".
+  // One Append / AppendBatch call, reported by the service
+  // (KvCacheService::Options::on_append); rows and bytes count only when ok.
+  // `pool` empty means the default pool; a pool that is not configured
+  // counts as "unknown".
   void AppendFinished(const std::string& method, const std::string& pool, bool ok, uint64_t rows, uint64_t bytes,
                       double seconds);
   // `pool` and `device` are the server's own (InstrumentedBackend).

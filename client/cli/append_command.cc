@@ -138,6 +138,9 @@ int RunAppend(const std::vector<std::string>& args) {
     absl::StatusOr<uint32_t> length = LayerLength(**client, append.pool, sequence, bytes.layer);
     if (!length.ok()) return Fail("append", length.status());
     append.start = *length;
+    // Appending at the end: only if the end is still there, so that running
+    // the command again after a lost response cannot append the rows twice.
+    append.expect_length = *length;
   }
 
   absl::StatusOr<v1::AppendResponse> response = (*client)->Append(append);

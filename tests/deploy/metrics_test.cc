@@ -1,6 +1,6 @@
 // ServerMetrics on prometheus-cpp: the metric set and its text, histogram
 // buckets, gauges read at scrape time, and the label bounds — directly, and
-// through a real KvCacheServer with the metrics interceptor: 20,000 calls
+// through a real KvCacheServer (interceptor, on_append): 20,000 calls
 // with random method names leave /metrics small with every method label
 // from the served set or "unknown"; appends naming pools that do not exist
 // add no pool label.
@@ -304,7 +304,7 @@ TEST(ServerMetrics, ConcurrentUpdatesAreAllCounted) {
   EXPECT_EQ(Value(text, "mlakv_rpcs_in_flight", {{"service", kKv}, {"method", "GetPool"}}), 0);
 }
 
-// ---- through a real server: KvCacheServer with the metrics interceptor ----
+// ---- through a real server: KvCacheServer with the interceptor and on_append ----
 
 class MetricsOnServerTest : public ::testing::Test {
  protected:

@@ -257,10 +257,16 @@ class Client:
     def _start_from(lengths, layers):
         return min(lengths[l] if l < len(lengths) else 0 for l in layers)
 
+    @staticmethod
+    def _common_length(lengths, layers):
+        """The length every layer given has, or None when they differ."""
+        found = {lengths[l] if l < len(lengths) else 0 for l in layers}
+        return found.pop() if len(found) == 1 else None
+
     # -- appends ----------------------------------------------------------
 
     def append(self, sequence, layer, ckv, kpe, start=None, pool="", ckv_scale=None, kpe_scale=None,
-               reserve_tokens=0, dtype=None):
+               reserve_tokens=0, dtype=None, expect_length=None):
         """Appends rows of one sequence in one Append stream; returns mlakv.pb.AppendResponse.
 
         layer: a layer index with ckv [N,512] and kpe [N,64]; or a list of L
@@ -279,7 +285,12 @@ class Client:
               neither tensor is data.
         start: position of the first row; None = the layer's current length
           (min over the layers given; 0 for a new sequence), read with one
-          GetSequence before the stream starts.
+          GetSequence before the stream starts; when the layers given all have
+          that length it is also the expect_length: the append applies only if
+          that length is still there, so that retrying after a lost response
+          cannot write the rows twice.
+        expect_length: apply only if every layer given holds exactly this many
+          tokens (else FAILED_PRECONDITION and nothing is written).
         ckv_scale, kpe_scale: the global decode scales the rows were calibrated
           for (None: whatever the layer has; a layer without scales takes them).
         dtype: "bf16" / "f16", needed only when both tensors are RegionRows.
@@ -294,7 +305,10 @@ class Client:
         prepared = self._prepare(ckv, kpe, leading=(len(layers),) if multi else (), dtype=dtype)
         n = prepared.rows
         if start is None:
-            start = self._start_from(self._layer_lengths(sequence, pool), layers)
+            lengths = self._layer_lengths(sequence, pool)
+            start = self._start_from(lengths, layers)
+            if expect_length is None:
+                expect_length = self._common_length(lengths, layers)
         # Rows per message so that a message, framing included, stays within
         # chunk_bytes; rows that all travel as references make one message.
         wire = prepared.wire_row_bytes()
@@ -307,6 +321,8 @@ class Client:
                 hi = min(n, lo + per_message)
                 msg = pb.AppendRequest(pool=pool, sequence=sequence, start=start + lo, row_count=hi - lo,
                                        dtype=prepared.dtype, reserve_tokens=reserve_tokens if first else 0)
+                if first and expect_length is not None:
+                    msg.expect_length = expect_length
                 for i, l in enumerate(layers):
                     rows = msg.layers.add(layer=l, ckv_scale=cs, kpe_scale=ks)
                     _set_part(rows, "ckv", prepared.ckv[i], lo, hi, _rows.CKV_DIM)
@@ -369,6 +385,10 @@ class Client:
                         raise Error.from_rpc_error(err) from None
                     lengths = []
                 entry.start = self._start_from(lengths, it.layers.keys())
+                # Only if that end is still there: a retried step cannot append twice.
+                common = self._common_length(lengths, it.layers.keys())
+                if common is not None:
+                    entry.expect_length = common
         return self._call_fenced(used, self._stub.AppendBatch, req)
 
     # -- regions (server --allow_ipc) ------------------------------------------
