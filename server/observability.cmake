@@ -1,13 +1,15 @@
-# Metrics (prometheus-cpp registry, civetweb /metrics endpoint), per-RPC
+# Metrics (prometheus-cpp registry, prometheus-cpp Exposer /metrics endpoint), per-RPC
 # metrics interceptor, TLS/mTLS server credentials with bearer-token auth,
 # plaintext health-probe server: the server's operational components
 # (docs/deploy.md). Included by server/CMakeLists.txt; linked into
 # mlakv_server_lib.
 #
-# prometheus-cpp (Debian's prometheus-cpp-dev) for the families and the text
-# serializer; civetweb (libcivetweb-dev, which prometheus-cpp's config finds
-# too) for the HTTP endpoint. Both are shared libraries that the runtime
-# image collects with scripts/collect_runtime_libs.sh.
+# prometheus-cpp (Debian's prometheus-cpp-dev): core for the families and the
+# text serializer, pull for the Exposer that serves /metrics on civetweb
+# (libcivetweb-dev, which prometheus-cpp's config finds too; linked here only
+# for mg_check_feature, to know whether civetweb has IPv6). All are shared
+# libraries that the runtime image collects with
+# scripts/collect_runtime_libs.sh.
 find_package(prometheus-cpp CONFIG REQUIRED)
 find_package(civetweb CONFIG REQUIRED)
 
@@ -26,4 +28,4 @@ add_library(mlakv_observability STATIC
 target_link_libraries(mlakv_observability
   PUBLIC mlakv_proto mlakv_common gRPC::grpc++ gRPC::grpc++_reflection prometheus-cpp::core absl::status
          absl::statusor absl::strings absl::synchronization absl::time absl::flat_hash_map absl::flat_hash_set
-  PRIVATE civetweb::civetweb-cpp)
+  PRIVATE prometheus-cpp::pull civetweb::civetweb)

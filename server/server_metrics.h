@@ -57,7 +57,8 @@ class ServerMetrics {
   ServerMetrics(const ServerMetrics&) = delete;
   ServerMetrics& operator=(const ServerMetrics&) = delete;
 
-  // What GET /metrics serializes, in this order (MetricsEndpoint::Options).
+  // What GET /metrics serializes, in this order, after the Exposer's own
+  // exposer_* series (MetricsEndpoint::Options).
   std::vector<std::weak_ptr<prometheus::Collectable>> collectables() const;
   // The text exposition format of collectables() (tests).
   std::string Render() const;

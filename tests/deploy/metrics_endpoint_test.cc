@@ -1,9 +1,11 @@
-// MetricsEndpoint on loopback ports, spoken to over raw TCP: the text format
-// and its content type, 404 / 405 / HEAD / oversized heads, clients that
-// stall or drip their request (slowloris) while scrapes go on, scrapes in
-// parallel, prompt shutdown with clients connected, a port in use (also
-// against a listener with SO_REUSEPORT), bad addresses, collectables that
-// throw or expire.
+// MetricsEndpoint (prometheus::Exposer) on loopback ports, spoken to over raw
+// TCP: what the Exposer answers (content type, its own exposer_* series,
+// gzip, methods and paths it does not serve, oversized heads), clients that
+// stall or drip their request (slowloris) while scrapes go on, concurrent
+// scrapes, shutdown (prompt when no client is stalled mid-request, bounded
+// by civetweb's 2 s poll quantum when one is), a port in use (also against a
+// listener with SO_REUSEPORT), bad addresses, expired and throwing
+// collectables.
 #include "server/metrics_endpoint.h"
 
 #include <arpa/inet.h>
@@ -13,12 +15,16 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <future>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <zlib.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -27,6 +33,7 @@
 namespace mlakv::server {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -110,6 +117,30 @@ std::string Exchange(int port, const std::string& request, int family = AF_INET)
 
 std::string Scrape(int port) { return Exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"); }
 
+// The part of a response after its head.
+std::string BodyOf(const std::string& response) {
+  const size_t end = response.find("\r\n\r\n");
+  return end == std::string::npos ? "" : response.substr(end + 4);
+}
+
+std::string Gunzip(const std::string& in) {
+  z_stream zs{};
+  if (inflateInit2(&zs, 16 + MAX_WBITS) != Z_OK) return "inflateInit2 failed";
+  zs.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in.data()));
+  zs.avail_in = static_cast<uInt>(in.size());
+  std::string out;
+  char buf[16384];
+  int ret = Z_OK;
+  while (ret == Z_OK) {
+    zs.next_out = reinterpret_cast<Bytef*>(buf);
+    zs.avail_out = sizeof(buf);
+    ret = inflate(&zs, Z_NO_FLUSH);
+    out.append(buf, sizeof(buf) - zs.avail_out);
+  }
+  inflateEnd(&zs);
+  return ret == Z_STREAM_END ? out : "not a whole gzip stream";
+}
+
 // Connections that send part of a request head and then nothing.
 std::vector<int> StalledClients(int port, int n) {
   std::vector<int> fds;
@@ -160,49 +191,88 @@ class MetricsEndpointTest : public ::testing::Test {
   std::unique_ptr<MetricsEndpoint> endpoint_;
 };
 
-TEST_F(MetricsEndpointTest, ServesTextFormatWithVersionedContentType) {
+// The Exposer's answer: its content type (no version parameter, which
+// Prometheus reads as the text format 0.0.4), its own series first, then the
+// collectables; Content-Length is the body's.
+TEST_F(MetricsEndpointTest, ServesTheTextFormatAfterTheExposersOwnSeries) {
   Start();
-  std::string r = Scrape(port());
+  const std::string r = Scrape(port());
   EXPECT_THAT(r, StartsWith("HTTP/1.1 200 OK\r\n"));
-  EXPECT_THAT(r, HasSubstr("Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"));
-  EXPECT_THAT(r, HasSubstr("Content-Length: " + std::to_string(std::strlen(kOneCounterText)) + "\r\n"));
-  EXPECT_THAT(r, HasSubstr("Connection: close\r\n"));
-  EXPECT_THAT(r, EndsWith(std::string("\r\n\r\n") + kOneCounterText));
+  EXPECT_THAT(r, HasSubstr("Content-Type: text/plain; charset=utf-8\r\n"));
+  EXPECT_THAT(r, Not(HasSubstr("version=")));
+  const std::string body = BodyOf(r);
+  EXPECT_THAT(r, HasSubstr("Content-Length: " + std::to_string(body.size()) + "\r\n"));
+  EXPECT_THAT(body, StartsWith("# HELP exposer_transferred_bytes_total "));
+  EXPECT_THAT(body, HasSubstr("# TYPE exposer_scrapes_total counter\n"));
+  EXPECT_THAT(body, HasSubstr("# TYPE exposer_request_latencies summary\n"));
+  EXPECT_THAT(body, EndsWith(kOneCounterText));
   EXPECT_EQ(collectable_->calls(), 1);
+}
+
+// The Exposer adds its /metrics handler with the first collectable; the
+// endpoint sees to it that one without collectables answers too.
+TEST(MetricsEndpointCreate, WithoutCollectablesServesTheExposersSeries) {
+  auto e = MetricsEndpoint::Create(Listen("127.0.0.1:0"));
+  ASSERT_TRUE(e.ok()) << e.status();
+  const std::string r = Scrape((*e)->port());
+  EXPECT_THAT(r, StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(BodyOf(r), HasSubstr("\nexposer_scrapes_total 0\n"));
+}
+
+TEST_F(MetricsEndpointTest, ExposerCountsItsScrapes) {
+  Start();
+  Scrape(port());
+  Scrape(port());
+  // Counted after each response is written: the third scrape sees two.
+  EXPECT_THAT(BodyOf(Scrape(port())), HasSubstr("\nexposer_scrapes_total 2\n"));
+}
+
+TEST_F(MetricsEndpointTest, GzipsWhenTheClientAcceptsIt) {
+  Start();
+  const std::string r = Exchange(port(), "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n\r\n");
+  EXPECT_THAT(r, StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(r, HasSubstr("Content-Encoding: gzip\r\n"));
+  const std::string body = BodyOf(r);
+  EXPECT_THAT(r, HasSubstr("Content-Length: " + std::to_string(body.size()) + "\r\n"));
+  EXPECT_THAT(Gunzip(body), EndsWith(kOneCounterText));
 }
 
 TEST_F(MetricsEndpointTest, QueryStringIsIgnored) {
   Start();
-  EXPECT_THAT(Exchange(port(), "GET /metrics?name[]=x HTTP/1.0\r\n\r\n"), StartsWith("HTTP/1.0 200 OK"));
+  // The Exposer writes "HTTP/1.1" whatever the request's version.
+  EXPECT_THAT(Exchange(port(), "GET /metrics?name[]=x HTTP/1.0\r\n\r\n"), StartsWith("HTTP/1.1 200 OK"));
 }
 
-TEST_F(MetricsEndpointTest, HeadHasHeadersButNoBody) {
+// The Exposer handles GET only; civetweb answers the rest as a file server
+// without a document root would.
+TEST_F(MetricsEndpointTest, OtherMethodsAreNotServed) {
   Start();
-  std::string r = Exchange(port(), "HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
-  EXPECT_THAT(r, StartsWith("HTTP/1.1 200 OK\r\n"));
-  EXPECT_THAT(r, HasSubstr("Content-Type: text/plain; version=0.0.4"));
-  EXPECT_THAT(r, HasSubstr("Content-Length: " + std::to_string(std::strlen(kOneCounterText)) + "\r\n"));
-  EXPECT_THAT(r, EndsWith("\r\n\r\n"));
+  for (const char* method : {"HEAD", "POST", "OPTIONS"}) {
+    std::string r = Exchange(port(), std::string(method) + " /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n");
+    EXPECT_THAT(r, StartsWith("HTTP/1.1 404 Not Found\r\n")) << method;
+  }
+  for (const char* method : {"PUT", "DELETE", "PATCH"}) {
+    std::string r = Exchange(port(), std::string(method) + " /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n");
+    EXPECT_THAT(r, StartsWith("HTTP/1.1 405 Method Not Allowed\r\n")) << method;
+  }
+  EXPECT_EQ(collectable_->calls(), 0);
 }
 
-TEST_F(MetricsEndpointTest, OtherPathsAre404) {
+// civetweb hands every path that begins with the handler's URI to it.
+TEST_F(MetricsEndpointTest, PathsBeginningWithMetricsAreServedOthersAre404) {
   Start();
-  for (const char* path : {"/", "/metricsx", "/metrics/x", "/index.html", "/../etc/passwd"}) {
+  for (const char* path : {"/metrics/x", "/metricsx"}) {
+    EXPECT_THAT(Exchange(port(), std::string("GET ") + path + " HTTP/1.1\r\nHost: x\r\n\r\n"),
+                AllOf(StartsWith("HTTP/1.1 200 OK"), EndsWith(kOneCounterText)))
+        << path;
+  }
+  EXPECT_EQ(collectable_->calls(), 2);
+  for (const char* path : {"/", "/index.html", "/../etc/passwd", "/metric"}) {
     EXPECT_THAT(Exchange(port(), std::string("GET ") + path + " HTTP/1.1\r\nHost: x\r\n\r\n"),
                 StartsWith("HTTP/1.1 404"))
         << path;
   }
-  EXPECT_EQ(collectable_->calls(), 0);
-}
-
-TEST_F(MetricsEndpointTest, OtherMethodsAre405) {
-  Start();
-  for (const char* method : {"POST", "PUT", "DELETE", "OPTIONS", "PATCH"}) {
-    std::string r = Exchange(port(), std::string(method) + " /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n");
-    EXPECT_THAT(r, StartsWith("HTTP/1.1 405 Method Not Allowed\r\n")) << method;
-    EXPECT_THAT(r, HasSubstr("Allow: GET, HEAD\r\n")) << method;
-  }
-  EXPECT_EQ(collectable_->calls(), 0);
+  EXPECT_EQ(collectable_->calls(), 2);
 }
 
 TEST_F(MetricsEndpointTest, OversizedRequestHeadIsRefusedAndServingGoesOn) {
@@ -305,84 +375,136 @@ TEST_F(MetricsEndpointTest, DrippingClientIsDroppedAtTheRequestTimeout) {
   close(fd);
 }
 
-// Scrapes run at once on different workers: four scrapes of a collectable
-// that takes 400 ms finish together, not one after another.
-TEST_F(MetricsEndpointTest, ScrapesAreServedInParallel) {
-  collectable_ = std::make_shared<FakeCollectable>([] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+// Many scrapes at once from several connections: every one is answered in
+// full, each with its own collection.
+TEST_F(MetricsEndpointTest, ParallelScrapesAreAllAnswered) {
+  Start();
+  const Clock::time_point t0 = Clock::now();
+  std::vector<std::future<int>> clients;
+  for (int c = 0; c < 8; ++c) {
+    clients.push_back(std::async(std::launch::async, [this] {
+      int good = 0;
+      for (int i = 0; i < 25; ++i) {
+        const std::string r = Scrape(port());
+        if (r.starts_with("HTTP/1.1 200 OK\r\n") && r.ends_with(kOneCounterText)) ++good;
+      }
+      return good;
+    }));
+  }
+  int good = 0;
+  for (auto& c : clients) good += c.get();
+  EXPECT_EQ(good, 200);
+  EXPECT_EQ(collectable_->calls(), 200);
+  EXPECT_LT(SecondsSince(t0), 5.0);
+}
+
+// What the Exposer does not do in parallel: it calls the collectables under
+// one mutex, so two scrapes' collections run one after the other (sending
+// and serializing do run on the workers at once). docs/deploy.md says so;
+// this pins it. ServerMetrics' collectables take well under a millisecond.
+TEST_F(MetricsEndpointTest, TheExposerCollectsOneScrapeAtATime) {
+  std::atomic<int> inside{0}, most{0};
+  collectable_ = std::make_shared<FakeCollectable>([&] {
+    const int now = ++inside;
+    for (int seen = most.load(); now > seen && !most.compare_exchange_weak(seen, now);) {
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    --inside;
     return OneCounter();
   });
   Start();
   const Clock::time_point t0 = Clock::now();
   std::vector<std::future<std::string>> scrapes;
   for (int i = 0; i < 4; ++i) scrapes.push_back(std::async(std::launch::async, [this] { return Scrape(port()); }));
-  for (auto& s : scrapes) EXPECT_THAT(s.get(), HasSubstr(kOneCounterText));
-  EXPECT_LT(SecondsSince(t0), 1.2) << "4 x 400 ms scrapes were served one at a time";
-  EXPECT_EQ(collectable_->calls(), 4);
+  for (auto& s : scrapes) EXPECT_THAT(s.get(), EndsWith(kOneCounterText));
+  EXPECT_EQ(most.load(), 1);
+  EXPECT_GE(SecondsSince(t0), 0.55);
 }
 
-TEST_F(MetricsEndpointTest, ThrowingCollectableAnswers500AndServingGoesOn) {
-  std::atomic<bool> fail{true};
-  collectable_ = std::make_shared<FakeCollectable>([&fail]() -> std::vector<prometheus::MetricFamily> {
-    if (fail.load()) throw std::runtime_error("source broke");
-    return OneCounter();
-  });
-  Start();
-  EXPECT_THAT(Scrape(port()), StartsWith("HTTP/1.1 500"));
-  fail = false;
-  EXPECT_THAT(Scrape(port()), HasSubstr(kOneCounterText));
+// Documented in metrics_endpoint.h: nothing between a collectable and
+// civetweb's C code catches, so a throwing collectable ends the process
+// (which is why ServerMetrics' collectables must not throw).
+TEST(MetricsEndpointDeathTest, ThrowingCollectableEndsTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        auto throwing = std::make_shared<FakeCollectable>([]() -> std::vector<prometheus::MetricFamily> {
+          throw std::runtime_error("source broke");
+        });
+        auto e = MetricsEndpoint::Create(Listen("127.0.0.1:0", {throwing}));
+        if (e.ok()) Scrape((*e)->port());
+        std::fprintf(stderr, "still alive\n");
+        std::exit(0);
+      },
+      "terminate called after throwing an instance of 'std::runtime_error'");
 }
 
 TEST_F(MetricsEndpointTest, ExpiredCollectablesAreSkipped) {
   Start();
   collectable_.reset();
-  std::string r = Scrape(port());
+  const std::string r = Scrape(port());
   EXPECT_THAT(r, StartsWith("HTTP/1.1 200 OK"));
-  EXPECT_THAT(r, HasSubstr("Content-Length: 0\r\n"));
+  EXPECT_THAT(BodyOf(r), HasSubstr("exposer_scrapes_total"));
+  EXPECT_THAT(r, Not(HasSubstr("x_total")));
 }
 
-// civetweb checks its stop flag only every 2 s; Shutdown wakes its threads.
+// civetweb's acceptor checks its stop flag only every 2 s; Shutdown wakes it.
+// Created and stopped at different points of that 2 s cycle.
 TEST_F(MetricsEndpointTest, ShutdownIsPromptWhenIdle) {
-  Start();
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 4; ++i) {
     auto e = MetricsEndpoint::Create(Listen("127.0.0.1:0"));
     ASSERT_TRUE(e.ok()) << e.status();
-    std::this_thread::sleep_for(std::chrono::milliseconds(50 + 150 * i));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 + 450 * i));
     const Clock::time_point t0 = Clock::now();
     (*e)->Shutdown();
-    EXPECT_LT(SecondsSince(t0), 0.5);
+    EXPECT_LT(SecondsSince(t0), 0.3) << "after " << 50 + 450 * i << " ms";
   }
 }
 
-TEST_F(MetricsEndpointTest, ShutdownIsPromptWithClientsConnected) {
+// Clients that sent whole requests (and one that connected and closed) do
+// not hold the stop up; the port is closed afterwards.
+TEST_F(MetricsEndpointTest, ShutdownIsPromptAfterScrapes) {
+  Start();
+  for (int i = 0; i < 5; ++i) EXPECT_THAT(Scrape(port()), EndsWith(kOneCounterText));
+  close(Connect(port()));
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  const Clock::time_point t0 = Clock::now();
+  endpoint_->Shutdown();
+  EXPECT_LT(SecondsSince(t0), 0.3);
+  const Clock::time_point t1 = Clock::now();
+  endpoint_->Shutdown();  // idempotent
+  EXPECT_LT(SecondsSince(t1), 0.1);
+  EXPECT_EQ(Connect(port()), -1) << "port still accepting after Shutdown";
+}
+
+// A wildcard address: Shutdown's wake-up connects to loopback instead.
+TEST_F(MetricsEndpointTest, ShutdownIsPromptOnAWildcardAddress) {
+  options_.listen = "0.0.0.0:0";
+  Start();
+  EXPECT_THAT(Scrape(port()), EndsWith(kOneCounterText));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const Clock::time_point t0 = Clock::now();
+  endpoint_.reset();
+  EXPECT_LT(SecondsSince(t0), 0.3);
+}
+
+// The limit of the wake-up: a worker polling a client stalled mid-request
+// sees the stop flag only when its poll quantum (2 s) ends. Shutdown then
+// takes up to those 2 s, never the request timeout (60 s here); the stalled
+// connections are closed unanswered.
+TEST_F(MetricsEndpointTest, ShutdownWithStalledClientsIsBoundedByThePollQuantum) {
   options_.request_timeout = absl::Seconds(60);
   Start();
   std::vector<int> stalled = StalledClients(port(), 3);
   std::this_thread::sleep_for(std::chrono::milliseconds(150));
   const Clock::time_point t0 = Clock::now();
   endpoint_->Shutdown();
-  EXPECT_LT(SecondsSince(t0), 0.5) << "Shutdown waited for the stalled connections";
-  const Clock::time_point t1 = Clock::now();
-  endpoint_->Shutdown();  // idempotent
-  EXPECT_LT(SecondsSince(t1), 0.1);
+  const double took = SecondsSince(t0);
+  EXPECT_LT(took, 2.6) << "Shutdown waited for more than civetweb's 2 s poll quantum";
+  std::printf("Shutdown with 3 stalled clients took %.3f s\n", took);
   for (int fd : stalled) EXPECT_EQ(ReadUntilClosed(fd), "") << "a stalled connection is closed, unanswered";
   CloseAll(stalled);
   EXPECT_EQ(Connect(port()), -1) << "port still accepting after Shutdown";
-}
-
-// On a wildcard address the connections' local address is 127.0.0.1, not
-// 0.0.0.0: they are still found and dropped at shutdown.
-TEST_F(MetricsEndpointTest, ShutdownIsPromptOnAWildcardAddress) {
-  options_.listen = "0.0.0.0:0";
-  options_.request_timeout = absl::Seconds(60);
-  Start();
-  EXPECT_THAT(Scrape(port()), HasSubstr(kOneCounterText));
-  std::vector<int> stalled = StalledClients(port(), 2);
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));
-  const Clock::time_point t0 = Clock::now();
-  endpoint_.reset();
-  EXPECT_LT(SecondsSince(t0), 0.5);
-  CloseAll(stalled);
 }
 
 TEST(MetricsEndpointCreate, PortInUseIsAnError) {
