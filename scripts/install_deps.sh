@@ -15,9 +15,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# prometheus-cpp-dev: the metric families and text format; libcivetweb-dev:
-# the HTTP server of the /metrics endpoint (prometheus-cpp-dev depends on it
-# too, with zlib and libcurl for its CMake config).
+# prometheus-cpp-dev: the metric families and text format (core) and the
+# /metrics Exposer (pull); libcivetweb-dev: the Exposer's HTTP server
+# (prometheus-cpp-dev depends on it too, with zlib and libcurl for its CMake
+# config).
 build_packages=(
   cmake ninja-build g++ pkg-config ccache
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
