@@ -382,7 +382,7 @@ void PrintReaperHolds(const ReaperHolds& h, int64_t refilled) {
   const double batch_us = h.seconds * 1e6 / std::max(1.0, h.freed / 1024.0);
   auto count_over = [&](double us) { return v.end() - std::upper_bound(v.begin(), v.end(), us); };
   std::printf("reaper again, no log lines (refilled %lld; the active ones go too): freed %d in %.2f s, %.0f us per "
-              "batch of 1024\nlock probe (Pool::Snapshot every 200 us): %zu probes, p50 %.1f us, p99 %.0f us, max %.0f us "
+              "1024 sequences\nlock probe (Pool::Snapshot every 200 us): %zu probes, p50 %.1f us, p99 %.0f us, max %.0f us "
               "(%.1f batches); %ld waited > 100 us, %ld > 2 batches, %ld > 5 batches\n",
               static_cast<long long>(refilled), h.freed, h.seconds, batch_us, v.size(),
               v.empty() ? 0.0 : v[v.size() / 2], v.empty() ? 0.0 : v[std::min(v.size() - 1, v.size() * 99 / 100)],
@@ -520,7 +520,7 @@ int Main() {
     const Summary b = Summarize(results[1][p].appends), a = Summarize(results[0][p].appends);
     std::printf(" %s p50 %.2fx p99 %.2fx;", LoadName(kLoads[p]), b.p50 / a.p50, b.p99 / a.p99);
   }
-  std::printf("\nreaper: freed %d sequences in %.2f s (%.0f per s, %.2f ms per batch of 1024, logging included)\n",
+  std::printf("\nreaper: freed %d sequences in %.2f s (%.0f per s, %.2f ms per 1024 sequences, logging included)\n",
               freed, reap_s, freed / reap_s, reap_s * 1e3 / std::max(1.0, freed / 1024.0));
 
   PrintReaperHolds(holds, big_n);

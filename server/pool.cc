@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <thread>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -593,11 +594,12 @@ absl::StatusOr<uint32_t> Pool::FreeSequence(const std::string& id) {
   return EraseSequence(seq);
 }
 
-uint32_t Pool::EraseSequence(Sequence* seq) {
+uint32_t Pool::EraseSequence(Sequence* seq, SequencesById::node_type* storage) {
   for (int32_t l = 0; l < options_.num_layers; ++l) layers_[l].tokens -= seq->layer_length(l);
   std::vector<int32_t> cut = sequences_.DetachTail(seq, 0);
   ReleasePages(cut);
-  sequences_.Erase(seq);
+  SequencesById::node_type node = sequences_.Extract(seq);
+  if (storage != nullptr) *storage = std::move(node);
   return static_cast<uint32_t>(cut.size());
 }
 
@@ -605,26 +607,32 @@ int Pool::FreeIdle(absl::Time now, int max_batch) {
   if (options_.idle_ttl <= absl::ZeroDuration()) return 0;
   const int64_t cutoff = absl::ToUnixNanos(now - options_.idle_ttl);
   int freed = 0;
+  uint64_t pages = 0;
+  std::vector<SequencesById::node_type> storage;
+  storage.reserve(max_batch);
   while (true) {
-    std::vector<std::pair<std::string, uint32_t>> logged;
     {
       absl::MutexLock lock(&mu_);
       // The use-order list holds exactly the idle committed sequences, least
       // recently used first: only the ones freed are visited.
-      while (static_cast<int>(logged.size()) < max_batch) {
+      while (static_cast<int>(storage.size()) < max_batch) {
         Sequence* oldest = sequences_.LeastRecentlyUsed();
         if (oldest == nullptr || oldest->last_used_ns() >= cutoff) break;
-        std::string id = oldest->id();
-        logged.emplace_back(std::move(id), EraseSequence(oldest));
+        storage.emplace_back();
+        pages += EraseSequence(oldest, &storage.back());
       }
     }
-    for (const auto& [id, pages] : logged) {
-      spdlog::info("pool {}: freed {} ({} pages), idle for more than {}", Quote(name()), Who(id), pages,
-                   absl::FormatDuration(options_.idle_ttl));
-    }
-    freed += static_cast<int>(logged.size());
-    if (static_cast<int>(logged.size()) < max_batch) return freed;
+    const int batch = static_cast<int>(storage.size());
+    freed += batch;
+    storage.clear();  // the nodes are destroyed here, outside the lock
+    if (batch < max_batch) break;
+    std::this_thread::yield();  // let the appends waiting for the lock in first
   }
+  if (freed > 0) {
+    spdlog::info("pool {}: freed {} sequences ({} pages) idle for more than {}", Quote(name()), freed, pages,
+                 absl::FormatDuration(options_.idle_ttl));
+  }
+  return freed;
 }
 
 absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, uint32_t length) {

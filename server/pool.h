@@ -208,10 +208,12 @@ class Pool {
 
   // Frees committed sequences without an append in flight that were last
   // used before now - idle_ttl (nothing when idle_ttl is zero), least
-  // recently used first, at most `max_batch` per hold of the lock so appends
-  // are not held up. Returns how many were freed. KvCacheServer calls it
+  // recently used first, at most `max_batch` per hold of the lock (the
+  // sequences' storage is destroyed after the lock is released, and the
+  // reaper yields between batches), so appends are not held up. Returns
+  // how many were freed and logs one line per call. KvCacheServer calls it
   // periodically.
-  int FreeIdle(absl::Time now, int max_batch = 1024);
+  int FreeIdle(absl::Time now, int max_batch = 128);
   absl::Duration idle_ttl() const { return options_.idle_ttl; }
 
   // ExportPool: the caches' CUDA IPC handles (FAILED_PRECONDITION on cpu). Any thread.
@@ -263,8 +265,10 @@ class Pool {
   absl::StatusOr<Sequence*> FindCommitted(const std::string& id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int64_t EntryOf(const Sequence& seq, uint32_t position) const;
   void ReleasePages(std::span<const int32_t> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Releases a committed, idle sequence's pages and tokens and erases it.
-  uint32_t EraseSequence(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases a committed, idle sequence's pages and tokens and erases it;
+  // `storage` (if given) receives the sequence's node to destroy later.
+  uint32_t EraseSequence(Sequence* seq, SequencesById::node_type* storage = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   const std::string device_;

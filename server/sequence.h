@@ -9,10 +9,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace mlakv::server {
+
+class Sequence;
+// The sequences of a pool by id, ordered (paginated listings).
+using SequencesById = std::map<std::string, std::unique_ptr<Sequence>, std::less<>>;
 
 class Sequence {
  public:
@@ -63,6 +70,9 @@ class Sequence {
   bool busy_ = false;
   bool committed_ = false;
   int64_t last_used_ns_ = 0;
+  // Where the table holds this sequence, so that erasing it needs no lookup
+  // in a map of a million cold nodes (bench/sequence_scale_bench: 4 us -> 1 us).
+  SequencesById::iterator self_;
   // Use-order list of SequenceTable: linked iff committed and not busy.
   Sequence* lru_prev_ = nullptr;
   Sequence* lru_next_ = nullptr;

@@ -13,16 +13,17 @@ Sequence* SequenceTable::Add(std::string id) {
   auto seq = std::make_unique<Sequence>(id, num_layers_);
   Sequence* raw = seq.get();
   raw->busy_ = true;
-  by_id_.emplace(std::move(id), std::move(seq));
+  raw->self_ = by_id_.emplace(std::move(id), std::move(seq)).first;
   return raw;
 }
 
-void SequenceTable::Erase(Sequence* sequence) {
+void SequenceTable::Erase(Sequence* sequence) { Extract(sequence); }
+
+SequencesById::node_type SequenceTable::Extract(Sequence* sequence) {
   for (int32_t page : sequence->pages()) owners_[page] = Owner{};
   Unlink(sequence);
   if (sequence->committed_) --committed_count_;
-  auto it = by_id_.find(sequence->id());
-  by_id_.erase(it);  // destroys `sequence`
+  return by_id_.extract(sequence->self_);
 }
 
 void SequenceTable::MarkBusy(Sequence* sequence) {

@@ -38,6 +38,10 @@ class SequenceTable {
   Sequence* Add(std::string id);
   // Removes a sequence that holds no pages (its pages detached first).
   void Erase(Sequence* sequence);
+  // The same, but hands the sequence's storage to the caller, which may
+  // destroy it later (outside the pool's lock: freeing a node is most of
+  // the cost of erasing it).
+  SequencesById::node_type Extract(Sequence* sequence);
 
   // An append takes an idle committed sequence (it leaves the use-order
   // list) / gives it back committed (it joins the list as the most recently
@@ -73,7 +77,7 @@ class SequenceTable {
   void Unlink(Sequence* sequence);
 
   int32_t num_layers_;
-  std::map<std::string, std::unique_ptr<Sequence>, std::less<>> by_id_;
+  SequencesById by_id_;
   std::vector<Owner> owners_;  // [num_pages]
   size_t committed_count_ = 0;
   Sequence* lru_head_ = nullptr;  // least recently used
