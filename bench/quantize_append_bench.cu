@@ -35,7 +35,7 @@ namespace mlakv {
 namespace {
 
 
-constexpr int64_t kBytesPerRow = 1152 + 8 + 352;
+constexpr int64_t kBytesPerRow = 1152 + 8 + mlakv::format::kEntryBytes;
 constexpr int64_t kL2Bytes = 60ll << 20;
 
 struct Case {

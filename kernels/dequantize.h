@@ -1,4 +1,4 @@
-// Dequantization of stored rows back to float32 (SPEC "Decoding"), for reads
+// Dequantization of stored rows back to float32 (docs/format.md "Decoding"), for reads
 // and for measuring quantization error. Rows are contiguous here: gather them
 // out of the paged cache first (a row is 256 + 32 + 64 bytes at CkvOffset /
 // CkvSfOffset / KpeOffset of its entry).

@@ -1,7 +1,7 @@
 // The NVFP4 / FP8 number formats of the MLA cache, written once for the CPU
 // path and the CUDA kernel (every function here is __host__ __device__).
 //
-// SPEC.md ("Arithmetic") is the contract; each function names the rule it
+// docs/format.md ("Arithmetic") is the contract; each function names the rule it
 // implements. Everything is float32 with IEEE round-to-nearest-even and no
 // flush-to-zero. This header must never be compiled with fast-math or with
 // floating-point contraction (the build sets -ffp-contract=off / --fmad=false),
@@ -37,6 +37,8 @@ inline constexpr int kCkvBlocks = kCkvDim / kBlock;    // 32 scales per row
 inline constexpr int kCkvPackedBytes = kCkvDim / 2;    // 256: two E2M1 per byte
 inline constexpr int kCkvSfBytes = kCkvBlocks;         // 32
 inline constexpr int kKpeBytes = kKpeDim;              // 64: one FP8 per channel
+// Cache bytes of one token in one layer, over the three caches: 352.
+inline constexpr int kEntryBytes = kCkvPackedBytes + kCkvSfBytes + kKpeBytes;
 inline constexpr float kE4M3Max = 448.0f;
 
 static_assert(kCkvDim % kBlock == 0, "ckv_dim must be a whole number of 16-channel blocks");
@@ -85,7 +87,7 @@ MLAKV_HD float AddRn(float a, float b) {
 #endif
 }
 
-// rcp_rn(x): the float32 nearest to 1/x (SPEC "Arithmetic").
+// rcp_rn(x): the float32 nearest to 1/x (docs/format.md "Arithmetic").
 MLAKV_HD float RcpRn(float x) {
 #if defined(__CUDA_ARCH__)
   return __frcp_rn(x);
@@ -122,7 +124,7 @@ MLAKV_HD float MinOf(float a, float b) {
 #endif
 }
 
-// ---- fp16 / bf16 -> float32, exact (SPEC: subnormals kept) ----------------
+// ---- fp16 / bf16 -> float32, exact (docs/format.md: subnormals kept) ----------------
 
 MLAKV_HD float Bf16BitsToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
 
@@ -145,7 +147,7 @@ MLAKV_HD float HalfBitsToFloat(uint16_t h) {
 // ---- FP8 E4M3 (e4m3fn: bias 7, no infinities, 0x7F/0xFF are NaN) ---------
 
 // e4m3(f): round to nearest even, saturating to +-448; NaN -> 0x7F, sign clear
-// (SPEC "ckv" step 3, "kpe", "NaN and infinity").
+// (docs/format.md "ckv" step 3, "kpe", "NaN and infinity").
 MLAKV_HD uint8_t FloatToE4M3(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   // cvt.rn.satfinite.e4m3x2.f32: the same rounding, saturation and NaN -> 0x7F
@@ -200,9 +202,9 @@ MLAKV_HD float E4M3ToFloat(uint8_t b) {
 
 // ---- FP4 E2M1 -------------------------------------------------------------
 
-// E2M1(v) (SPEC "E2M1"): round-to-nearest-even onto {0, .5, 1, 1.5, 2, 3, 4,
+// E2M1(v) (docs/format.md "ckv", E2M1): round-to-nearest-even onto {0, .5, 1, 1.5, 2, 3, 4,
 // 6}, saturating at 6; sign 0x8 = signbit(v); NaN -> 0 with the sign clear.
-// Written as one IEEE addition instead of the SPEC's ladder of seven compares
+// Written as one IEEE addition instead of docs/format.md's ladder of seven compares
 // (the tests check it against the ladder's values). Work on m = |v| / 8,
 // clamped to [0, 1] with NaN -> 0 (one saturating multiply on the GPU; exact,
 // since values small enough for the division to round give code 0 anyway).
@@ -269,16 +271,16 @@ MLAKV_HD float E2M1ToFloat(uint8_t nibble) {
 // Per-layer constants derived once from the global decode scales.
 struct ScaleConstants {
   float ckv_scale;  // global ckv decode scale
-  float inv6g;      // rcp_rn(fl(6 * ckv_scale))          (SPEC ckv step 2)
-  float inv_kpe;    // rcp_rn(kpe_scale)                  (SPEC kpe)
+  float inv6g;      // rcp_rn(fl(6 * ckv_scale))          (docs/format.md ckv step 2)
+  float inv_kpe;    // rcp_rn(kpe_scale)                  (docs/format.md kpe)
 };
 
 MLAKV_HD ScaleConstants MakeScaleConstants(float ckv_scale, float kpe_scale) {
   return ScaleConstants{ckv_scale, RcpRn(MulRn(6.0f, ckv_scale)), RcpRn(kpe_scale)};
 }
 
-// Steps 2-3 of SPEC "ckv": the stored scale byte of a block with this amax.
-// (The SPEC's "else 0" needs no test: amax is never NaN and inv6g is always
+// Steps 2-3 of docs/format.md "ckv": the stored scale byte of a block with this amax.
+// (docs/format.md's "else 0" needs no test: amax is never NaN and inv6g is always
 // finite, since ckv_scale is a positive normal float32, so amax == 0 gives 0.)
 MLAKV_HD uint8_t CkvScaleByte(float amax, const ScaleConstants& k) { return FloatToE4M3(MulRn(amax, k.inv6g)); }
 
@@ -310,7 +312,7 @@ MLAKV_HD uint8_t PackE2M1Pair(float even, float odd, float out_scale) {
                               (FloatToE2M1(MulRn(odd, out_scale)) << 4));
 }
 
-// SPEC "kpe": e4m3(fl(x * rcp_rn(kpe_scale))).
+// docs/format.md "kpe": e4m3(fl(x * rcp_rn(kpe_scale))).
 MLAKV_HD uint8_t QuantizeKpe(float x, const ScaleConstants& k) { return FloatToE4M3(MulRn(x, k.inv_kpe)); }
 MLAKV_HD uint16_t QuantizeKpePair(float lo, float hi, const ScaleConstants& k) {
   return FloatPairToE4M3x2(MulRn(lo, k.inv_kpe), MulRn(hi, k.inv_kpe));
@@ -328,7 +330,7 @@ MLAKV_UNROLL
   return sf;
 }
 
-// Decoding (SPEC "Decoding"), float32: (e2m1 * block scale) * ckv_scale.
+// Decoding (docs/format.md "Decoding"), float32: (e2m1 * block scale) * ckv_scale.
 MLAKV_HD float DequantizeCkv(uint8_t nibble, uint8_t sf_byte, float ckv_scale) {
   return MulRn(MulRn(E2M1ToFloat(nibble), E4M3ToFloat(sf_byte)), ckv_scale);
 }

@@ -99,7 +99,7 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
   // sf is never negative (amax, inv6g >= 0): 128 table entries cover it.
   const float out_scale = kScaleTable ? out_scale_of[sf & 0x7F] : format::CkvOutScale(sf, k);
   // Channel c's code goes to bits 4(c % 8).. of word c / 8: byte k holds
-  // channels 2k (low nibble) and 2k+1 (high nibble), SPEC step 5.
+  // channels 2k (low nibble) and 2k+1 (high nibble), docs/format.md ckv step 5.
   uint2 packed = make_uint2(0, 0);
   uint32_t bits[kBlock];
 #pragma unroll
@@ -119,7 +119,7 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
     }
   }
   // The sign of channel c (bit 31 of its product; a NaN product is canonical,
-  // sign clear, as SPEC wants) goes to bit 3 of its nibble. Byte 3 of each
+  // sign clear, as docs/format.md wants) goes to bit 3 of its nibble. Byte 3 of each
   // product holds the sign at bit 7: the even channels' byte 3s gathered into
   // one word put their signs at bits 7, 15, 23, 31, and shifted right by 4 at
   // bits 3, 11, 19, 27 -- their low nibbles' tops; the odd channels' land on
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
   LaneRow pair[2];
   constexpr bool kPreload = kVectorized;
   if (kPreload && first_row < end_row) LoadLaneRow<kVectorized>(p, first_row, lane, pair[0]);
-  // SPEC ckv step 4 depends on the scale byte alone: with several rows per
+  // docs/format.md ckv step 4 depends on the scale byte alone: with several rows per
   // warp, tabulate it once per block for the 128 non-negative bytes instead
   // of a reciprocal per row. At one row per warp (launches below 16k rows,
   // decode) each lane needs exactly one value, so it computes it and the
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
     if (lane < rows) my_entry = CacheEntryOfRowIndex(p, first + lane);
     const unsigned skipped = __ballot_sync(0xFFFFFFFFu, my_entry == -1);
     if (skipped != 0 && lane == 0 && p.skipped_rows != nullptr) {
-      atomicAdd(p.skipped_rows, static_cast<unsigned>(__popc(skipped)));  // never written (SPEC "Bounds")
+      atomicAdd(p.skipped_rows, static_cast<unsigned>(__popc(skipped)));  // never written (docs/format.md "Bounds are checked")
     }
     constexpr int kUnroll = kRowsPerWarp > 8 ? 1 : (kRowsPerWarp + 1) / 2;  // 16 rows unrolled spill
 #pragma unroll kUnroll

@@ -1,4 +1,4 @@
-// NVFP4 MLA quantize-append into a paged cache (SPEC.md), CPU and CUDA.
+// NVFP4 MLA quantize-append into a paged cache (docs/format.md), CPU and CUDA.
 //
 // Two levels, as FlashInfer's page.cuh has them:
 //  * QuantizeAppendParams: one plain struct of raw pointers and sizes, passed
@@ -6,7 +6,7 @@
 //    address memory through the same helpers below.
 //  * QuantizeAppendCpu / QuantizeAppendCuda: the public entries over
 //    TensorViews that mirror flashinfer.page.nvfp4_quantize_append_paged_mla_kv_cache.
-//    They validate everything SPEC.md asks for before a byte is written.
+//    They validate everything docs/format.md asks for before a byte is written.
 #pragma once
 
 #include <cstdint>
@@ -70,7 +70,7 @@ struct QuantizeAppendParams {
   unsigned int* skipped_rows = nullptr;
 };
 
-// The cache entry a row lands in, or -1 when the row is out of bounds (SPEC
+// The cache entry a row lands in, or -1 when the row is out of bounds (docs/format.md
 // "Bounds"): bad batch index, negative position, page_iter outside the
 // request's pages (or outside kv_indices), or page id outside [0, num_pages).
 MLAKV_HOST_DEVICE int64_t CacheEntryOfRow(const QuantizeAppendParams& p, int32_t b, int32_t pos) {
@@ -128,7 +128,7 @@ MLAKV_HOST_DEVICE int64_t CkvSfOffset(int64_t entry) { return entry * format::kC
 MLAKV_HOST_DEVICE int64_t KpeOffset(int64_t entry) { return entry * format::kKpeBytes; }
 
 // The scales as float32, or INVALID_ARGUMENT unless both are finite, positive
-// and normal after rounding to float32 (SPEC "Scales"). `what` names them in
+// and normal after rounding to float32 (docs/format.md "Scales"). `what` names them in
 // the message ("ckv_scale").
 absl::StatusOr<float> CheckDecodeScale(double scale, const char* what);
 

@@ -27,7 +27,7 @@ __attribute__((always_inline)) inline void Widen(const uint16_t* __restrict src,
   }
 }
 
-// One row, SPEC steps 1-5, as flat passes over small aligned arrays that the
+// One row, docs/format.md ckv steps 1-5, as flat passes over small aligned arrays that the
 // compiler vectorizes: widen; block amax as NaN-free magnitudes reduced by a
 // tree of halvings inside each block; the 32 block scales; each element's
 // multiplier spread out; codes; nibble packing; kpe.

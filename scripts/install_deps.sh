@@ -15,10 +15,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# prometheus-cpp-dev: the metric families and text format (core) and the
+# /metrics Exposer (pull); libcivetweb-dev: the Exposer's HTTP server
+# (prometheus-cpp-dev depends on it too, with zlib and libcurl for its CMake
+# config).
 build_packages=(
   cmake ninja-build g++ pkg-config ccache
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libspdlog-dev nlohmann-json3-dev
+  prometheus-cpp-dev libcivetweb-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 # Tools the tests run: the Python client's dependencies, promtool (package

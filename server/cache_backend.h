@@ -4,7 +4,7 @@
 //  * CpuBackend:  host memory, QuantizeAppendHost (kernels/).
 //  * CudaBackend: device memory (cudaMalloc), one stream per pool, rows staged
 //                 through pinned host buffers, the QuantizeAppend launcher.
-// Per layer the caches are exactly SPEC.md's: ckv [num_pages, page_size, 256],
+// Per layer the caches are exactly those of docs/format.md: ckv [num_pages, page_size, 256],
 // ckv_sf [num_pages, page_size, 32], kpe [num_pages, page_size, 64].
 //
 // A backend never decides placement: the Pool hands it host-resident page

@@ -58,7 +58,7 @@ CpuBackend::~CpuBackend() {
 }
 
 uint64_t CpuBackend::cache_bytes() const {
-  return static_cast<uint64_t>(Entries(options_.geometry)) * (kCkvPackedBytes + kCkvSfBytes + kKpeBytes) *
+  return static_cast<uint64_t>(Entries(options_.geometry)) * format::kEntryBytes *
          options_.geometry.num_layers;
 }
 

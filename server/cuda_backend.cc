@@ -120,7 +120,7 @@ absl::StatusOr<std::vector<CacheBackend::LayerHandles>> CudaBackend::ExportHandl
 std::string CudaBackend::device() const { return absl::StrCat("cuda:", options_.device_ordinal); }
 
 uint64_t CudaBackend::cache_bytes() const {
-  return static_cast<uint64_t>(Entries(options_.geometry)) * (kCkvPackedBytes + kCkvSfBytes + kKpeBytes) *
+  return static_cast<uint64_t>(Entries(options_.geometry)) * format::kEntryBytes *
          options_.geometry.num_layers;
 }
 

@@ -95,6 +95,11 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   // ---- operations: per-RPC metrics, TLS / token credentials ----
   if (options.metrics != nullptr) {
     options.metrics->SetDefaultPool(service_options.default_pool);
+    // The append metrics' pool label names only these; a request naming
+    // any other pool counts as pool="unknown".
+    std::vector<std::string> pool_names;
+    for (const auto& pool : server->pools_) pool_names.push_back(pool->name());
+    options.metrics->SetPools(pool_names);
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
     interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(options.metrics));
     builder.experimental().SetInterceptorCreators(std::move(interceptors));

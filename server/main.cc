@@ -14,7 +14,7 @@
 #include "absl/time/time.h"
 #include "server/health_probe_server.h"
 #include "server/kv_cache_server.h"
-#include "server/metrics_http_server.h"
+#include "server/metrics_endpoint.h"
 #include "server/server_config.h"
 #include "server/server_credentials.h"
 #include "server/server_metrics.h"
@@ -38,7 +38,9 @@ ABSL_FLAG(bool, allow_ipc, false,
           "of other processes on this host (docs/server.md \"Regions\"); off: those calls are PERMISSION_DENIED");
 // ---- operations (docs/deploy.md): metrics, TLS, token, health probe port ----
 ABSL_FLAG(std::string, metrics_listen, "",
-          "host:port serving Prometheus text metrics at GET /metrics (e.g. 0.0.0.0:9090); empty: no metrics endpoint");
+          "host:port serving Prometheus text metrics at GET /metrics (e.g. 0.0.0.0:9090; port 0 picks a free port, "
+          "logged as 'metrics port N'); 4 connections served at once, each given 5 s to send its request; empty: no "
+          "metrics endpoint");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -132,15 +134,15 @@ int RunServer() {
     return out;
   });
   (*metrics)->SetIpcRegionSource([s = server->get()] { return static_cast<int64_t>(s->regions().size()); });
-  std::unique_ptr<MetricsHttpServer> metrics_http;
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint;
   if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> m =
-        MetricsHttpServer::Create({.listen = ml, .render = [m = metrics->get()] { return m->Render(); }});
+    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> m =
+        MetricsEndpoint::Create({.listen = ml, .collectables = (*metrics)->collectables()});
     if (!m.ok()) {
-      spdlog::critical("{}", std::string(m.status().message()));
+      spdlog::critical("--metrics_listen: {}", std::string(m.status().message()));
       return 1;
     }
-    metrics_http = std::move(*m);
+    metrics_endpoint = std::move(*m);
   }
   std::unique_ptr<HealthProbeServer> health_probe;
   if (const std::string hl = absl::GetFlag(FLAGS_health_listen); !hl.empty()) {
@@ -175,7 +177,7 @@ int RunServer() {
     }
     spdlog::info("mlakv-server {} ready: grpc {} ({}), metrics {}, health probe {}, pools [{}], cache {} ({} bytes)",
                  MLAKV_VERSION, (*server)->bound_address(), DescribeSecurity(security),
-                 metrics_http ? absl::StrCat("port ", metrics_http->port()) : std::string("off"),
+                 metrics_endpoint ? absl::StrCat("port ", metrics_endpoint->port()) : std::string("off"),
                  health_probe ? absl::StrCat("port ", health_probe->port()) : std::string("off"), pools,
                  HumanBytes(total_bytes), total_bytes);
   }
@@ -191,7 +193,7 @@ int RunServer() {
   // ---- end operations ----
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s)));
   // ---- operations: stop the side servers before the pools they read go away ----
-  metrics_http.reset();
+  metrics_endpoint.reset();
   health_probe.reset();
   // ---- end operations ----
   server->reset();

@@ -45,7 +45,7 @@ void ToProto(const PoolSnapshot& p, v1::Pool* out) {
   out->set_pages_used(p.pages_used);
   out->set_sequences(p.sequences);
   out->set_max_sequences(p.max_sequences);
-  out->set_bytes_per_token_per_layer(kCkvPackedBytes + kCkvSfBytes + kKpeBytes);
+  out->set_bytes_per_token_per_layer(format::kEntryBytes);
   out->set_cache_bytes(p.cache_bytes);
   out->set_ckv_dim(kCkvDim);
   out->set_kpe_dim(kKpeDim);

@@ -59,7 +59,7 @@ absl::Status ReadReactor::Plan(KvCacheService* service, const v1::ReadSequenceRe
   std::vector<uint32_t> layers(req->layers().begin(), req->layers().end());
   MLAKV_ASSIGN_OR_RETURN(layers_, pool_->PlanRead(sequence_, layers, req->start(), &count));
   const uint64_t per_token =
-      dequantize_ ? (kCkvDim + kKpeDim) * sizeof(float) : kCkvPackedBytes + kCkvSfBytes + kKpeBytes;
+      dequantize_ ? (kCkvDim + kKpeDim) * sizeof(float) : format::kEntryBytes;
   const uint64_t per_message = req->tokens_per_message() != 0
                                    ? req->tokens_per_message()
                                    : std::max<uint64_t>(1, kTargetReadMessageBytes / per_token);

@@ -164,6 +164,10 @@ absl::StatusOr<v1::Region> RegionRegistry::RegisterCuda(const v1::RegisterCudaRe
 
 absl::StatusOr<uint32_t> RegionRegistry::Unregister(const std::string& name) {
   if (absl::Status s = CheckAllowed("UnregisterRegion"); !s.ok()) return s;
+  if (name.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("region name ", Quote(name), " has ", name.size(),
+                                                   " bytes; a region name has 1..", kMaxNameBytes, " bytes"));
+  }
   std::shared_ptr<const Region> region;
   {
     absl::MutexLock lock(&mu_);
@@ -205,6 +209,10 @@ absl::StatusOr<std::string_view> RegionRegistry::ResolveOne(const std::string& w
                                                             RegionHold* hold, int64_t* device_stride,
                                                             const void** device_events) const {
   const std::string what = absl::StrCat(who, ": ", field, "_ref region ", Quote(ref.region()));
+  if (ref.region().size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " names a region of ", ref.region().size(), " bytes; region names have 1..", kMaxNameBytes));
+  }
   std::shared_ptr<const Region> region;
   {
     absl::ReaderMutexLock lock(&mu_);

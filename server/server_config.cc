@@ -14,7 +14,7 @@ namespace mlakv::server {
 namespace {
 
 constexpr uint64_t kBytesPerTokenPerLayer =
-    format::kCkvPackedBytes + format::kCkvSfBytes + format::kKpeBytes;  // 352
+    format::kEntryBytes;  // 352
 
 class ErrorCollector : public google::protobuf::io::ErrorCollector {
  public:

@@ -6,7 +6,8 @@
 # gRPC and metrics ports. The linter is first shown a bad Dockerfile, which it
 # must reject, so a linter that passes everything fails this test.
 # Optional arguments: programs to run scripts/collect_runtime_libs.sh on (the
-# Dockerfile's runtime-library step), which must collect gRPC and protobuf.
+# Dockerfile's runtime-library step), which must collect gRPC, protobuf,
+# abseil, prometheus-cpp (core, and pull for the /metrics Exposer) and civetweb.
 #   tests/deploy/dockerfile_lint_test.sh [PROGRAM...]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -61,7 +62,10 @@ done
 # 4. The runtime-library step on the real programs.
 if [ $# -gt 0 ]; then
   if "$root/scripts/collect_runtime_libs.sh" "$tmp/lib" "$@"; then
-    for lib in 'libgrpc\+\+\.so' 'libprotobuf\.so' 'libabsl_'; do
+    # prometheus-cpp (core: the families; pull: the /metrics Exposer) and
+    # civetweb (the Exposer's HTTP server) are shared libraries too.
+    for lib in 'libgrpc\+\+\.so' 'libprotobuf\.so' 'libabsl_' 'libprometheus-cpp-core\.so' \
+               'libprometheus-cpp-pull\.so' 'libcivetweb\.so' 'libcivetweb-cpp\.so'; do
       ls "$tmp/lib" | grep -Eq "^$lib" || bad "collect_runtime_libs did not collect $lib for $*"
     done
     ls "$tmp/lib" | grep -Eq '^(libc|libstdc\+\+|libcuda)\.so' && bad "collect_runtime_libs copied a base-image or driver library"

@@ -16,6 +16,11 @@ Python client (client/python) and the `mlakv` CLI:
   * DrainOnSigterm: with an Append stream open, SIGTERM turns health
     NOT_SERVING, mlakv_draining to 1, refuses new calls, cancels the stream
     after --drain_grace_s and exits 0.
+  * MetricsEndpointUnderSlowClients: stalled connections to the metrics port
+    do not delay scrapes; SIGTERM exits in well under 1.5 s with no stalled
+    metrics client, and within civetweb's 2 s poll quantum (< 3 s) with some.
+  * PortInUse: the gRPC, health and metrics ports of a running server are
+    refused to a second one (exit 1).
   * Bad security flags stop the server at start with exit status 2.
 
 Environment: MLAKV_SERVER, MLAKV_CLI, MLAKV_PY_GEN (generated Python stubs),
@@ -26,6 +31,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,7 +87,9 @@ class Server:
 
     def scrape(self):
         with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % self.metrics_port, timeout=5) as r:
-            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4"), r.headers["Content-Type"]
+            # prometheus::Exposer answers "text/plain; charset=utf-8", without
+            # version=0.0.4: Prometheus reads that as the text format 0.0.4.
+            assert r.headers.get_content_type() == "text/plain", r.headers["Content-Type"]
             return r.read().decode()
 
     def stop(self, sig=signal.SIGTERM, timeout=15):
@@ -205,6 +213,8 @@ class MetricsAfterWorkload(unittest.TestCase):
         self.assertEqual(value(m, "mlakv_draining"), 0)
         self.assertEqual(value(m, "mlakv_build_info", version=re.search(r"mlakv-server (\S+)", srv.ready_line).group(1)), 1)
         self.assertEqual(value(m, "mlakv_rpcs_in_flight", service=KV, method="Append"), 0)
+        # The Exposer's own series come along (they pass promtool too).
+        self.assertGreaterEqual(value(m, "exposer_scrapes_total"), 1)
         # Nothing but /metrics is served.
         with self.assertRaises(urllib.error.HTTPError) as e:
             urllib.request.urlopen("http://127.0.0.1:%d/" % srv.metrics_port, timeout=5)
@@ -418,18 +428,80 @@ class PortInUse(unittest.TestCase):
     never shares the port (gRPC's default SO_REUSEPORT would let it take half
     of the first one's connections)."""
 
-    def test_grpc_and_health_ports_in_use_are_refused(self):
+    def test_grpc_health_and_metrics_ports_in_use_are_refused(self):
         srv = Server("--health_listen", "127.0.0.1:0")
         self.addCleanup(srv.close)
+        metrics = "127.0.0.1:%d" % srv.metrics_port
         for args, expected in ((["--listen", srv.target], "cannot listen on '%s'" % srv.target),
                                (["--listen", "127.0.0.1:0", "--health_listen", "127.0.0.1:%d" % srv.health_port],
-                                "--health_listen 127.0.0.1:%d: cannot listen there" % srv.health_port)):
+                                "--health_listen 127.0.0.1:%d: cannot listen there" % srv.health_port),
+                               (["--listen", "127.0.0.1:0", "--metrics_listen", metrics],
+                                "--metrics_listen: cannot listen on '%s'" % metrics)):
             with self.subTest(args=args):
                 p = subprocess.run([SERVER, "--device", "cpu", *args], capture_output=True, text=True, timeout=30)
-                self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
+                self.assertEqual(p.returncode, 1, p.stdout + p.stderr)
                 self.assertIn(expected, p.stdout + p.stderr)
         with mlakv.Client(srv.target, timeout=10) as c:  # the first server is unaffected
             self.assertEqual([p.name for p in c.pools()], ["default"])
+        self.assertIn("mlakv_build_info", srv.scrape())  # and so is its metrics port
+
+
+class MetricsEndpointUnderSlowClients(unittest.TestCase):
+    """The real process: connections to the metrics port that send half a
+    request head and stall do not delay scrapes. SIGTERM ends the process at
+    once when no metrics client is stalled; a client stalled mid-request can
+    hold the exit up by civetweb's 2 s poll quantum (server/metrics_endpoint.h),
+    never by the 5 s request timeout."""
+
+    def stalled(self, port, n):
+        socks = []
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+            socks.append(s)
+            self.addCleanup(s.close)
+        return socks
+
+    def sigterm_exit_seconds(self, srv):
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        rc = srv.proc.wait(15)
+        took = time.monotonic() - t0
+        self.assertEqual(rc, 0, srv.text())
+        return took
+
+    def test_scrapes_with_stalled_connections(self):
+        srv = Server()
+        self.addCleanup(srv.close)
+        self.stalled(srv.metrics_port, 3)  # the endpoint serves 4 connections at once
+        time.sleep(0.2)
+        for _ in range(3):
+            t0 = time.monotonic()
+            text = srv.scrape()
+            self.assertLess(time.monotonic() - t0, 1.0, "a scrape waited behind stalled connections")
+            self.assertIn("mlakv_build_info", text)
+
+    def test_sigterm_exit_is_prompt_without_stalled_clients(self):
+        srv = Server()
+        self.addCleanup(srv.close)
+        for _ in range(3):
+            self.assertIn("mlakv_build_info", srv.scrape())
+        time.sleep(0.5)  # somewhere inside civetweb's 2 s accept poll
+        took = self.sigterm_exit_seconds(srv)
+        print("\nSIGTERM to exit, no stalled metrics client: %.3f s" % took, file=sys.stderr)
+        self.assertLess(took, 1.5, "exit waited for civetweb's accept poll")
+
+    def test_sigterm_exit_with_stalled_clients_is_bounded_by_the_poll_quantum(self):
+        srv = Server()
+        self.addCleanup(srv.close)
+        self.stalled(srv.metrics_port, 3)
+        time.sleep(0.2)
+        self.assertIn("mlakv_build_info", srv.scrape())
+        took = self.sigterm_exit_seconds(srv)
+        print("\nSIGTERM to exit, 3 stalled metrics clients: %.3f s" % took, file=sys.stderr)
+        # civetweb's 2 s poll quantum plus the process's own stop; less than
+        # the 5 s request timeout the stalled clients would otherwise get.
+        self.assertLess(took, 3.0, "exit waited for more than civetweb's 2 s poll quantum")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 // The CPU quantize-append: reference vectors byte for byte, placement into
 // paged caches (only addressed bytes change), and every rejection rule of
-// SPEC.md, each writing nothing.
+// docs/format.md, each writing nothing.
 #include <cmath>
 #include <cstring>
 #include <limits>

@@ -129,7 +129,7 @@ expect_json 'j["ckvDim"] == 512 and j["kpeDim"] == 64 and j["bytesPerTokenPerLay
 expect_json 'j["format"] == "CACHE_FORMAT_NVFP4_MLA" and j["pagesFree"] == j["pagesTotal"]'
 
 echo "== 5. Append, client-streamed: two JSON messages of one bf16 row each (every element 1.0)"
-# bf16 1.0 = 0x3F80, little-endian bytes 80 3F. With ckv_scale = kpe_scale = 1 (SPEC.md):
+# bf16 1.0 = 0x3F80, little-endian bytes 80 3F. With ckv_scale = kpe_scale = 1 (docs/format.md):
 # block scale e4m3(1/6) = 0.171875 = 0x23; 1.0 * (1/0.171875) = 5.82 -> E2M1 code 7 (6.0),
 # both nibbles: 0x77; kpe e4m3(1.0) = 0x38.
 ckv=$("$py" -c 'import base64; print(base64.b64encode(b"\x80\x3f" * 512).decode())')
@@ -154,7 +154,7 @@ expect_json 'j["count"] == 2 and j["ckvScale"] == 1 and j["kpeScale"] == 1'
 expect_json '__import__("base64").b64decode(j["ckvPacked"]) == b"\x77" * 512'
 expect_json '__import__("base64").b64decode(j["ckvSf"]) == b"\x23" * 64'
 expect_json '__import__("base64").b64decode(j["kpe"]) == b"\x38" * 128'
-echo "stored bytes as computed from SPEC.md: ckv_packed 0x77.., ckv_sf 0x23.., kpe 0x38.."
+echo "stored bytes as computed from docs/format.md: ckv_packed 0x77.., ckv_sf 0x23.., kpe 0x38.."
 
 echo "== 7. an error: GetSequence of an unknown id -> NOT_FOUND (buf exit status = code << 3 = 40)"
 show_cmd -d '{"sequence": "no-such-sequence"}' "$url/mlakv.v1.KvCache/GetSequence"

@@ -60,7 +60,7 @@ class VectorRoundTripTest(ServerTestCase):
         self.assertEqual(got["ckv"].dtype, np.float32)
         self.assertEqual(got["ckv"].shape, (n, 512))
         self.assertEqual(got["kpe"].shape, (n, 64))
-        # Decoding (SPEC.md): ckv = e2m1 * e4m3(block scale) * ckv_scale; kpe = e4m3 * kpe_scale.
+        # Decoding (docs/format.md): ckv = e2m1 * e4m3(block scale) * ckv_scale; kpe = e4m3 * kpe_scale.
         ckv = decode_ckv(t["expect_ckv_packed"], t["expect_ckv_sf"], np.float32(ckv_scale))
         kpe = e4m3_to_float(t["expect_kpe"]) * np.float32(kpe_scale)
         np.testing.assert_array_equal(got["ckv"], ckv)

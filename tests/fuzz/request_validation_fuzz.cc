@@ -1,0 +1,188 @@
+// libFuzzer target: request validation of the service. The input is split
+// into protobuf messages for one of the calls that change or read a pool
+// (AppendBatch, an Append stream of up to four messages, ReadSequence,
+// TruncateSequence, FreeSequence, GetPage), sent to an in-process server
+// (cpu backend). Whatever comes: the server answers, the pool's invariants
+// hold, and a call that fails leaves the pool exactly as it was (pages,
+// sequences, tokens per layer). Inputs that do not parse as the request type
+// are skipped (the raw Append path is covered by tests/faults/).
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "google/protobuf/text_format.h"
+#include "mlakv/v1/kv_cache.grpc.pb.h"
+#include "server/kv_cache_server.h"
+#include "spdlog/spdlog.h"
+
+namespace {
+
+using namespace mlakv;  // NOLINT
+
+struct Fixture {
+  std::unique_ptr<server::KvCacheServer> server;
+  std::unique_ptr<v1::KvCache::Stub> stub;
+
+  Fixture() {
+    spdlog::set_level(spdlog::level::off);
+    server::KvCacheServer::Options options;
+    google::protobuf::TextFormat::ParseFromString(
+        "pools { name: 'default' num_layers: 3 page_size: 4 num_pages: 64 max_sequences: 16 "
+        "layer_scales { layer: 0 ckv_scale: 0.5 kpe_scale: 0.25 } } max_message_bytes: 1048576",
+        &options.config);
+    options.default_device = "cpu";
+    auto created = server::KvCacheServer::Create(options);
+    if (!created.ok()) {
+      std::fprintf(stderr, "cannot start the server: %s\n", created.status().ToString().c_str());
+      std::abort();
+    }
+    server = std::move(*created);
+    stub = v1::KvCache::NewStub(server->InProcessChannel());
+  }
+};
+
+Fixture& Get() {
+  static Fixture* f = new Fixture();
+  return *f;
+}
+
+struct State {
+  int32_t pages_used;
+  uint32_t sequences;
+  std::vector<uint64_t> tokens;
+  bool operator==(const State& o) const {
+    return pages_used == o.pages_used && sequences == o.sequences && tokens == o.tokens;
+  }
+};
+
+State Observe(server::Pool& pool) {
+  const server::PoolSnapshot p = pool.Snapshot();
+  State s{p.pages_used, p.sequences, {}};
+  for (const auto& l : p.layers) s.tokens.push_back(l.tokens);
+  return s;
+}
+
+[[noreturn]] void Violation(const std::string& what) {
+  std::fprintf(stderr, "request validation violation: %s\n", what.c_str());
+  std::abort();
+}
+
+// The input after the first byte, split at 0xff 0xfe 0xfd markers.
+std::vector<std::string> Parts(const uint8_t* data, size_t size) {
+  std::vector<std::string> parts(1);
+  for (size_t i = 0; i < size; ++i) {
+    if (i + 2 < size && data[i] == 0xff && data[i + 1] == 0xfe && data[i + 2] == 0xfd) {
+      parts.emplace_back();
+      i += 2;
+      continue;
+    }
+    parts.back().push_back(static_cast<char>(data[i]));
+  }
+  return parts;
+}
+
+grpc::Status CallAppend(v1::KvCache::Stub& stub, const std::vector<std::string>& parts, bool* parsed) {
+  std::vector<v1::AppendRequest> messages;
+  for (size_t i = 0; i < parts.size() && i < 4; ++i) {
+    v1::AppendRequest m;
+    if (!m.ParseFromString(parts[i])) {
+      *parsed = false;
+      return grpc::Status::OK;
+    }
+    messages.push_back(std::move(m));
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::AppendResponse resp;
+  auto writer = stub.Append(&ctx, &resp);
+  for (const auto& m : messages) {
+    if (!writer->Write(m)) break;
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+template <typename Request, typename Response, typename Method>
+grpc::Status CallUnary(v1::KvCache::Stub& stub, Method method, const std::string& bytes, bool* parsed) {
+  Request req;
+  if (!req.ParseFromString(bytes)) {
+    *parsed = false;
+    return grpc::Status::OK;
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  Response resp;
+  return (stub.*method)(&ctx, req, &resp);
+}
+
+grpc::Status CallRead(v1::KvCache::Stub& stub, const std::string& bytes, bool* parsed) {
+  v1::ReadSequenceRequest req;
+  if (!req.ParseFromString(bytes)) {
+    *parsed = false;
+    return grpc::Status::OK;
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto reader = stub.ReadSequence(&ctx, req);
+  v1::ReadSequenceResponse resp;
+  uint64_t bytes_read = 0;
+  while (reader->Read(&resp)) bytes_read += resp.ByteSizeLong();
+  if (bytes_read > (64u << 20)) Violation("ReadSequence returned more than the whole pool holds");
+  return reader->Finish();
+}
+
+void FreeEverything(Fixture& f) {
+  server::Pool& pool = *f.server->pools().front();
+  for (const auto& e : pool.ListSequences(1000, "").sequences) static_cast<void>(pool.FreeSequence(e.id));
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  Fixture& f = Get();
+  server::Pool& pool = *f.server->pools().front();
+  const std::vector<std::string> parts = Parts(data + 1, size - 1);
+  const State before = Observe(pool);
+  bool parsed = true;
+  grpc::Status status;
+  bool mutates = true;
+  switch (data[0] % 6) {
+    case 0:
+      status = CallUnary<v1::AppendBatchRequest, v1::AppendBatchResponse>(*f.stub, &v1::KvCache::Stub::AppendBatch,
+                                                                           parts[0], &parsed);
+      break;
+    case 1: status = CallAppend(*f.stub, parts, &parsed); break;
+    case 2:
+      status = CallRead(*f.stub, parts[0], &parsed);
+      mutates = false;
+      break;
+    case 3:
+      status = CallUnary<v1::TruncateSequenceRequest, v1::Sequence>(*f.stub, &v1::KvCache::Stub::TruncateSequence,
+                                                                     parts[0], &parsed);
+      break;
+    case 4:
+      status = CallUnary<v1::FreeSequenceRequest, v1::FreeSequenceResponse>(*f.stub, &v1::KvCache::Stub::FreeSequence,
+                                                                             parts[0], &parsed);
+      break;
+    case 5:
+      status = CallUnary<v1::GetPageRequest, v1::Page>(*f.stub, &v1::KvCache::Stub::GetPage, parts[0], &parsed);
+      mutates = false;
+      break;
+  }
+  if (!parsed) return 0;
+  if (absl::Status inv = pool.CheckInvariants(); !inv.ok()) Violation(inv.ToString());
+  const State after = Observe(pool);
+  if ((!status.ok() || !mutates) && !(after == before)) {
+    Violation("a call that failed or only reads changed the pool: " + status.error_message());
+  }
+  if (status.error_code() == grpc::StatusCode::INTERNAL || status.error_code() == grpc::StatusCode::UNKNOWN) {
+    Violation("INTERNAL/UNKNOWN for client input: " + status.error_message());
+  }
+  if (after.sequences > 8) FreeEverything(f);  // keep the state small
+  return 0;
+}
