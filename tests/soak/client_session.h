@@ -9,6 +9,7 @@
 // that same connection).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>

@@ -324,6 +324,7 @@ absl::Status FaultInjector::BusySequence(Slot& slot) {
   v1::AppendResponse response;
   auto writer = s_.stub().Append(context.get(), &response);
   writer->Write(requests.front());
+  const absl::Time opened = absl::Now();
   SleepMs(30);  // the server begins the transaction with the first message
   v1::AppendRequest probe;
   probe.set_pool(s_.options().pool);
@@ -351,6 +352,13 @@ absl::Status FaultInjector::BusySequence(Slot& slot) {
   for (size_t i = 1; i + 1 < requests.size() && alive; ++i) alive = writer->Write(requests[i]);
   if (alive) writer->Write(requests.back(), grpc::WriteOptions().set_last_message());
   const grpc::Status status = writer->Finish();
+  if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+      status.error_message().find("append_idle_timeout_seconds") != std::string::npos &&
+      absl::Now() - opened >= s_.options().idle_timeout) {
+    // A loaded machine stalled this client past the idle timeout: rolled back.
+    s_.report().CountOutcome("busy_sequence", "idle_timeout_fired");
+    return WithContext(s_.verifier().Verify(slot.id, slot.model), "busy_sequence: after the idle timeout");
+  }
   if (held) {
     if (!status.ok()) {
       return Mismatch(absl::StrCat("busy_sequence: the held stream of ", slot.id, " failed: ",
@@ -419,8 +427,8 @@ absl::Status FaultInjector::Oversize(Slot& slot) {
   big.set_dtype(v1::ROW_DTYPE_BFLOAT16);
   v1::LayerRows* layer = big.add_layers();
   layer->set_layer(0);
-  layer->set_ckv(std::string(size_t{rows} * 1024, '\x3f'));
-  layer->set_kpe(std::string(size_t{rows} * 128, '\x3f'));
+  layer->set_ckv(std::string(size_t{rows} * kWireCkvRowBytes, '\x3f'));
+  layer->set_kpe(std::string(size_t{rows} * kWireKpeRowBytes, '\x3f'));
   if (k == 0) {
     // The pool and sequence travel in the first message.
     requests.front().clear_pool();
@@ -594,8 +602,8 @@ absl::Status FaultInjector::BatchBadEntry(std::vector<Slot*>* touched) {
       // Over max_message_bytes as a whole.
       const uint32_t rows = s_.options().max_message_bytes / kWireRowBytes + s_.Uniform(1, 64);
       v1::LayerRows* layer = entry.mutable_layers(0);
-      layer->set_ckv(std::string(size_t{rows} * 1024, '\x3f'));
-      layer->set_kpe(std::string(size_t{rows} * 128, '\x3f'));
+      layer->set_ckv(std::string(size_t{rows} * kWireCkvRowBytes, '\x3f'));
+      layer->set_kpe(std::string(size_t{rows} * kWireKpeRowBytes, '\x3f'));
       entry.set_row_count(rows);
       entry.mutable_layers()->DeleteSubrange(1, entry.layers_size() - 1);
       code = grpc::StatusCode::RESOURCE_EXHAUSTED;

@@ -1,13 +1,14 @@
 // mlakv_soak: a long random workload with faults against a real
 // mlakv-server that checks, continuously, that the server keeps the promises
-// of docs/server.md ("Model", "Atomicity", "Errors").
+// of docs/server.md ("Model", "Atomicity", "Errors") and docs/reliability.md
+// (whose section "Soak" describes this program in full).
 //
 // Usage:
 //   # start a server itself (cpu backend), 30 minutes, 8 clients:
 //   build/tests/soak/mlakv_soak --spawn build/server/mlakv-server --device cpu
 //       --duration_s 1800 --seed 7 --report soak-cpu.json
-//   # the GPU machine: the same with the server on the GPU, 10 minutes:
-//   mlakv_soak --spawn mlakv-server --device cuda:0 --duration_s 600 --report soak-gpu.json
+//   # the GPU machine (binaries bundled with ../shared/device/bundle-runtime.sh), 10 minutes:
+//   mlakv_soak --spawn "$(command -v mlakv-server)" --device cuda:0 --duration_s 600 --report soak-gpu.json
 //   # a server already running (its pool must have config-fixed scales and
 //   # match --max_message_bytes / --idle_timeout_s; --server_pid for RSS):
 //   mlakv_soak --server 127.0.0.1:50051 --pool soak --max_message_bytes 1048576

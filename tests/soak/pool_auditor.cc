@@ -1,5 +1,6 @@
 #include "tests/soak/pool_auditor.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <thread>
@@ -26,7 +27,8 @@ PoolAuditor::PoolAuditor(KvCacheClient* client, const SoakOptions& options, cons
       geometry_(geometry),
       report_(report),
       baseline_(std::move(baseline)),
-      verifier_(client, options, geometry) {}
+      verifier_(client, options, geometry),
+      pages_seen_(geometry.pages_total, false) {}
 
 std::string PoolAuditor::DiffPool(const v1::Pool& pool, const Expected& expected) const {
   std::vector<std::string> diffs;
@@ -162,6 +164,7 @@ void PoolAuditor::CheckPageTables(const std::vector<std::pair<std::string, const
       report_->Violation("audit GetSequence", absl::StrCat(id, ": ", d));
     }
     for (int i = 0; i < seq->kv_indices_size(); ++i) {
+      if (seq->kv_indices(i) < pages_seen_.size()) pages_seen_[seq->kv_indices(i)] = true;
       auto [it, fresh] = owners.emplace(seq->kv_indices(i), Owner{&id, model, static_cast<uint32_t>(i)});
       if (!fresh) {
         report_->Violation("audit page tables", absl::StrCat("page ", seq->kv_indices(i), " is in the tables of both ",
@@ -232,6 +235,8 @@ void PoolAuditor::Audit(const std::vector<const ClientSession*>& sessions, bool 
     }
   }
   report_->CountCheck(convergence, rss_kb);
+  report_->SetPagesSeen(static_cast<uint32_t>(std::count(pages_seen_.begin(), pages_seen_.end(), true)),
+                        geometry_.pages_total);
 }
 
 absl::StatusOr<v1::Pool> PoolAuditor::CheckEmptied() {

@@ -66,6 +66,7 @@ class PoolAuditor {
   SoakReport* report_;
   PoolBaseline baseline_;
   SequenceVerifier verifier_;
+  std::vector<bool> pages_seen_;  // by page id: ever in one of the soak's page tables at an audit
 };
 
 }  // namespace mlakv::soak

@@ -52,8 +52,8 @@ LayerRowsData RandomLayerRows(std::mt19937_64& rng, uint32_t layer, uint32_t row
   for (int& o : offsets) o = static_cast<int>(rng() % 7) - 3;
   LayerRowsData data;
   data.layer = layer;
-  data.ckv = RandomRows(rng, rows, 512, dtype, offsets);
-  data.kpe = RandomRows(rng, rows, 64, dtype, offsets);
+  data.ckv = RandomRows(rng, rows, format::kCkvDim, dtype, offsets);
+  data.kpe = RandomRows(rng, rows, format::kKpeDim, dtype, offsets);
   return data;
 }
 
@@ -70,8 +70,8 @@ absl::StatusOr<LayerRowsData> RowFactory::Make(std::mt19937_64& rng, uint32_t la
   LayerRowsData data = RandomLayerRows(rng, layer, rows, dtype);
   const DType kernel_dtype = dtype == v1::ROW_DTYPE_BFLOAT16 ? DType::kBFloat16 : DType::kFloat16;
   const int64_t n = rows;
-  absl::StatusOr<QuantizedRows> q = QuantizeRows(TensorView::Contiguous(data.ckv.data(), kernel_dtype, {n, 512}),
-                                                 TensorView::Contiguous(data.kpe.data(), kernel_dtype, {n, 64}),
+  absl::StatusOr<QuantizedRows> q = QuantizeRows(TensorView::Contiguous(data.ckv.data(), kernel_dtype, {n, format::kCkvDim}),
+                                                 TensorView::Contiguous(data.kpe.data(), kernel_dtype, {n, format::kKpeDim}),
                                                  scales_[layer].ckv, scales_[layer].kpe, KernelDevice::kCpu);
   if (!q.ok()) return q.status();
   data.stored.resize(size_t{rows} * kEntryBytes);

@@ -192,7 +192,7 @@ absl::Status SequenceVerifier::VerifyDequantized(v1::KvCache::Stub& stub, const 
     std::memcpy(sf.data() + size_t{i} * kCkvSfBytes, e + kCkvPackedBytes, kCkvSfBytes);
     std::memcpy(rope.data() + size_t{i} * kKpeBytes, e + kCkvPackedBytes + kCkvSfBytes, kKpeBytes);
   }
-  std::vector<float> want_ckv(size_t{n} * 512), want_kpe(size_t{n} * 64);
+  std::vector<float> want_ckv(size_t{n} * format::kCkvDim), want_kpe(size_t{n} * format::kKpeDim);
   DequantizeParams p;
   p.ckv_packed = packed.data();
   p.ckv_sf = sf.data();

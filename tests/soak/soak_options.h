@@ -7,16 +7,20 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "kernels/nvfp4_format.h"
 
 namespace mlakv::soak {
 
-// Stored bytes of one token in one layer: ckv_packed | ckv_sf | kpe.
-inline constexpr size_t kCkvPackedBytes = 256;
-inline constexpr size_t kCkvSfBytes = 32;
-inline constexpr size_t kKpeBytes = 64;
-inline constexpr size_t kEntryBytes = kCkvPackedBytes + kCkvSfBytes + kKpeBytes;
-// Wire bytes of one row of one layer (fp16 and bf16 alike): 512 + 64 two-byte elements.
-inline constexpr size_t kWireRowBytes = (512 + 64) * 2;
+// Stored bytes of one token in one layer (docs/format.md): ckv_packed |
+// ckv_sf | kpe, as size_t for offset arithmetic.
+inline constexpr size_t kCkvPackedBytes = format::kCkvPackedBytes;
+inline constexpr size_t kCkvSfBytes = format::kCkvSfBytes;
+inline constexpr size_t kKpeBytes = format::kKpeBytes;
+inline constexpr size_t kEntryBytes = format::kEntryBytes;
+// Wire bytes of one row of one layer (fp16 and bf16 alike: two-byte elements).
+inline constexpr size_t kWireCkvRowBytes = format::kCkvDim * 2;
+inline constexpr size_t kWireKpeRowBytes = format::kKpeDim * 2;
+inline constexpr size_t kWireRowBytes = kWireCkvRowBytes + kWireKpeRowBytes;
 
 struct SoakOptions {
   std::string pool;                 // pool named in every request; "" = the server's default pool

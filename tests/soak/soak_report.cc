@@ -94,6 +94,12 @@ void SoakReport::CountCheck(absl::Duration convergence, std::optional<int64_t> r
   if (rss_kb) rss_at_checks_kb_.push_back(*rss_kb);
 }
 
+void SoakReport::SetPagesSeen(uint32_t seen, uint32_t total) {
+  absl::MutexLock lock(&mu_);
+  pages_seen_ = seen;
+  pages_total_ = total;
+}
+
 void SoakReport::SetFinalPool(const v1::Pool& pool) {
   absl::MutexLock lock(&mu_);
   final_pool_ = pool;
@@ -142,6 +148,7 @@ nlohmann::json SoakReport::ToJson() const {
   j["bytes_appended"] = bytes_appended_;
   j["quiescent_checks"] = checks_;
   j["max_convergence_ms"] = absl::ToDoubleMilliseconds(max_convergence_);
+  j["pages_seen"] = {{"seen", pages_seen_}, {"total", pages_total_}};
   j["server_rss_kb"] = {{"start", OptionalJson(rss_start_kb_)},
                         {"end", OptionalJson(rss_end_kb_)},
                         {"peak", OptionalJson(rss_peak_kb_)},
@@ -175,7 +182,8 @@ std::string SoakReport::ToText() const {
   absl::StrAppend(&out, absl::StrFormat("  checks      %d quiescent checks, slowest convergence %.0f ms\n", checks_,
                                         absl::ToDoubleMilliseconds(max_convergence_)));
   absl::StrAppend(&out, "  server RSS  start ", Mib(rss_start_kb_), ", end ", Mib(rss_end_kb_), ", peak ",
-                  Mib(rss_peak_kb_), "\n");
+                  Mib(rss_peak_kb_), absl::StrFormat(" (the run has used %d of the pool's %d pages)\n", pages_seen_,
+                                                     pages_total_));
   if (final_pool_) {
     absl::StrAppend(&out, absl::StrFormat("  final pool  %s: %d pages total, %d used, %d free, %d sequences\n",
                                           final_pool_->name(), final_pool_->pages_total(), final_pool_->pages_used(),

@@ -37,6 +37,10 @@ class SoakReport {
   // One quiescent check: how long the pool took to agree with the models, and
   // the server's RSS then (kept per check, to see growth over a long run).
   void CountCheck(absl::Duration convergence, std::optional<int64_t> rss_kb);
+  // Distinct pages the audits have seen in the soak's page tables: the
+  // share of the pool's (lazily allocated) host caches the run has touched,
+  // to read the server's RSS against.
+  void SetPagesSeen(uint32_t seen, uint32_t total);
   void SetFinalPool(const v1::Pool& pool);
   void SetServer(std::string mode, std::string target, std::string device);
   void SetServerExit(int code);
@@ -63,6 +67,8 @@ class SoakReport {
   int64_t checks_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Duration max_convergence_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Pool> final_pool_ ABSL_GUARDED_BY(mu_);
+  uint32_t pages_seen_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t pages_total_ ABSL_GUARDED_BY(mu_) = 0;
   std::string mode_ ABSL_GUARDED_BY(mu_);
   std::string target_ ABSL_GUARDED_BY(mu_);
   std::string device_ ABSL_GUARDED_BY(mu_);
