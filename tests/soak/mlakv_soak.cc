@@ -304,7 +304,9 @@ int Main(int argc, char** argv) {
     std::ofstream(path) << report.ToJson().dump(2) << "\n";
   }
   if (spawned) {
-    if (report.failed() || absl::GetFlag(FLAGS_keep_server_log)) {
+    // A failed run keeps the server's log, except the self-check's, which must fail.
+    const bool self_check = options.corrupt_model_after > absl::ZeroDuration();
+    if ((report.failed() && !self_check) || absl::GetFlag(FLAGS_keep_server_log)) {
       std::cout << "server log: " << spawned->log_path() << "\n";
     } else {
       spawned->RemoveScratch();
