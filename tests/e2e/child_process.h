@@ -41,6 +41,8 @@ class ChildProcess {
     bool killed = false;
   };
   Ending Stop(absl::Duration grace);
+  // The process id (for /proc readings), -1 once moved from.
+  pid_t pid() const { return pid_; }
 
  private:
   explicit ChildProcess(pid_t pid) : pid_(pid) {}
