@@ -20,12 +20,15 @@ absl::Status CheckFieldLength(absl::string_view field, absl::string_view value, 
 }
 
 absl::Status CheckCallAlive(grpc::CallbackServerContext* ctx, absl::string_view what) {
+  // The deadline first: gRPC cancels a call whose deadline passed, so a
+  // cancelled call past its deadline is reported (logged, counted) as what
+  // it is.
+  if (ctx->deadline() <= std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError(absl::StrCat("the call's deadline passed before it committed; ", what));
+  }
   if (ctx->IsCancelled()) {
     return absl::CancelledError(
         absl::StrCat("the call was cancelled (by the client, or its connection broke) before it committed; ", what));
-  }
-  if (ctx->deadline() <= std::chrono::system_clock::now()) {
-    return absl::DeadlineExceededError(absl::StrCat("the call's deadline passed before it committed; ", what));
   }
   return absl::OkStatus();
 }

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "google/protobuf/stubs/logging.h"
 #include "server/health_probe_server.h"
 #include "server/kv_cache_server.h"
 #include "server/metrics_endpoint.h"
@@ -55,6 +56,20 @@ ABSL_FLAG(std::string, health_listen, "",
 
 namespace mlakv::server {
 namespace {
+
+// protobuf writes its own lines to stderr, outside the log's format and
+// --log_level: one "String field ... contains invalid UTF-8" line per bad
+// message a client sends, which would let a client flood the log. The
+// Append stream that carried it already logs one warning with its status, so
+// protobuf's errors and warnings go to debug; fatal ones stay critical.
+void ProtobufLogToSpdlog(google::protobuf::LogLevel level, const char* filename, int line,
+                         const std::string& message) {
+  if (level == google::protobuf::LOGLEVEL_FATAL) {
+    spdlog::critical("protobuf {}:{}: {}", filename, line, message);
+  } else {
+    spdlog::debug("protobuf {}:{}: {}", filename, line, message);
+  }
+}
 
 #ifndef MLAKV_VERSION
 #define MLAKV_VERSION "unknown"
@@ -237,5 +252,6 @@ int main(int argc, char** argv) {
   }
   spdlog::set_level(level);
   spdlog::flush_on(spdlog::level::info);
+  google::protobuf::SetLogHandler(&mlakv::server::ProtobufLogToSpdlog);
   return mlakv::server::RunServer();
 }
