@@ -155,6 +155,20 @@ TEST(QuantizeCli, ShapeWhoseSizeOverflowsIsRefused) {
   std::filesystem::remove(in);
 }
 
+// ckv [0, 512]: the row file's copies used to memcpy into an empty vector's
+// null data() (UBSan: invalid-null-argument, client/row_file.cc).
+TEST(QuantizeCli, FileWithoutRowsGetsAClearError) {
+  SafetensorsWriter w;
+  ASSERT_TRUE(w.Add("ckv", "BF16", {0, 512}, "").ok());
+  ASSERT_TRUE(w.Add("kpe", "BF16", {0, 64}, "").ok());
+  const std::string in = TempPath("no_rows.safetensors");
+  ASSERT_TRUE(w.Write(in).ok());
+  const Result r = RunCli("quantize --device cpu --ckv_scale 1 --kpe_scale 1 --input " + in + " --output " + TempPath("v"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("holds no rows (ckv [0, 512]); nothing to quantize"), std::string::npos) << r.output;
+  std::filesystem::remove(in);
+}
+
 TEST(QuantizeCli, WrongShapeIsRefused) {
   SafetensorsWriter w;
   ASSERT_TRUE(w.Add("ckv", "BF16", {1, 256}, std::string(512, '\x3f')).ok());
