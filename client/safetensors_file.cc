@@ -61,7 +61,8 @@ int64_t NonNegativeInt64(const json& v) {
 }
 
 // Element count of `shape`, checked at every step (a later 0 does not excuse
-// an overflow earlier on, as in the reference reader); nullopt on overflow.
+// an overflow earlier on, as in the reference reader); nullopt on a negative
+// dimension or an overflow.
 std::optional<int64_t> CheckedNumel(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) {
