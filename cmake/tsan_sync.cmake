@@ -78,9 +78,10 @@ mlakv_tsan_check_symbols(gRPC::grpc ${mlakv_tsan_grpc_symbols})
 
 add_library(mlakv_tsan_sync STATIC ${PROJECT_SOURCE_DIR}/common/tsan_absl_sync.cc
                                    ${PROJECT_SOURCE_DIR}/common/tsan_grpc_calls.cc)
-target_link_libraries(mlakv_tsan_sync PUBLIC absl::synchronization absl::time ${CMAKE_DL_LIBS})
+# gRPC++ for every TSan program: tsan_grpc_calls.cc runs grpcpp's callback
+# tags (a program without gRPC just carries the library along).
+target_link_libraries(mlakv_tsan_sync PUBLIC absl::synchronization absl::time gRPC::grpc++ ${CMAKE_DL_LIBS})
 target_compile_definitions(mlakv_tsan_sync PRIVATE MLAKV_ABSL_NS="${mlakv_absl_ns_mangled}")
-target_include_directories(mlakv_tsan_sync PRIVATE $<TARGET_PROPERTY:gRPC::grpc,INTERFACE_INCLUDE_DIRECTORIES>)
 
 # --undefined (one symbol of each object): a program whose own objects call
 # none of these must still take them (its shared libraries do); the archive
