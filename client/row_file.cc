@@ -10,14 +10,18 @@ namespace mlakv {
 absl::StatusOr<RowFile> LoadRowFile(const std::string& path) {
   absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(path);
   if (!file.ok()) return file.status();
-  absl::StatusOr<const SafetensorsFile::Tensor*> ckv = file->Get("ckv", {"BF16", "F16"}, 2);
+  return RowFileFromSafetensors(*file);
+}
+
+absl::StatusOr<RowFile> RowFileFromSafetensors(const SafetensorsFile& file) {
+  absl::StatusOr<const SafetensorsFile::Tensor*> ckv = file.Get("ckv", {"BF16", "F16"}, 2);
   if (!ckv.ok()) return ckv.status();
-  absl::StatusOr<const SafetensorsFile::Tensor*> kpe = file->Get("kpe", {"BF16", "F16"}, 2);
+  absl::StatusOr<const SafetensorsFile::Tensor*> kpe = file.Get("kpe", {"BF16", "F16"}, 2);
   if (!kpe.ok()) return kpe.status();
   const auto& c = **ckv;
   const auto& k = **kpe;
   if (c.shape[1] != 512 || k.shape[1] != 64 || c.shape[0] != k.shape[0] || c.dtype != k.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": expected ckv [N, 512] and kpe [N, 64] of one dtype, got ckv ",
+    return absl::InvalidArgumentError(absl::StrCat(file.name(), ": expected ckv [N, 512] and kpe [N, 64] of one dtype, got ckv ",
                                                    c.dtype, "[", c.shape[0], ", ", c.shape[1], "] and kpe ", k.dtype,
                                                    "[", k.shape[0], ", ", k.shape[1], "]"));
   }
@@ -26,11 +30,13 @@ absl::StatusOr<RowFile> LoadRowFile(const std::string& path) {
   rows.rows = c.shape[0];
   rows.ckv.resize(c.data.size() / 2);
   rows.kpe.resize(k.data.size() / 2);
-  std::memcpy(rows.ckv.data(), c.data.data(), c.data.size());
-  std::memcpy(rows.kpe.data(), k.data.data(), k.data.size());
+  // N = 0 leaves both vectors empty, their data() possibly null: memcpy to
+  // null is undefined even for 0 bytes (UBSan, `mlakv quantize` on [0, 512]).
+  if (!c.data.empty()) std::memcpy(rows.ckv.data(), c.data.data(), c.data.size());
+  if (!k.data.empty()) std::memcpy(rows.kpe.data(), k.data.data(), k.data.size());
   for (auto [name, slot] : {std::pair{"ckv_scale", &rows.ckv_scale}, {"kpe_scale", &rows.kpe_scale}}) {
-    if (file->Find(name) == nullptr) continue;
-    absl::StatusOr<float> v = file->GetScalarF32(name);
+    if (file.Find(name) == nullptr) continue;
+    absl::StatusOr<float> v = file.GetScalarF32(name);
     if (!v.ok()) return v.status();
     *slot = *v;
   }

@@ -29,6 +29,9 @@ struct RowFile {
 };
 
 absl::StatusOr<RowFile> LoadRowFile(const std::string& path);
+// The rows of an already parsed safetensors file (what LoadRowFile does after
+// reading it); errors name file.name().
+absl::StatusOr<RowFile> RowFileFromSafetensors(const SafetensorsFile& file);
 
 // Adds ckv_packed U8 [N, 256], ckv_sf F8_E4M3 [N, 32] and kpe F8_E4M3 [N, 64].
 absl::Status AddQuantizedTensors(const QuantizedRows& rows, SafetensorsWriter& writer);

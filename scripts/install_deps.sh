@@ -28,10 +28,13 @@ build_packages=(
 )
 # Tools the tests run: the Python client's dependencies, promtool (package
 # prometheus) for the metrics scrape check, openssl for test certificates,
-# PyYAML for the rendered-manifest checks.
+# PyYAML for the rendered-manifest checks, and clang 14 with its sanitizer and
+# libFuzzer runtimes and llvm-symbolizer for the sanitizer builds and fuzz
+# targets (scripts/sanitize.sh, scripts/fuzz.sh).
 test_packages=(
   python3 python3-grpcio python3-numpy python3-protobuf python3-yaml
   prometheus openssl
+  clang-14 libclang-rt-14-dev llvm-14
 )
 DOCKERFILELINT_VERSION=1.8.0
 

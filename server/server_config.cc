@@ -47,13 +47,18 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
   if (!in) return absl::NotFoundError(absl::StrCat("config file '", path, "' cannot be opened"));
   std::stringstream text;
   text << in.rdbuf();
+  return ParseServerConfig(text.str(), absl::StrCat("config file '", path, "'"));
+}
+
+absl::StatusOr<v1::ServerConfig> ParseServerConfig(std::string_view text, std::string_view source) {
   v1::ServerConfig config;
   google::protobuf::TextFormat::Parser parser;
   ErrorCollector errors;
   parser.RecordErrorsTo(&errors);
-  if (!parser.ParseFromString(text.str(), &config)) {
-    return absl::InvalidArgumentError(absl::StrCat("config file '", path, "' is not a valid text-format "
-                                                   "mlakv.v1.ServerConfig: ", errors.first()));
+  if (!parser.ParseFromString(std::string(text), &config)) {
+    return absl::InvalidArgumentError(absl::StrCat(absl::string_view(source.data(), source.size()),
+                                                   " is not a valid text-format mlakv.v1.ServerConfig: ",
+                                                   errors.first()));
   }
   return config;
 }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -33,6 +34,10 @@ v1::ServerConfig DefaultServerConfig();
 
 // Reads and parses a text-format file; errors name the file, line and column.
 absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
+
+// Parses text-format `text` (what LoadServerConfig reads from its file);
+// errors are INVALID_ARGUMENT naming `source`, the line and the column.
+absl::StatusOr<v1::ServerConfig> ParseServerConfig(std::string_view text, std::string_view source = "config text");
 
 // Checks a config and turns its pools into Pool::Options, filling defaults
 // (num_layers 61, page_size 64, 256 pages when neither num_pages nor

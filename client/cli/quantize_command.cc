@@ -68,6 +68,11 @@ int RunQuantize(const std::vector<std::string>& args) {
     std::fprintf(stderr, "mlakv quantize: %s\n", std::string(rows.status().message()).c_str());
     return 1;
   }
+  if (rows->rows == 0) {
+    std::fprintf(stderr, "mlakv quantize: %s holds no rows (ckv [0, 512]); nothing to quantize\n",
+                 absl::GetFlag(FLAGS_input).c_str());
+    return 1;
+  }
   std::optional<double> ckv_scale = absl::GetFlag(FLAGS_ckv_scale), kpe_scale = absl::GetFlag(FLAGS_kpe_scale);
   if (!ckv_scale && rows->ckv_scale) ckv_scale = *rows->ckv_scale;
   if (!kpe_scale && rows->kpe_scale) kpe_scale = *rows->kpe_scale;

@@ -135,6 +135,40 @@ TEST(QuantizeCli, CorruptFileGetsAClearErrorNotACrash) {
   std::filesystem::remove(in);
 }
 
+// A scale declared [2^32, 2^32] in 0 bytes: the element count used to wrap to
+// 0 and "match" the empty byte range, and the file was taken.
+TEST(QuantizeCli, ShapeWhoseSizeOverflowsIsRefused) {
+  const std::string header =
+      R"({"ckv":{"dtype":"BF16","shape":[1,512],"data_offsets":[0,1024]},)"
+      R"("kpe":{"dtype":"BF16","shape":[1,64],"data_offsets":[1024,1152]},)"
+      R"("ckv_scale":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[1152,1152]}})";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xFF);
+  bytes += header + std::string(1152, '\x3f');
+  const std::string in = TempPath("overflow.safetensors");
+  std::ofstream(in, std::ios::binary) << bytes;
+  const Result r = RunCli("quantize --device cpu --kpe_scale 1 --input " + in + " --output " + TempPath("w"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("tensor 'ckv_scale' has shape [4294967296, 4294967296], more than 2^63 - 1 elements"),
+            std::string::npos)
+      << r.output;
+  std::filesystem::remove(in);
+}
+
+// ckv [0, 512]: the row file's copies used to memcpy into an empty vector's
+// null data() (UBSan: invalid-null-argument, client/row_file.cc).
+TEST(QuantizeCli, FileWithoutRowsGetsAClearError) {
+  SafetensorsWriter w;
+  ASSERT_TRUE(w.Add("ckv", "BF16", {0, 512}, "").ok());
+  ASSERT_TRUE(w.Add("kpe", "BF16", {0, 64}, "").ok());
+  const std::string in = TempPath("no_rows.safetensors");
+  ASSERT_TRUE(w.Write(in).ok());
+  const Result r = RunCli("quantize --device cpu --ckv_scale 1 --kpe_scale 1 --input " + in + " --output " + TempPath("v"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("holds no rows (ckv [0, 512]); nothing to quantize"), std::string::npos) << r.output;
+  std::filesystem::remove(in);
+}
+
 TEST(QuantizeCli, WrongShapeIsRefused) {
   SafetensorsWriter w;
   ASSERT_TRUE(w.Add("ckv", "BF16", {1, 256}, std::string(512, '\x3f')).ok());

@@ -28,6 +28,18 @@ void E2eTest::SetUp() {
   StartServer(SuiteDevice());
 }
 
+// The server must end cleanly on SIGTERM: under ASan, LeakSanitizer and
+// TSan (scripts/sanitize.sh) a report in the server process shows only as
+// its exit status and in its log, so this is where a test sees it.
+void E2eTest::TearDown() {
+  if (server_ == nullptr) return;
+  client_.reset();
+  absl::StatusOr<int> code = server_->Stop(absl::Seconds(10));
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << server_->Log();
+  EXPECT_EQ(*code, 0) << "mlakv-server exited with " << *code << " after SIGTERM (a sanitizer report?):\n"
+                      << server_->Log();
+}
+
 void E2eTest::StartServer(const std::string& device, uint32_t num_layers) {
   ServerUnderTest::Options options;
   options.device = device;

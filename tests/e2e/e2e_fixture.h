@@ -33,6 +33,8 @@ class E2eTest : public ::testing::Test {
  protected:
   // Starts the server on SuiteDevice(); skips when that is a GPU and none is visible.
   void SetUp() override;
+  // Stops the server and expects it to exit 0 (sanitizer reports fail here).
+  void TearDown() override;
   void StartServer(const std::string& device, uint32_t num_layers = kLayers);
 
   // Pool occupancy: checks free + used == total and returns used.

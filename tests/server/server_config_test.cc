@@ -116,5 +116,20 @@ TEST(ServerConfigTest, LoadReportsLineOfSyntaxError) {
   std::remove(path.c_str());
 }
 
+TEST(ServerConfigTest, ParseReadsTextAndNamesItsSourceOnError) {
+  absl::StatusOr<v1::ServerConfig> c = ParseServerConfig("listen: '127.0.0.1:7'\npools { name: 'p' num_pages: 3 }");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen(), "127.0.0.1:7");
+  ASSERT_EQ(c->pools_size(), 1);
+  EXPECT_EQ(c->pools(0).num_pages(), 3u);
+
+  c = ParseServerConfig("pools {\n  num_pagez: 3 }", "ConfigMap server.textproto");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(c.status().message())
+                .find("ConfigMap server.textproto is not a valid text-format mlakv.v1.ServerConfig: line 2"),
+            std::string::npos)
+      << c.status();
+}
+
 }  // namespace
 }  // namespace mlakv::server

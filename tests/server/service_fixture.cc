@@ -71,8 +71,15 @@ Stored ServiceFixture::Read(const std::string& sequence, uint32_t layer, uint32_
     const size_t nc = out.ckv_float.size(), nk = out.kpe_float.size();
     out.ckv_float.resize(nc + resp.ckv_float().size() / 4);
     out.kpe_float.resize(nk + resp.kpe_float().size() / 4);
-    std::memcpy(out.ckv_float.data() + nc, resp.ckv_float().data(), resp.ckv_float().size());
-    std::memcpy(out.kpe_float.data() + nk, resp.kpe_float().data(), resp.kpe_float().size());
+    // Raw reads carry no floats: memcpy from or to a null pointer is undefined
+    // even for 0 bytes (UBSan: invalid-null-argument), and an empty vector's
+    // data() may be null.
+    if (!resp.ckv_float().empty()) {
+      std::memcpy(out.ckv_float.data() + nc, resp.ckv_float().data(), resp.ckv_float().size());
+    }
+    if (!resp.kpe_float().empty()) {
+      std::memcpy(out.kpe_float.data() + nk, resp.kpe_float().data(), resp.kpe_float().size());
+    }
     out.ckv_scale = resp.ckv_scale();
     out.kpe_scale = resp.kpe_scale();
   }
