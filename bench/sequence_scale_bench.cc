@@ -1,6 +1,6 @@
 // sequence_scale_bench: does a 1-row Append keep its latency with 1,000,000
 // sequences in the pool, while GetPool and ListSequences are polled and the
-// idle reaper frees sequences? (server/pool.h: no section under the pool's
+// idle reaper frees sequences? (server/core/pool.h: no section under the pool's
 // lock scans every sequence.)
 //
 //   sequence_scale_bench [--sequences 1000000] [--reference_sequences 1000]
@@ -63,7 +63,7 @@
 #include "bench/bench_stats.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
-#include "server/kv_cache_server.h"
+#include "server/rpc/kv_cache_server.h"
 #include "spdlog/sinks/null_sink.h"
 #include "spdlog/spdlog.h"
 

@@ -1,4 +1,4 @@
-// shm_guard_bench: what the SIGBUS guard (server/mapping_fault_guard.h)
+// shm_guard_bench: what the SIGBUS guard (server/regions/mapping_fault_guard.h)
 // costs on the shared-memory read path, which it claims is nothing.
 //
 //   shm_guard_bench [--repeats 40] [--e2e_repeats 200] [--threads 1]
@@ -50,8 +50,8 @@
 #include "bench/bench_stats.h"
 #include "kernels/quantize_append.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
-#include "server/kv_cache_server.h"
-#include "server/mapping_fault_guard.h"
+#include "server/rpc/kv_cache_server.h"
+#include "server/regions/mapping_fault_guard.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(int, repeats, 40, "runs per (size, source, operation) in part (a), rounded up to a multiple of 4");

@@ -14,12 +14,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/health_probe_server.h"
-#include "server/kv_cache_server.h"
-#include "server/metrics_endpoint.h"
-#include "server/server_config.h"
-#include "server/server_credentials.h"
-#include "server/server_metrics.h"
+#include "server/observability/health_probe_server.h"
+#include "server/rpc/kv_cache_server.h"
+#include "server/observability/metrics_endpoint.h"
+#include "server/rpc/server_config.h"
+#include "server/security/server_credentials.h"
+#include "server/observability/server_metrics.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -102,11 +102,9 @@ int RunServer() {
   std::string listen = absl::GetFlag(FLAGS_listen);
   if (listen.empty()) listen = config.listen().empty() ? kDefaultListen : config.listen();
   const std::string device = absl::GetFlag(FLAGS_device);
-  if (device != "auto") {
-    if (absl::Status s = CheckDeviceName(device); !s.ok()) {
-      spdlog::critical("--device: {}", std::string(s.message()));
-      return 2;
-    }
+  if (absl::StatusOr<Device> parsed = Device::Parse(device); !parsed.ok()) {
+    spdlog::critical("--device: {}", std::string(parsed.status().message()));
+    return 2;
   }
 
   // ---- operations: metrics registry, server credentials ----
@@ -140,13 +138,8 @@ int RunServer() {
   }
   // ---- operations: pool gauges at scrape time, /metrics, health probe port ----
   (*metrics)->SetPoolSource([s = server->get()] {
-    std::vector<ServerMetrics::PoolStats> out;
-    for (const auto& pool : s->pools()) {
-      const PoolSnapshot p = pool->Snapshot();
-      out.push_back({.name = p.name, .device = p.device, .pages_total = uint64_t(p.pages_total),
-                     .pages_used = uint64_t(p.pages_used), .pages_free = uint64_t(p.pages_free),
-                     .sequences = p.sequences, .cache_bytes = p.cache_bytes});
-    }
+    std::vector<PoolSnapshot> out;
+    for (const auto& pool : s->pools()) out.push_back(pool->Snapshot());
     return out;
   });
   (*metrics)->SetIpcRegionSource([s = server->get()] { return static_cast<int64_t>(s->regions().size()); });
@@ -177,7 +170,7 @@ int RunServer() {
     for (const LayerSnapshot& l : p.layers) fixed += l.scales_from_config ? 1 : 0;
     spdlog::info("pool '{}': device {}, {} layers, {} pages x {} tokens, {} cache bytes ({}), scales fixed for {} of {} "
                  "layers",
-                 p.name, p.device, p.num_layers, p.pages_total, p.page_size, p.cache_bytes, HumanBytes(p.cache_bytes),
+                 p.name, p.device.ToString(), p.num_layers, p.pages_total, p.page_size, p.cache_bytes, HumanBytes(p.cache_bytes),
                  fixed, p.num_layers);
   }
   spdlog::info("listening on {}", (*server)->bound_address());
@@ -187,7 +180,7 @@ int RunServer() {
     uint64_t total_bytes = 0;
     for (const auto& pool : (*server)->pools()) {
       const PoolSnapshot p = pool->Snapshot();
-      absl::StrAppend(&pools, pools.empty() ? "" : ", ", p.name, "@", p.device, " ", p.pages_total, "x", p.page_size,
+      absl::StrAppend(&pools, pools.empty() ? "" : ", ", p.name, "@", p.device.ToString(), " ", p.pages_total, "x", p.page_size,
                       "x", p.num_layers, "L ", HumanBytes(p.cache_bytes));
       total_bytes += p.cache_bytes;
     }

@@ -450,7 +450,7 @@ class MetricsEndpointUnderSlowClients(unittest.TestCase):
     """The real process: connections to the metrics port that send half a
     request head and stall do not delay scrapes. SIGTERM ends the process at
     once when no metrics client is stalled; a client stalled mid-request can
-    hold the exit up by civetweb's 2 s poll quantum (server/metrics_endpoint.h),
+    hold the exit up by civetweb's 2 s poll quantum (server/observability/metrics_endpoint.h),
     never by the 5 s request timeout."""
 
     def stalled(self, port, n):

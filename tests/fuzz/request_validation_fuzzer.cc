@@ -16,7 +16,7 @@
 
 #include "google/protobuf/text_format.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
-#include "server/kv_cache_server.h"
+#include "server/rpc/kv_cache_server.h"
 #include "spdlog/spdlog.h"
 
 namespace {

@@ -9,7 +9,7 @@
 #include <set>
 #include <string_view>
 
-#include "server/server_config.h"
+#include "server/rpc/server_config.h"
 
 namespace {
 

@@ -1,0 +1,165 @@
+#include "server/backend/cpu_backend.h"
+
+#include <array>
+#include <limits>
+
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/nvfp4_format.h"
+#include "kernels/quantize_append.h"
+
+namespace mlakv::server {
+namespace {
+
+using format::kCkvPackedBytes;
+using format::kCkvSfBytes;
+using format::kKpeBytes;
+
+int64_t Entries(const CacheBackend::Geometry& g) { return static_cast<int64_t>(g.num_pages) * g.page_size; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const Options& options) {
+  const Geometry& g = options.geometry;
+  if (g.num_layers < 1 || g.num_pages < 1 || g.page_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("cpu backend: num_layers, num_pages and page_size must be >= 1, got ",
+                                                   g.num_layers, ", ", g.num_pages, ", ", g.page_size));
+  }
+  std::unique_ptr<CpuBackend> backend(new CpuBackend(options));
+  if (backend->options_.num_threads <= 0) {
+    backend->options_.num_threads = std::max(1u, std::thread::hardware_concurrency());
+  }
+  const int64_t entries = Entries(g);
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    // calloc: zeroed, and the OS maps pages lazily, so an idle pool costs little.
+    LayerCaches c;
+    c.ckv = static_cast<uint8_t*>(std::calloc(entries, kCkvPackedBytes));
+    c.sf = static_cast<uint8_t*>(std::calloc(entries, kCkvSfBytes));
+    c.kpe = static_cast<uint8_t*>(std::calloc(entries, kKpeBytes));
+    backend->layers_.push_back(c);
+    if (c.ckv == nullptr || c.sf == nullptr || c.kpe == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("cpu backend: allocating ", backend->cache_bytes(),
+                                                       " bytes of host memory for ", g.num_layers,
+                                                       " layers failed at layer ", l));
+    }
+  }
+  return backend;
+}
+
+CpuBackend::~CpuBackend() {
+  for (LayerCaches& c : layers_) {
+    std::free(c.ckv);
+    std::free(c.sf);
+    std::free(c.kpe);
+  }
+}
+
+uint64_t CpuBackend::cache_bytes() const {
+  return static_cast<uint64_t>(Entries(options_.geometry)) * format::kEntryBytes *
+         options_.geometry.num_layers;
+}
+
+absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
+  const Geometry& g = options_.geometry;
+  // Per (layer, segment): params over that segment's rows (each segment's
+  // rows are their own host buffer). Placement is validated once per layer,
+  // over all its segments together (O(requests + segments + pages); per
+  // segment it would re-check the whole page table each time), and for every
+  // layer before anything is written.
+  std::vector<QuantizeAppendParams> all;
+  // One segment per params: {indptr 0, rows, request, start}.
+  std::vector<std::array<int32_t, 4>> placements;
+  std::vector<int32_t> layer_indptr, layer_request, layer_start;
+  for (const LayerAppend& la : layers) {
+    if (la.layer < 0 || la.layer >= g.num_layers) {
+      return absl::InternalError(absl::StrCat("cpu backend: layer ", la.layer, " outside [0, ", g.num_layers, ")"));
+    }
+    const LayerCaches& c = layers_[la.layer];
+    const QuantizeAppendParams p = LayerParams(la, g, c.ckv, c.sf, c.kpe);
+    if (!CheckDecodeScale(p.ckv_scale, "ckv_scale").ok() || !CheckDecodeScale(p.kpe_scale, "kpe_scale").ok()) {
+      return absl::InternalError("cpu backend: scales not positive normal (a server bug)");
+    }
+    layer_indptr.assign(1, 0);
+    layer_request.clear();
+    layer_start.clear();
+    for (const AppendSegment& seg : la.segments) {
+      if (seg.count <= 0) continue;
+      if (seg.rows.on_device()) {
+        return absl::InternalError("cpu backend: rows in device memory (the region registry refuses them; a bug)");
+      }
+      if (static_cast<int64_t>(layer_indptr.back()) + seg.count > std::numeric_limits<int32_t>::max()) {
+        return absl::InternalError("cpu backend: more than 2^31 rows in one layer");
+      }
+      layer_indptr.push_back(layer_indptr.back() + seg.count);
+      layer_request.push_back(seg.request);
+      layer_start.push_back(seg.start);
+      QuantizeAppendParams one = p;
+      one.append_ckv = seg.rows.ckv;
+      one.append_kpe = seg.rows.kpe;
+      one.num_rows = seg.count;
+      placements.push_back({0, seg.count, seg.request, seg.start});
+      all.push_back(one);
+    }
+    if (layer_request.empty()) continue;
+    QuantizeAppendParams whole = p;  // the layer's placement only; no rows are read
+    whole.num_rows = layer_indptr.back();
+    whole.segment_indptr = layer_indptr.data();
+    whole.segment_request = layer_request.data();
+    whole.segment_start = layer_start.data();
+    whole.num_segments = static_cast<int32_t>(layer_request.size());
+    if (absl::Status s = ValidateRowPlacement(whole); !s.ok()) {
+      return absl::InternalError(absl::StrCat("cpu backend: row placement rejected (a server bug): ", s.message()));
+    }
+  }
+  // `placements` no longer reallocates: point the params at it now.
+  for (size_t i = 0; i < all.size(); ++i) {
+    all[i].segment_indptr = &placements[i][0];
+    all[i].segment_request = &placements[i][2];
+    all[i].segment_start = &placements[i][3];
+    all[i].num_segments = 1;
+  }
+  for (const QuantizeAppendParams& p : all) QuantizeAppendHost(p, options_.num_threads);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CheckEntries(int32_t layer, std::span<const int64_t> entries) const {
+  if (layer < 0 || layer >= options_.geometry.num_layers) {
+    return absl::InternalError(absl::StrCat("cpu backend: layer ", layer, " out of range"));
+  }
+  const int64_t total = Entries(options_.geometry);
+  for (int64_t e : entries) {
+    if (e < 0 || e >= total) {
+      return absl::InternalError(absl::StrCat("cpu backend: cache entry ", e, " outside [0, ", total, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) {
+  if (absl::Status s = CheckEntries(layer, entries); !s.ok()) return s;
+  const LayerCaches& c = layers_[layer];
+  ForEachRun(entries, [&](size_t i, size_t n) {
+    const int64_t e = entries[i];
+    std::memcpy(out.ckv_packed + i * kCkvPackedBytes, c.ckv + e * kCkvPackedBytes, n * kCkvPackedBytes);
+    std::memcpy(out.ckv_sf + i * kCkvSfBytes, c.sf + e * kCkvSfBytes, n * kCkvSfBytes);
+    std::memcpy(out.kpe + i * kKpeBytes, c.kpe + e * kKpeBytes, n * kKpeBytes);
+  });
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) {
+  if (absl::Status s = CheckEntries(layer, entries); !s.ok()) return s;
+  const LayerCaches& c = layers_[layer];
+  ForEachRun(entries, [&](size_t i, size_t n) {
+    const int64_t e = entries[i];
+    std::memcpy(c.ckv + e * kCkvPackedBytes, in.ckv_packed + i * kCkvPackedBytes, n * kCkvPackedBytes);
+    std::memcpy(c.sf + e * kCkvSfBytes, in.ckv_sf + i * kCkvSfBytes, n * kCkvSfBytes);
+    std::memcpy(c.kpe + e * kKpeBytes, in.kpe + i * kKpeBytes, n * kKpeBytes);
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace mlakv::server

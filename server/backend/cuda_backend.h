@@ -1,0 +1,80 @@
+// CudaBackend: a pool's caches in device memory, written by the CUDA
+// quantize-append kernel (QuantizeAppend launcher of kernels/).
+//
+// One CUDA stream per pool (per backend). Appended rows, positions and page
+// tables are packed into one pinned host buffer, copied to a device scratch
+// buffer in one cudaMemcpyAsync, then one kernel per layer is launched; every
+// call synchronizes the stream before it returns, so the caller's buffers are
+// free again and errors are reported by the call that caused them. Reads and
+// restores copy whole runs of consecutive cache entries with cudaMemcpyAsync.
+// Every entry point sets the pool's device and restores the caller's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "server/backend/cache_backend.h"
+#include "server/backend/parallel_copy.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace mlakv::server {
+
+class CudaBackend : public CacheBackend {
+ public:
+  struct Options {
+    Geometry geometry;
+    Device device = Device::Cuda(0);  // a GPU
+  };
+
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Options& options);
+  ~CudaBackend() override;
+
+  Device device() const override;
+  uint64_t cache_bytes() const override;
+  absl::Status Append(std::span<const LayerAppend> layers) override;
+  absl::Status ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) override;
+  absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) override;
+  absl::StatusOr<std::vector<LayerHandles>> ExportHandles() const override;
+
+ private:
+  struct LayerCaches {
+    uint8_t* ckv = nullptr;  // device [num_pages, page_size, 256]
+    uint8_t* sf = nullptr;   // device [num_pages, page_size, 32]
+    uint8_t* kpe = nullptr;  // device [num_pages, page_size, 64]
+  };
+
+  struct LayerSlots;
+  struct StagedAppend;
+
+  explicit CudaBackend(const Options& options);
+  absl::Status Init();
+  // The three steps of Append: where each layer's parts go in the staging
+  // buffer (its total size), packing them there, and the device work.
+  absl::StatusOr<size_t> PlanStaging(std::span<const LayerAppend> layers, std::vector<LayerSlots>* slots) const;
+  absl::StatusOr<StagedAppend> Stage(std::span<const LayerAppend> layers, const std::vector<LayerSlots>& slots);
+  absl::Status Launch(const StagedAppend& staged, size_t total);
+  absl::Status EnsureStaging(size_t bytes);
+  absl::Status CheckEntries(int32_t layer, std::span<const int64_t> entries) const;
+  // Copies runs between the layer's caches and host rows; `to_device` picks the direction.
+  absl::Status CopyEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& rows, bool to_device);
+
+  Options options_;
+  std::vector<LayerCaches> layers_;
+  // Staging copies of host rows into pinned memory, spread over a few threads
+  // for multi-megabyte appends (the worker's largest cost per 4 MB message).
+  std::unique_ptr<ParallelCopy> copier_;
+  cudaStream_t stream_ = nullptr;
+  uint8_t* pinned_ = nullptr;        // host staging (cudaHostAlloc)
+  uint8_t* scratch_ = nullptr;       // device copy of the staging buffer
+  size_t staging_bytes_ = 0;         // capacity of both
+  // Rows the kernel's bounds guard skipped, counted since the pool started:
+  // never reset, so one 4-byte read-back per call (into pinned memory) says
+  // whether this call skipped any, with no memset on the stream.
+  unsigned int* skipped_ = nullptr;         // device counter
+  unsigned int* skipped_host_ = nullptr;    // pinned read-back slot
+  unsigned int skipped_seen_ = 0;           // counter value after the previous call
+};
+
+}  // namespace mlakv::server

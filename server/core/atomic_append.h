@@ -1,0 +1,67 @@
+// AtomicAppend: one atomic append call — an Append stream (one sequence,
+// staged message by message) or an AppendBatch (many sequences, staged at
+// once) — as the RPC layer drives it, on the pool's worker:
+//
+//   AtomicAppend a(pool);
+//   a.Begin("seq")...;            // one transaction per sequence
+//   a.Stage(rows, dtype)...;      // any number of times; an error leaves it to Abort
+//   a.Commit(last_check)          // or a.Abort()
+//
+// Commit runs `last_check` right before anything becomes visible (the call
+// still alive and within its deadline, the response within the send limit)
+// and aborts instead when it fails, so a call that fails is never applied.
+// Every method runs on the pool's worker (docs/server.md "Concurrency"); the
+// destructor aborts what is neither committed nor aborted, on the thread that
+// destroys it, which the RPC layer makes the worker too.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/core/append_transaction.h"
+#include "server/core/pool.h"
+
+namespace mlakv::server {
+
+class AtomicAppend {
+ public:
+  explicit AtomicAppend(Pool* pool) : pool_(pool) {}
+  ~AtomicAppend() { Abort(); }
+  AtomicAppend(const AtomicAppend&) = delete;
+  AtomicAppend& operator=(const AtomicAppend&) = delete;
+
+  Pool& pool() const { return *pool_; }
+  // Holds one more sequence (Pool::BeginAppend's errors).
+  absl::Status Begin(const std::string& sequence);
+  size_t size() const { return txns_.size(); }
+  const AppendTransaction& transaction(size_t i) const { return *txns_[i]; }
+
+  // Stages rows for every transaction, rows[i] for transaction i (Pool::Stage).
+  absl::Status Stage(std::span<const SequenceRowsIn* const> rows, std::optional<DType> dtype);
+
+  // Runs `last_check`; if it passes, commits every transaction and returns
+  // the sequences after the append, in Begin order; else aborts and returns
+  // its status.
+  absl::StatusOr<std::vector<SequenceSnapshot>> Commit(absl::FunctionRef<absl::Status()> last_check);
+  // Rolls every transaction back (idempotent; nothing after a Commit).
+  void Abort();
+  bool finished() const { return finished_; }
+
+  // Over all transactions, so far.
+  uint64_t rows_written() const;
+  uint32_t pages_allocated() const;
+
+ private:
+  Pool* pool_;
+  std::vector<std::unique_ptr<AppendTransaction>> txns_;
+  bool finished_ = false;
+};
+
+}  // namespace mlakv::server

@@ -1,0 +1,789 @@
+#include "server/core/pool.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <thread>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/quote.h"
+#include "kernels/nvfp4_format.h"
+#include "kernels/quantize_append.h"
+#include "server/backend/backend_factory.h"
+#include "spdlog/spdlog.h"
+
+namespace mlakv::server {
+namespace {
+
+using format::kCkvDim;
+using format::kCkvPackedBytes;
+using format::kCkvSfBytes;
+using format::kKpeBytes;
+using format::kKpeDim;
+
+const char* ShortDTypeName(DType d) { return d == DType::kFloat16 ? "fp16" : "bf16"; }
+
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t NowNs() { return absl::ToUnixNanos(absl::Now()); }
+
+// "sequence 'id'" for messages, with the id quoted safely (common/quote.h).
+std::string Who(const std::string& id) { return absl::StrCat("sequence ", Quote(id)); }
+
+}  // namespace
+
+// What Stage decides under the lock and carries to the writes outside it.
+struct Pool::StagePlan {
+  struct NewScales {
+    float ckv_scale = 0.0f;
+    float kpe_scale = 0.0f;
+    size_t owner = 0;  // index of the transaction that named them (its Abort unsets them)
+  };
+  std::map<int32_t, NewScales> new_scales;  // layer -> scales this call sets
+  std::vector<int64_t> new_pages;           // [txns] pages each transaction needs beyond what it holds
+  int64_t total_new_pages = 0;
+  // The writes: per layer its segments, against one page table for the call.
+  std::map<int32_t, std::vector<AppendSegment>> segments;
+  std::vector<int32_t> kv_indptr{0}, kv_indices;
+  std::vector<LayerAppend> appends;
+  std::vector<AppendTransaction::Undo*> undo_to_capture;
+};
+
+// ---- Pool --------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(const Options& options) {
+  const std::string where = absl::StrCat("pool ", Quote(options.name), ": ");
+  if (options.name.empty()) return absl::InvalidArgumentError("pool name is empty");
+  if (options.num_layers < 1 || options.page_size < 1 || options.num_pages < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "num_layers, page_size and num_pages must be >= 1, got ",
+                                                   options.num_layers, ", ", options.page_size, ", ",
+                                                   options.num_pages));
+  }
+  if (options.max_sequences < 1) return absl::InvalidArgumentError(absl::StrCat(where, "max_sequences must be >= 1"));
+  if (static_cast<int64_t>(options.num_pages) * options.page_size > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "num_pages x page_size = ",
+                                                   static_cast<int64_t>(options.num_pages) * options.page_size,
+                                                   " tokens exceeds 2^31 - 1 (positions are int32)"));
+  }
+  if (!options.layer_scales.empty() && static_cast<int32_t>(options.layer_scales.size()) != options.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "layer_scales has ", options.layer_scales.size(),
+                                                   " entries, expected num_layers = ", options.num_layers));
+  }
+  for (size_t l = 0; l < options.layer_scales.size(); ++l) {
+    if (!options.layer_scales[l]) continue;
+    for (auto [value, what] : {std::pair<float, const char*>{options.layer_scales[l]->ckv_scale, "ckv_scale"},
+                               {options.layer_scales[l]->kpe_scale, "kpe_scale"}}) {
+      if (absl::StatusOr<float> s = CheckDecodeScale(value, what); !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(where, "layer ", l, ": ", s.status().message()));
+      }
+    }
+  }
+  absl::StatusOr<std::unique_ptr<PageAllocator>> allocator = PageAllocator::Create({.num_pages = options.num_pages});
+  if (!allocator.ok()) return allocator.status();
+  absl::StatusOr<std::unique_ptr<CacheBackend>> backend = CreateCacheBackend(
+      options.device,
+      {.num_layers = options.num_layers, .num_pages = options.num_pages, .page_size = options.page_size});
+  if (!backend.ok()) {
+    return absl::Status(backend.status().code(), absl::StrCat(where, backend.status().message()));
+  }
+  if (options.wrap_backend) *backend = options.wrap_backend(std::move(*backend));  // operations: metrics
+  return std::unique_ptr<Pool>(new Pool(options, std::move(*backend), std::move(*allocator)));
+}
+
+Pool::Pool(const Options& options, std::unique_ptr<CacheBackend> backend, std::unique_ptr<PageAllocator> allocator)
+    : options_(options),
+      device_(options.device),
+      max_tokens_(static_cast<int64_t>(options.num_pages) * options.page_size),
+      backend_(std::move(backend)),
+      allocator_(std::move(allocator)),
+      sequences_(options.num_layers, options.num_pages),
+      layers_(options.num_layers),
+      // The worker makes the pool's GPU current once, before its first task.
+      worker_(std::make_unique<SerialExecutor>([device = device_] { device.BindThread(); })) {
+  for (size_t l = 0; l < options.layer_scales.size(); ++l) {
+    if (!options.layer_scales[l]) continue;
+    LayerState& st = layers_[l];
+    st.scales_set = true;
+    st.scales_from_config = true;
+    st.ckv_scale = options.layer_scales[l]->ckv_scale;
+    st.kpe_scale = options.layer_scales[l]->kpe_scale;
+  }
+}
+
+Pool::~Pool() { worker_.reset(); }
+
+int64_t Pool::EntryOf(const Sequence& seq, uint32_t position) const {
+  const int32_t page = seq.pages()[position / options_.page_size];
+  return static_cast<int64_t>(page) * options_.page_size + position % options_.page_size;
+}
+
+void Pool::ReleasePages(std::span<const int32_t> pages) {
+  if (absl::Status s = allocator_->Free(pages); !s.ok()) {
+    spdlog::error("pool {}: {}", Quote(name()), std::string(s.message()));  // a bug; the pages stay used rather than corrupt the list
+  }
+}
+
+// ---- appends ---------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<AppendTransaction>> Pool::BeginAppend(const std::string& id) {
+  if (id.empty()) return absl::InvalidArgumentError("sequence id is empty; name the sequence (e.g. the request id)");
+  if (id.size() > kMaxSequenceIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence id ", Quote(id), " is ", id.size(), " bytes; at most ",
+                                                   kMaxSequenceIdBytes, " are accepted"));
+  }
+  absl::MutexLock lock(&mu_);
+  Sequence* seq = sequences_.Find(id);
+  bool created = false;
+  if (seq == nullptr) {
+    if (sequences_.size() >= options_.max_sequences) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "pool ", Quote(name()), " holds ", sequences_.size(), " sequences, its max_sequences; ", Who(id),
+          " cannot be created. Free sequences, or configure a larger max_sequences"));
+    }
+    seq = sequences_.Add(std::string(id));
+    created = true;
+  } else if (seq->busy()) {
+    return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
+                                           " has another append in progress; retry when it has finished"));
+  } else {
+    sequences_.MarkBusy(seq);
+  }
+  std::unique_ptr<AppendTransaction> txn(new AppendTransaction(this, seq, std::string(id), options_.num_layers));
+  txn->created_ = created;
+  return txn;
+}
+
+absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r, std::optional<DType> dtype) const {
+  if (r.row_count > 0 && r.layers.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": row_count is ", r.row_count, " but no layers carry rows; add LayerRows entries"));
+  }
+  if (!r.layers.empty() && !dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": dtype is unset; set ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
+  }
+  absl::flat_hash_set<int64_t> seen;
+  for (const LayerRows& lr : r.layers) {
+    if (lr.layer < 0 || lr.layer >= options_.num_layers) {
+      return absl::OutOfRangeError(absl::StrCat(who, ": layer ", lr.layer, " is outside [0, ", options_.num_layers,
+                                                ") of pool ", Quote(name())));
+    }
+    if (!seen.insert(lr.layer).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": layer ", lr.layer, " appears twice in one message; send one entry per layer"));
+    }
+    const int esize = DTypeSize(*dtype);
+    const uint64_t ckv_row = static_cast<uint64_t>(kCkvDim) * esize, kpe_row = static_cast<uint64_t>(kKpeDim) * esize;
+    if (lr.ckv_bytes != r.row_count * ckv_row) {
+      return absl::InvalidArgumentError(absl::StrCat(who, " layer ", lr.layer, ": ckv bytes ", lr.ckv_bytes,
+                                                     " is not rows(", r.row_count, ") x ", ckv_row, " for ",
+                                                     ShortDTypeName(*dtype)));
+    }
+    if (lr.kpe_bytes != r.row_count * kpe_row) {
+      return absl::InvalidArgumentError(absl::StrCat(who, " layer ", lr.layer, ": kpe bytes ", lr.kpe_bytes,
+                                                     " is not rows(", r.row_count, ") x ", kpe_row, " for ",
+                                                     ShortDTypeName(*dtype)));
+    }
+    // Scales: named (both set) or not (both 0).
+    if (lr.ckv_scale != 0.0f || lr.kpe_scale != 0.0f) {
+      for (auto [value, what] :
+           {std::pair<float, const char*>{lr.ckv_scale, "ckv_scale"}, {lr.kpe_scale, "kpe_scale"}}) {
+        if (absl::StatusOr<float> s = CheckDecodeScale(value, what); !s.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              who, " layer ", lr.layer, ": ", s.status().message(),
+              value == 0.0f ? "; name both ckv_scale and kpe_scale, or neither to use the layer's" : ""));
+        }
+      }
+    }
+  }
+  // Byte counts first (they say what the message is), then where it lands.
+  if (static_cast<uint64_t>(r.start) + r.row_count > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+    return absl::OutOfRangeError(absl::StrCat(who, ": start ", r.start, " + row_count ", r.row_count,
+                                              " passes position 2^31 - 1 (positions are int32)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const SequenceRowsIn& r,
+                              StagePlan& plan) const {
+  const std::string who = Who(txn.id_);
+  if (r.expect_length) {
+    // The layers these rows write, or the sequence as a whole.
+    auto mismatch = [&](uint32_t have, const std::string& what) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, " ", what, " holds ", have, " tokens, not the ", *r.expect_length,
+          " this append expects (expect_length); nothing was written. An earlier attempt of this append may "
+          "have committed: read the sequence before retrying"));
+    };
+    if (r.layers.empty()) {
+      const uint32_t have = *std::min_element(txn.committed_.begin(), txn.committed_.end());
+      if (have != *r.expect_length) return mismatch(have, "");
+    }
+    for (const LayerRows& lr : r.layers) {
+      const uint32_t have = txn.committed_[lr.layer];
+      if (have != *r.expect_length) return mismatch(have, absl::StrCat("layer ", lr.layer));
+    }
+  }
+  for (const LayerRows& lr : r.layers) {
+    const int32_t layer = static_cast<int32_t>(lr.layer);
+    const bool named = lr.ckv_scale != 0.0f || lr.kpe_scale != 0.0f;
+    const LayerState& st = layers_[layer];
+    auto decided = plan.new_scales.find(layer);
+    if (decided != plan.new_scales.end()) {
+      if (named && (!SameBits(lr.ckv_scale, decided->second.ckv_scale) ||
+                    !SameBits(lr.kpe_scale, decided->second.kpe_scale))) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            who, " layer ", layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale,
+            " but another sequence of this call names ckv_scale ", decided->second.ckv_scale, " kpe_scale ",
+            decided->second.kpe_scale, "; one layer has one pair of scales"));
+      }
+    } else if (st.scales_set) {
+      if (named && (!SameBits(lr.ckv_scale, st.ckv_scale) || !SameBits(lr.kpe_scale, st.kpe_scale))) {
+        const bool replaceable = !st.scales_from_config && st.tokens == 0 && st.staged_users == 0;
+        if (!replaceable) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              who, " layer ", layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale, " but layer ",
+              layer, " of pool ", Quote(name()), " has ckv_scale ", st.ckv_scale, " kpe_scale ", st.kpe_scale,
+              st.scales_from_config
+                  ? " fixed by configuration"
+                  : absl::StrCat(" and stores ", st.tokens, " tokens (scales change only while a layer is empty)"),
+              "; append with the layer's scales or leave them unset"));
+        }
+        plan.new_scales[layer] = {lr.ckv_scale, lr.kpe_scale, index};
+      }
+    } else if (named) {
+      plan.new_scales[layer] = {lr.ckv_scale, lr.kpe_scale, index};
+    } else if (r.row_count > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          who, " layer ", layer, ": layer ", layer, " of pool ", Quote(name()),
+          " has no scales yet; name ckv_scale and kpe_scale in the first append to it (or configure them)"));
+    }
+    // No holes: start at or before what the layer holds (committed, or
+    // staged by this same append).
+    if (r.row_count > 0) {
+      const uint32_t have = std::max(txn.committed_[layer], txn.staged_end_[layer]);
+      if (r.start > have) {
+        return absl::OutOfRangeError(absl::StrCat(who, " layer ", layer, ": start ", r.start,
+                                                  " would leave a hole; the layer holds ", have,
+                                                  " tokens, so an append must start at or before ", have));
+      }
+    }
+  }
+  // Capacity this sequence needs (checked for the whole call afterwards).
+  const uint64_t end = static_cast<uint64_t>(r.start) + r.row_count;
+  const uint64_t needed_tokens = std::max<uint64_t>(r.row_count == 0 || r.layers.empty() ? 0 : end, r.reserve_tokens);
+  if (needed_tokens > static_cast<uint64_t>(max_tokens_)) {
+    return absl::ResourceExhaustedError(absl::StrCat(who, " would need ", needed_tokens, " tokens but pool ",
+                                                     Quote(name()), " holds at most ", max_tokens_, " (",
+                                                     options_.num_pages, " pages of ", options_.page_size,
+                                                     "); nothing was written"));
+  }
+  const int64_t pages_needed = CeilDiv(static_cast<int64_t>(needed_tokens), options_.page_size);
+  plan.new_pages[index] = std::max<int64_t>(0, pages_needed - static_cast<int64_t>(txn.sequence_->pages().size()));
+  plan.total_new_pages += plan.new_pages[index];
+  return absl::OkStatus();
+}
+
+absl::Status Pool::CheckCapacity(const StagePlan& plan) const {
+  if (plan.total_new_pages <= allocator_->free_count()) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "pool ", Quote(name()), " is full: this append needs ", plan.total_new_pages, " more pages but ",
+      allocator_->free_count(), " of ", allocator_->total(), " are free (page_size ", options_.page_size,
+      "); nothing was written. Free or truncate sequences, or configure a larger pool"));
+}
+
+void Pool::Reserve(std::span<AppendTransaction* const> txns, StagePlan& plan) {
+  std::vector<int32_t> pages = *allocator_->Allocate(plan.total_new_pages);  // CheckCapacity passed under this lock
+  size_t next = 0;
+  for (size_t i = 0; i < txns.size(); ++i) {
+    AppendTransaction& txn = *txns[i];
+    sequences_.AttachPages(txn.sequence_, std::span<const int32_t>(pages.data() + next, plan.new_pages[i]));
+    next += plan.new_pages[i];
+    txn.pages_allocated_ += static_cast<uint32_t>(plan.new_pages[i]);
+  }
+  for (const auto& [layer, scales] : plan.new_scales) {
+    LayerState& st = layers_[layer];
+    txns[scales.owner]->scales_before_.push_back(
+        {.layer = layer, .set = st.scales_set, .ckv_scale = st.ckv_scale, .kpe_scale = st.kpe_scale});
+    st.scales_set = true;
+    st.ckv_scale = scales.ckv_scale;
+    st.kpe_scale = scales.kpe_scale;
+  }
+}
+
+void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
+                      std::optional<DType> dtype, StagePlan& plan) {
+  for (size_t i = 0; i < txns.size(); ++i) {
+    AppendTransaction& txn = *txns[i];
+    const SequenceRowsIn& r = *rows[i];
+    const Sequence& seq = *txn.sequence_;
+    for (int32_t page : seq.pages()) plan.kv_indices.push_back(page);
+    plan.kv_indptr.push_back(static_cast<int32_t>(plan.kv_indices.size()));
+    if (r.row_count == 0) continue;
+    for (const LayerRows& lr : r.layers) {
+      const int32_t l = static_cast<int32_t>(lr.layer);
+      if (!txn.touched_[l]) {
+        txn.touched_[l] = true;
+        ++layers_[l].staged_users;
+      }
+      plan.segments[l].push_back({.rows = lr.source,
+                                  .count = static_cast<int32_t>(r.row_count),
+                                  .request = static_cast<int32_t>(i),
+                                  .start = static_cast<int32_t>(r.start)});
+      // Committed positions these rows rewrite whose old bytes are not saved yet.
+      const uint32_t rewrite_end = std::min<uint64_t>(static_cast<uint64_t>(r.start) + r.row_count, txn.committed_[l]);
+      if (r.start < rewrite_end) {
+        std::vector<bool>& saved = txn.saved_[l];
+        if (saved.empty()) saved.assign(txn.committed_[l], false);
+        AppendTransaction::Undo undo;
+        undo.layer = l;
+        for (uint32_t p = r.start; p < rewrite_end; ++p) {
+          if (saved[p]) continue;
+          saved[p] = true;
+          undo.entries.push_back(EntryOf(seq, p));
+        }
+        if (!undo.entries.empty()) txn.undo_.push_back(std::move(undo));
+      }
+    }
+  }
+  // Pointers into undo_ stay valid: nothing else appends to it before the
+  // capture, and only this worker touches it.
+  for (AppendTransaction* txn : txns) {
+    for (AppendTransaction::Undo& u : txn->undo_) {
+      if (!u.captured) plan.undo_to_capture.push_back(&u);
+    }
+  }
+  for (auto& [layer, segments] : plan.segments) {
+    const LayerState& st = layers_[layer];
+    plan.appends.push_back({.layer = layer,
+                            .dtype = dtype.value_or(DType::kBFloat16),
+                            .ckv_scale = st.ckv_scale,
+                            .kpe_scale = st.kpe_scale,
+                            .segments = segments,
+                            .kv_indptr = plan.kv_indptr,
+                            .kv_indices = plan.kv_indices});
+  }
+}
+
+absl::Status Pool::CaptureUndo(const StagePlan& plan) {
+  for (AppendTransaction::Undo* u : plan.undo_to_capture) {
+    const size_t n = u->entries.size();
+    u->ckv_packed.resize(n * kCkvPackedBytes);
+    u->ckv_sf.resize(n * kCkvSfBytes);
+    u->kpe.resize(n * kKpeBytes);
+    if (absl::Status s =
+            backend_->ReadEntries(u->layer, u->entries, {u->ckv_packed.data(), u->ckv_sf.data(), u->kpe.data()});
+        !s.ok()) {
+      return s;
+    }
+    u->captured = true;
+  }
+  return absl::OkStatus();
+}
+
+void Pool::RecordStaged(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows) {
+  for (size_t i = 0; i < txns.size(); ++i) {
+    AppendTransaction& txn = *txns[i];
+    const SequenceRowsIn& r = *rows[i];
+    if (r.row_count == 0) continue;
+    for (const LayerRows& lr : r.layers) {
+      txn.staged_end_[lr.layer] = std::max(txn.staged_end_[lr.layer], r.start + r.row_count);
+      txn.rows_written_ += r.row_count;
+    }
+  }
+}
+
+absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
+                         std::optional<DType> dtype) {
+  if (txns.size() != rows.size()) return absl::InternalError("Pool::Stage: txns and rows differ in length");
+  for (size_t i = 0; i < txns.size(); ++i) {
+    if (txns[i]->finished_) return absl::InternalError("Pool::Stage on a finished transaction");
+    if (absl::Status s = ValidateShape(Who(txns[i]->id_), *rows[i], dtype); !s.ok()) return s;
+  }
+  StagePlan plan;
+  plan.new_pages.assign(txns.size(), 0);
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < txns.size(); ++i) {
+      if (absl::Status s = CheckState(i, *txns[i], *rows[i], plan); !s.ok()) return s;
+    }
+    if (absl::Status s = CheckCapacity(plan); !s.ok()) return s;
+    Reserve(txns, plan);
+    PlanWrites(txns, rows, dtype, plan);
+  }
+  // Save what will be rewritten, then write (outside mu_; only this worker
+  // touches the caches).
+  if (absl::Status s = CaptureUndo(plan); !s.ok()) return s;
+  if (absl::Status s = backend_->Append(plan.appends); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  RecordStaged(txns, rows);
+  return absl::OkStatus();
+}
+
+SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
+  absl::MutexLock lock(&mu_);
+  Sequence& seq = *txn.sequence_;
+  for (int32_t l = 0; l < options_.num_layers; ++l) {
+    if (!txn.touched_[l]) continue;
+    const uint32_t before = seq.layer_length(l);
+    const uint32_t after = std::max(before, txn.staged_end_[l]);
+    layers_[l].tokens += after - before;
+    seq.set_layer_length(l, after);
+    --layers_[l].staged_users;
+  }
+  txn.undo_.clear();
+  txn.finished_ = true;
+  SequenceSnapshot snapshot = SnapshotOf(seq);
+  if (txn.created_ && seq.empty()) {
+    // Nothing written and nothing reserved: a new id is not kept (an append
+    // of zero rows must not leave a sequence behind).
+    sequences_.Erase(&seq);
+    return snapshot;
+  }
+  sequences_.SetCommitted(&seq);
+  sequences_.MarkIdle(&seq, NowNs());
+  return snapshot;
+}
+
+void Pool::Abort(AppendTransaction& txn) {
+  if (txn.finished_) return;
+  // Put back the bytes of rewritten committed positions. The sequence is
+  // still held (busy), so its pages cannot have changed hands.
+  for (const AppendTransaction::Undo& u : txn.undo_) {
+    if (!u.captured) continue;
+    if (absl::Status s = backend_->WriteEntries(
+            u.layer, u.entries,
+            {const_cast<uint8_t*>(u.ckv_packed.data()), const_cast<uint8_t*>(u.ckv_sf.data()),
+             const_cast<uint8_t*>(u.kpe.data())});
+        !s.ok()) {
+      spdlog::error("pool {}: restoring {} rewritten rows of {} layer {} failed: {}", Quote(name()), u.entries.size(),
+                    Who(txn.id_), u.layer, std::string(s.message()));
+    }
+  }
+  txn.undo_.clear();
+  absl::MutexLock lock(&mu_);
+  Sequence* seq = txn.sequence_;
+  for (int32_t l = 0; l < options_.num_layers; ++l) {
+    if (txn.touched_[l]) --layers_[l].staged_users;
+  }
+  std::vector<int32_t> cut = sequences_.DetachTail(seq, txn.original_pages_);
+  ReleasePages(cut);
+  for (auto it = txn.scales_before_.rbegin(); it != txn.scales_before_.rend(); ++it) {
+    LayerState& st = layers_[it->layer];
+    if (st.tokens == 0 && st.staged_users == 0) {
+      st.scales_set = it->set;
+      st.ckv_scale = it->ckv_scale;
+      st.kpe_scale = it->kpe_scale;
+    }
+  }
+  if (txn.created_) {
+    sequences_.Erase(seq);
+  } else {
+    sequences_.MarkIdle(seq, NowNs());  // an attempted append is a use too
+  }
+  txn.finished_ = true;
+}
+
+// ---- queries -------------------------------------------------------------------
+
+SequenceSnapshot Pool::SnapshotOf(const Sequence& seq) const {
+  SequenceSnapshot s;
+  s.id = seq.id();
+  s.kv_indices = seq.pages();
+  s.layer_lengths = seq.layer_lengths();
+  s.length = seq.length();
+  s.page_size = static_cast<uint32_t>(options_.page_size);
+  s.last_page_len = s.length == 0 ? 0 : (s.length - 1) % s.page_size + 1;
+  s.capacity_tokens = static_cast<uint32_t>(seq.pages().size()) * s.page_size;
+  return s;
+}
+
+absl::StatusOr<Sequence*> Pool::FindCommitted(const std::string& id) const {
+  Sequence* seq = sequences_.Find(id);
+  if (seq == nullptr || !seq->committed()) {
+    return absl::NotFoundError(absl::StrCat(Who(id), " not found in pool ", Quote(name())));
+  }
+  return seq;
+}
+
+PoolSnapshot Pool::Snapshot() const {
+  absl::ReaderMutexLock lock(&mu_);
+  PoolSnapshot p;
+  p.name = name();
+  p.device = device_;
+  p.num_layers = options_.num_layers;
+  p.page_size = options_.page_size;
+  p.pages_total = allocator_->total();
+  p.pages_free = allocator_->free_count();
+  p.pages_used = allocator_->used_count();
+  p.sequences = static_cast<uint32_t>(sequences_.committed_count());
+  p.max_sequences = options_.max_sequences;
+  p.cache_bytes = backend_->cache_bytes();
+  for (const LayerState& st : layers_) p.layers.push_back(st);  // the LayerSnapshot part
+  return p;
+}
+
+absl::StatusOr<SequenceSnapshot> Pool::GetSequence(const std::string& id) {
+  absl::MutexLock lock(&mu_);  // exclusive: a query by id is a use (it moves in the use order)
+  absl::StatusOr<Sequence*> seq = FindCommitted(id);
+  if (!seq.ok()) return seq.status();
+  sequences_.Touch(*seq, NowNs());
+  return SnapshotOf(**seq);
+}
+
+SequenceListing Pool::ListSequences(size_t limit, const std::string& page_token) const {
+  absl::ReaderMutexLock lock(&mu_);
+  SequenceListing out;
+  std::vector<const Sequence*> list = sequences_.ListAfter(page_token, limit + 1);
+  const bool more = list.size() > limit;
+  if (more) list.pop_back();
+  for (const Sequence* seq : list) {
+    out.sequences.push_back({seq->id(), seq->length(), static_cast<uint32_t>(seq->pages().size())});
+  }
+  if (more && !list.empty()) out.next_page_token = list.back()->id();
+  out.total = static_cast<uint32_t>(sequences_.committed_count());
+  return out;
+}
+
+absl::StatusOr<PageSnapshot> Pool::GetPage(int64_t page) const {
+  absl::ReaderMutexLock lock(&mu_);
+  if (page < 0 || page >= allocator_->total()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("page ", page, " is outside [0, ", allocator_->total(), ") of pool ", Quote(name())));
+  }
+  PageSnapshot p;
+  p.page = static_cast<int32_t>(page);
+  p.used = allocator_->IsUsed(p.page);
+  const SequenceTable::Owner& owner = sequences_.OwnerOf(p.page);
+  p.filled_per_layer.assign(options_.num_layers, 0);
+  if (owner.sequence != nullptr) {
+    p.sequence = owner.sequence->id();
+    p.page_index = owner.page_index;
+    p.first_position = owner.page_index * static_cast<uint32_t>(options_.page_size);
+    for (int32_t l = 0; l < options_.num_layers; ++l) {
+      p.filled_per_layer[l] = owner.sequence->FilledInPage(l, owner.page_index, options_.page_size);
+    }
+  }
+  return p;
+}
+
+absl::StatusOr<uint32_t> Pool::FreeSequence(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Sequence*> found = FindCommitted(id);
+  if (!found.ok()) return found.status();
+  Sequence* seq = *found;
+  if (seq->busy()) {
+    return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
+                                           " has an append in progress; free it when the append has finished"));
+  }
+  return EraseSequence(seq);
+}
+
+uint32_t Pool::EraseSequence(Sequence* seq, SequencesById::node_type* storage) {
+  for (int32_t l = 0; l < options_.num_layers; ++l) layers_[l].tokens -= seq->layer_length(l);
+  std::vector<int32_t> cut = sequences_.DetachTail(seq, 0);
+  ReleasePages(cut);
+  SequencesById::node_type node = sequences_.Extract(seq);
+  if (storage != nullptr) *storage = std::move(node);
+  return static_cast<uint32_t>(cut.size());
+}
+
+int Pool::FreeIdle(absl::Time now, int max_batch) {
+  if (options_.idle_ttl <= absl::ZeroDuration()) return 0;
+  const int64_t cutoff = absl::ToUnixNanos(now - options_.idle_ttl);
+  int freed = 0;
+  uint64_t pages = 0;
+  std::vector<SequencesById::node_type> storage;
+  storage.reserve(max_batch);
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      // The use-order list holds exactly the idle committed sequences, least
+      // recently used first: only the ones freed are visited.
+      while (static_cast<int>(storage.size()) < max_batch) {
+        Sequence* oldest = sequences_.LeastRecentlyUsed();
+        if (oldest == nullptr || oldest->last_used_ns() >= cutoff) break;
+        storage.emplace_back();
+        pages += EraseSequence(oldest, &storage.back());
+      }
+    }
+    const int batch = static_cast<int>(storage.size());
+    freed += batch;
+    storage.clear();  // the nodes are destroyed here, outside the lock
+    if (batch < max_batch) break;
+    std::this_thread::yield();  // let the appends waiting for the lock in first
+  }
+  if (freed > 0) {
+    spdlog::info("pool {}: freed {} sequences ({} pages) idle for more than {}", Quote(name()), freed, pages,
+                 absl::FormatDuration(options_.idle_ttl));
+  }
+  return freed;
+}
+
+absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, uint32_t length) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Sequence*> found = FindCommitted(id);
+  if (!found.ok()) return found.status();
+  Sequence* seq = *found;
+  if (seq->busy()) {
+    return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
+                                           " has an append in progress; truncate it when the append has finished"));
+  }
+  if (length > seq->max_length()) {
+    return absl::OutOfRangeError(absl::StrCat("cannot truncate ", Who(id), " to ", length,
+                                              " tokens: its longest layer holds ", seq->max_length()));
+  }
+  for (int32_t l = 0; l < options_.num_layers; ++l) {
+    const uint32_t before = seq->layer_length(l);
+    if (before > length) {
+      layers_[l].tokens -= before - length;
+      seq->set_layer_length(l, length);
+    }
+  }
+  ReleasePages(sequences_.DetachTail(seq, static_cast<size_t>(CeilDiv(length, options_.page_size))));
+  SequenceSnapshot snapshot = SnapshotOf(*seq);
+  if (seq->empty()) {
+    sequences_.Erase(seq);  // cut to nothing: not kept (docs/server.md "Model")
+  } else {
+    sequences_.Touch(seq, NowNs());
+  }
+  return snapshot;
+}
+
+// ---- reads ---------------------------------------------------------------------
+
+absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const std::string& id, std::span<const uint32_t> layers,
+                                                    uint32_t start, uint32_t* count) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Sequence*> found = FindCommitted(id);
+  if (!found.ok()) return found.status();
+  const Sequence& seq = **found;
+  std::vector<int32_t> out;
+  if (layers.empty()) {
+    for (int32_t l = 0; l < options_.num_layers; ++l) out.push_back(l);
+  }
+  std::vector<bool> named(options_.num_layers, false);
+  for (uint32_t l : layers) {
+    if (l >= static_cast<uint32_t>(options_.num_layers)) {
+      return absl::OutOfRangeError(
+          absl::StrCat("layer ", l, " is outside [0, ", options_.num_layers, ") of pool ", Quote(name())));
+    }
+    if (named[l]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", l, " is named twice in one ReadSequence; name each layer once"));
+    }
+    named[l] = true;
+    out.push_back(static_cast<int32_t>(l));
+  }
+  uint32_t shortest = std::numeric_limits<uint32_t>::max();
+  for (int32_t l : out) shortest = std::min(shortest, seq.layer_length(l));
+  if (*count == 0) {
+    if (start > shortest) {
+      return absl::OutOfRangeError(absl::StrCat("start ", start, " is past the shortest requested layer of ", Who(id),
+                                                ", which holds ", shortest, " tokens"));
+    }
+    *count = shortest - start;
+  } else {
+    const uint64_t end = static_cast<uint64_t>(start) + *count;
+    for (int32_t l : out) {
+      if (end > seq.layer_length(l)) {
+        return absl::OutOfRangeError(absl::StrCat("tokens [", start, ", ", end, ") of ", Who(id),
+                                                  " are not all written in layer ", l, ", which holds ",
+                                                  seq.layer_length(l), " tokens"));
+      }
+    }
+  }
+  sequences_.Touch(*found, NowNs());
+  return out;
+}
+
+absl::Status Pool::ReadRows(const std::string& id, int32_t layer, uint32_t start, uint32_t count, const EntryRows& out,
+                            LayerSnapshot* layer_state) const {
+  std::vector<int64_t> entries;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    absl::StatusOr<Sequence*> found = FindCommitted(id);
+    if (!found.ok()) return found.status();
+    const Sequence& seq = **found;
+    if (layer < 0 || layer >= options_.num_layers) return absl::OutOfRangeError(absl::StrCat("layer ", layer));
+    if (static_cast<uint64_t>(start) + count > seq.layer_length(layer)) {
+      return absl::AbortedError(absl::StrCat(Who(id), " layer ", layer, " was cut to ", seq.layer_length(layer),
+                                             " tokens while being read"));
+    }
+    entries.reserve(count);
+    for (uint32_t p = start; p < start + count; ++p) entries.push_back(EntryOf(seq, p));
+    *layer_state = layers_[layer];  // the LayerSnapshot part
+  }
+  // Only this pool's worker writes the caches, and we are on it: the pages
+  // cannot be rewritten during the copy even if they are freed meanwhile.
+  return backend_->ReadEntries(layer, entries, out);
+}
+
+absl::Status Pool::CheckInvariants() const {
+  absl::ReaderMutexLock lock(&mu_);
+  if (allocator_->free_count() + allocator_->used_count() != allocator_->total()) {
+    return absl::InternalError(absl::StrCat("free ", allocator_->free_count(), " + used ", allocator_->used_count(),
+                                            " != total ", allocator_->total()));
+  }
+  int64_t owned = 0;
+  for (int32_t p = 0; p < allocator_->total(); ++p) {
+    const SequenceTable::Owner& owner = sequences_.OwnerOf(p);
+    if (allocator_->IsUsed(p) != (owner.sequence != nullptr)) {
+      return absl::InternalError(absl::StrCat("page ", p, (allocator_->IsUsed(p) ? " is used but has no owner"
+                                                                                   : " is free but has an owner")));
+    }
+    if (owner.sequence != nullptr) {
+      ++owned;
+      const auto& pages = owner.sequence->pages();
+      if (owner.page_index >= pages.size() || pages[owner.page_index] != p) {
+        return absl::InternalError(
+            absl::StrCat("page ", p, " owner index disagrees with the page table of ", Who(owner.sequence->id())));
+      }
+    }
+  }
+  if (owned != allocator_->used_count()) return absl::InternalError("owned pages != used pages");
+  std::vector<uint64_t> tokens(options_.num_layers, 0);
+  const std::vector<const Sequence*> all = sequences_.ListAfter("", std::numeric_limits<size_t>::max());
+  if (all.size() != sequences_.committed_count()) {
+    return absl::InternalError(
+        absl::StrCat("committed_count ", sequences_.committed_count(), " != ", all.size(), " committed sequences"));
+  }
+  size_t idle = 0;
+  for (const Sequence* seq : all) {
+    if (seq->empty()) return absl::InternalError(absl::StrCat(Who(seq->id()), " is committed but holds nothing"));
+    if (!seq->busy()) ++idle;
+    for (int32_t l = 0; l < options_.num_layers; ++l) {
+      tokens[l] += seq->layer_length(l);
+      if (seq->layer_length(l) > seq->pages().size() * static_cast<uint64_t>(options_.page_size)) {
+        return absl::InternalError(absl::StrCat(Who(seq->id()), " layer ", l, " holds more tokens than its pages"));
+      }
+    }
+  }
+  for (int32_t l = 0; l < options_.num_layers; ++l) {
+    if (tokens[l] != layers_[l].tokens) {
+      return absl::InternalError(absl::StrCat("layer ", l, " token count ", layers_[l].tokens,
+                                              " != sum over sequences ", tokens[l]));
+    }
+  }
+  size_t linked = 0;
+  int64_t previous = std::numeric_limits<int64_t>::min();
+  for (const Sequence* s = sequences_.LeastRecentlyUsed(); s != nullptr; s = SequenceTable::MoreRecent(s)) {
+    if (!s->committed() || s->busy()) {
+      return absl::InternalError(absl::StrCat(Who(s->id()), " is in the use-order list but busy or uncommitted"));
+    }
+    if (s->last_used_ns() < previous) {
+      return absl::InternalError(absl::StrCat("use-order list out of order at ", Who(s->id())));
+    }
+    previous = s->last_used_ns();
+    if (++linked > all.size()) return absl::InternalError("use-order list has a cycle");
+  }
+  if (linked != idle) {
+    return absl::InternalError(absl::StrCat("use-order list has ", linked, " sequences but ", idle, " are idle"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace mlakv::server

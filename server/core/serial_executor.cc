@@ -1,0 +1,48 @@
+#include "server/core/serial_executor.h"
+
+namespace mlakv::server {
+
+SerialExecutor::SerialExecutor(absl::AnyInvocable<void() &&> on_start)
+    : thread_([this, on_start = std::move(on_start)]() mutable { Loop(std::move(on_start)); }) {}
+
+SerialExecutor::~SerialExecutor() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+}
+
+void SerialExecutor::Post(absl::AnyInvocable<void() &&> task) {
+  absl::MutexLock lock(&mu_);
+  tasks_.push_back(std::move(task));
+}
+
+size_t SerialExecutor::pending() const {
+  absl::MutexLock lock(&mu_);
+  return tasks_.size() + running_;
+}
+
+void SerialExecutor::Loop(absl::AnyInvocable<void() &&> on_start) {
+  if (on_start) std::move(on_start)();
+  while (true) {
+    absl::AnyInvocable<void() &&> task;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](SerialExecutor* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+            return self->stopping_ || !self->tasks_.empty();
+          },
+          this));
+      if (tasks_.empty()) return;  // stopping and drained
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      running_ = 1;
+    }
+    std::move(task)();
+    absl::MutexLock lock(&mu_);
+    running_ = 0;
+  }
+}
+
+}  // namespace mlakv::server

@@ -1,0 +1,245 @@
+#include "server/observability/server_metrics.h"
+
+#include <exception>
+#include <type_traits>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "mlakv/v1/kv_cache.grpc.pb.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+
+namespace mlakv::server {
+namespace {
+
+// Latency buckets, seconds: 100 us .. 30 s.
+const std::vector<double> kLatencyBuckets = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                             0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    10, 30};
+
+const std::string kUnknown(RpcMethodSet::kUnknown);
+
+// The children of one family, by label values. prometheus::Family<T>::Add
+// builds a new T on every call and drops it when the child exists (for a
+// histogram, 18 bucket counters per RPC), so children are found here and
+// Add runs once per label set. Label values are bounded, so is this map.
+template <typename T>
+class Children {
+ public:
+  Children(prometheus::Family<T>& family, std::vector<std::string> label_names)
+      : family_(family), label_names_(std::move(label_names)) {}
+
+  // `values`: one per label name, in the same order.
+  T& Get(std::vector<std::string> values) {
+    absl::MutexLock lock(&mu_);
+    auto it = children_.find(values);
+    if (it != children_.end()) return *it->second;
+    prometheus::Labels labels;
+    for (size_t i = 0; i < label_names_.size(); ++i) labels[label_names_[i]] = values[i];
+    T* child = nullptr;
+    if constexpr (std::is_same_v<T, prometheus::Histogram>) {
+      child = &family_.Add(labels, kLatencyBuckets);
+    } else {
+      child = &family_.Add(labels);
+    }
+    children_.emplace(std::move(values), child);
+    return *child;
+  }
+
+ private:
+  prometheus::Family<T>& family_;
+  const std::vector<std::string> label_names_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::vector<std::string>, T*> children_ ABSL_GUARDED_BY(mu_);
+};
+
+using Counters = Children<prometheus::Counter>;
+using Gauges = Children<prometheus::Gauge>;
+using Histograms = Children<prometheus::Histogram>;
+
+}  // namespace
+
+struct ServerMetrics::Families {
+  // The families live in the registry; the Children below point into it.
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+
+  template <typename T>
+  static prometheus::Family<T>& Build(prometheus::detail::Builder<T> builder, prometheus::Registry& r,
+                                      const std::string& name, const std::string& help) {
+    return builder.Name(name).Help(help).Register(r);
+  }
+
+  prometheus::Family<prometheus::Gauge>& build_info =
+      Build(prometheus::BuildGauge(), *registry, "mlakv_build_info", "mlakv-server version (always 1).");
+  Counters rpcs{Build(prometheus::BuildCounter(), *registry, "mlakv_rpcs_total",
+                      "RPCs finished, by service, method and status code."),
+                {"service", "method", "code"}};
+  Counters rpc_errors{Build(prometheus::BuildCounter(), *registry, "mlakv_rpc_errors_total",
+                            "RPCs finished with a status code other than OK."),
+                      {"service", "method", "code"}};
+  Histograms rpc_latency{Build(prometheus::BuildHistogram(), *registry, "mlakv_rpc_latency_seconds",
+                               "RPC time from receipt to status, seconds."),
+                         {"service", "method"}};
+  Gauges in_flight{
+      Build(prometheus::BuildGauge(), *registry, "mlakv_rpcs_in_flight", "RPCs started and not finished."),
+      {"service", "method"}};
+  Counters rows{Build(prometheus::BuildCounter(), *registry, "mlakv_appended_rows_total",
+                      "Rows appended (one row = one token of one layer) by successful Append and AppendBatch "
+                      "calls."),
+                {"pool", "method"}};
+  Counters bytes{Build(prometheus::BuildCounter(), *registry, "mlakv_appended_bytes_total",
+                       "Input bytes (ckv + kpe, fp16/bf16) of successful appends."),
+                 {"pool", "method"}};
+  Histograms append_latency{Build(prometheus::BuildHistogram(), *registry, "mlakv_append_latency_seconds",
+                                  "Append and AppendBatch call time, first message to status, any outcome."),
+                            {"method"}};
+  Counters kernel_seconds{Build(prometheus::BuildCounter(), *registry, "mlakv_kernel_seconds_total",
+                                "Seconds spent in the backend's quantize-append (CUDA: launch to stream "
+                                "synchronized, staging copies included)."),
+                          {"pool", "device"}};
+  Counters kernel_calls{
+      Build(prometheus::BuildCounter(), *registry, "mlakv_kernel_calls_total", "Backend quantize-append calls."),
+      {"pool", "device"}};
+  Histograms kernel_latency{Build(prometheus::BuildHistogram(), *registry, "mlakv_kernel_latency_seconds",
+                                  "Backend quantize-append call time, seconds."),
+                            {"pool", "device"}};
+  Counters auth_failures{Build(prometheus::BuildCounter(), *registry, "mlakv_auth_failures_total",
+                               "Calls refused with UNAUTHENTICATED before reaching the service (reason: missing "
+                               "or wrong bearer token)."),
+                         {"reason"}};
+  prometheus::Gauge& draining =
+      Build(prometheus::BuildGauge(), *registry, "mlakv_draining", "1 while the server drains after SIGTERM.").Add({});
+};
+
+const char* StatusCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+ServerMetrics::ServerMetrics() = default;
+ServerMetrics::~ServerMetrics() = default;
+
+absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(const std::string& version) {
+  std::unique_ptr<ServerMetrics> m(new ServerMetrics());
+  m->scrape_time_ = std::make_shared<ScrapeTimeCollector>();
+  // prometheus-cpp reports a bad or duplicate family name by throwing;
+  // nothing past this point throws for names fixed here.
+  try {
+    m->families_ = std::make_unique<Families>();
+    m->families_->build_info.Add({{"version", version}}).Set(1);
+    m->families_->draining.Set(0);
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("metrics: prometheus-cpp refused a family: ", e.what()));
+  }
+  return m;
+}
+
+std::vector<std::weak_ptr<prometheus::Collectable>> ServerMetrics::collectables() const {
+  return {families_->registry, scrape_time_};
+}
+
+std::string ServerMetrics::Render() const {
+  std::vector<prometheus::MetricFamily> families = families_->registry->Collect();
+  for (prometheus::MetricFamily& f : scrape_time_->Collect()) families.push_back(std::move(f));
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+void ServerMetrics::SetPoolSource(std::function<std::vector<PoolSnapshot>()> source) {
+  scrape_time_->SetPoolSource(std::move(source));
+}
+
+void ServerMetrics::SetIpcRegionSource(std::function<int64_t()> source) {
+  scrape_time_->SetIpcRegionSource(std::move(source));
+}
+
+void ServerMetrics::SetDefaultPool(std::string name) {
+  absl::MutexLock lock(&pools_mu_);
+  default_pool_ = std::move(name);
+}
+
+std::string ServerMetrics::default_pool() const {
+  absl::MutexLock lock(&pools_mu_);
+  return default_pool_;
+}
+
+void ServerMetrics::SetPools(const std::vector<std::string>& names) {
+  absl::MutexLock lock(&pools_mu_);
+  pools_ = absl::flat_hash_set<std::string>(names.begin(), names.end());
+}
+
+std::pair<std::string, std::string> ServerMetrics::RpcLabels(const std::string& service,
+                                                             const std::string& method) const {
+  if (methods_.Contains(service, method)) return {service, method};
+  return {kUnknown, kUnknown};
+}
+
+std::string ServerMetrics::PoolLabel(const std::string& pool) const {
+  absl::MutexLock lock(&pools_mu_);
+  const std::string& p = pool.empty() ? default_pool_ : pool;
+  return pools_.contains(p) ? p : kUnknown;
+}
+
+void ServerMetrics::RpcStarted(const std::string& service, const std::string& method) {
+  auto [s, m] = RpcLabels(service, method);
+  families_->in_flight.Get({s, m}).Increment();
+}
+
+void ServerMetrics::RpcFinished(const std::string& service, const std::string& method, grpc::StatusCode code,
+                                double seconds) {
+  auto [s, m] = RpcLabels(service, method);
+  Families& f = *families_;
+  f.in_flight.Get({s, m}).Decrement();
+  const char* name = StatusCodeName(code);
+  f.rpcs.Get({s, m, name}).Increment();
+  if (code != grpc::StatusCode::OK) f.rpc_errors.Get({s, m, name}).Increment();
+  f.rpc_latency.Get({s, m}).Observe(seconds);
+}
+
+void ServerMetrics::AppendFinished(const std::string& method, const std::string& pool, bool ok, uint64_t rows,
+                                   uint64_t bytes, double seconds) {
+  // The service calls this (KvCacheService::Options::on_append) for KvCache
+  // Append / AppendBatch; the check keeps the label bounded for any other
+  // caller too.
+  const std::string m = methods_.Contains(v1::KvCache::service_full_name(), method) ? method : kUnknown;
+  Families& f = *families_;
+  f.append_latency.Get({m}).Observe(seconds);
+  if (!ok) return;
+  const std::string p = PoolLabel(pool);
+  f.rows.Get({p, m}).Increment(static_cast<double>(rows));
+  f.bytes.Get({p, m}).Increment(static_cast<double>(bytes));
+}
+
+void ServerMetrics::KernelRan(const std::string& pool, const std::string& device, double seconds) {
+  Families& f = *families_;
+  f.kernel_seconds.Get({pool, device}).Increment(seconds);
+  f.kernel_calls.Get({pool, device}).Increment();
+  f.kernel_latency.Get({pool, device}).Observe(seconds);
+}
+
+void ServerMetrics::AuthFailed(const std::string& reason) { families_->auth_failures.Get({reason}).Increment(); }
+
+void ServerMetrics::SetDraining(bool draining) { families_->draining.Set(draining ? 1 : 0); }
+
+}  // namespace mlakv::server

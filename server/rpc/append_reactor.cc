@@ -1,0 +1,385 @@
+#include "server/rpc/append_reactor.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
+#include "kernels/nvfp4_format.h"
+#include "server/rpc/call_support.h"
+#include "server/rpc/grpc_status.h"
+#include "server/rpc/proto_convert.h"
+#include "spdlog/spdlog.h"
+
+namespace mlakv::server {
+namespace {
+
+// Bytes of one row of ckv + kpe (both dtypes have 2-byte elements).
+constexpr uint64_t kRowBytes = (format::kCkvDim + format::kKpeDim) * 2;
+
+}  // namespace
+
+AppendReactor::AppendReactor(KvCacheService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response)
+    : service_(service), ctx_(ctx), response_(response), started_(absl::Now()) {
+  if (service_->draining()) {
+    {
+      absl::MutexLock lock(&mu_);
+      finishing_ = true;
+      finish_taken_ = true;
+    }
+    Done(DrainingError());
+    return;
+  }
+  service_->AppendStarted();
+  counted_ = true;
+  {
+    absl::MutexLock lock(&mu_);
+    last_activity_ = started_;
+    reading_ = 0;
+  }
+  registered_ = true;
+  service_->watchdog().Add(this);
+  StartRead(&slots_[0].raw);
+}
+
+// ---- reader side -----------------------------------------------------------------
+
+void AppendReactor::OnReadDone(bool ok) {
+  int got = -1, index = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    got = reading_;
+    reading_ = -1;
+    last_activity_ = absl::Now();
+    if (finishing_ || doomed_) return;  // the stream is being finished; this read is dropped
+    if (ok) index = ++messages_received_;
+  }
+  if (ok) {
+    OnMessage(got, index);
+  } else {
+    OnStreamEnd();
+  }
+}
+
+void AppendReactor::OnMessage(int got, int index) {
+  // The slot is this read's alone until it is marked busy: parse without mu_.
+  Slot& slot = slots_[got];
+  const size_t raw_bytes = slot.raw.Length();
+  const uint32_t max_bytes = service_->options().max_message_bytes;
+  const bool too_large = raw_bytes > max_bytes;
+  const bool parsed =
+      !too_large && grpc::SerializationTraits<v1::AppendRequest>::Deserialize(&slot.raw, &slot.message).ok();
+  if (too_large) slot.raw.Clear();
+  int next_read = -1;
+  std::optional<absl::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    if (too_large) {
+      FailLocked(absl::ResourceExhaustedError(absl::StrCat(
+          "message ", index, " of the Append stream is ", raw_bytes, " bytes, over this server's max_message_bytes of ",
+          max_bytes, "; the whole append was rolled back. Split the rows into smaller messages")));
+    } else if (!parsed) {
+      FailLocked(absl::InvalidArgumentError(absl::StrCat(
+          "message ", index, " of the Append stream (", raw_bytes,
+          " bytes) is not a valid mlakv.v1.AppendRequest: a truncated or malformed protobuf, or a string field "
+          "(pool, sequence, region) that is not valid UTF-8; the whole append was rolled back")));
+    } else if (pool_ == nullptr) {
+      // The first message names the pool and the sequence for the stream.
+      const v1::AppendRequest& first = slot.message;
+      absl::Status named = CheckFieldLength("pool", first.pool());
+      if (named.ok()) named = CheckFieldLength("sequence", first.sequence(), kMaxSequenceIdBytes);
+      absl::StatusOr<v1::SequenceView> view = ToView(first.view());
+      if (named.ok()) named = view.status();
+      absl::StatusOr<Pool*> pool = named.ok() ? service_->FindPool(first.pool()) : absl::StatusOr<Pool*>(named);
+      if (!pool.ok()) {
+        FailLocked(pool.status());
+      } else {
+        pool_ = *pool;
+        pool_field_ = first.pool();
+        sequence_ = first.sequence();
+        view_ = *view;
+      }
+    }
+    if (!doomed_ && !finishing_) {
+      slot.busy = true;
+      ++queued_;
+      pool_->worker().Post([this, got, index] { Process(got, index); });
+      next_read = TakeFreeSlotLocked();
+    }
+    finish = TakeFinishLocked();
+  }
+  if (finish) Done(*finish);
+  if (next_read >= 0) StartReadInto(next_read);
+}
+
+void AppendReactor::OnStreamEnd() {
+  // Not a clean half-close when the call broke: a failed read (client
+  // cancel, message over the size limit, transport error, deadline) marks
+  // the call cancelled before OnReadDone(false) runs.
+  const absl::Status alive = CheckCallAlive(ctx_, "the whole append was rolled back");
+  std::optional<absl::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!alive.ok()) {
+      FailLocked(absl::Status(alive.code(),
+                              absl::StrCat("the Append stream broke before a clean end (", alive.message(),
+                                           "; a message over the size limit, a cancel or a lost connection end a "
+                                           "stream this way)")));
+    } else if (pool_ == nullptr) {
+      finishing_ = true;
+      finish_status_ = absl::InvalidArgumentError("Append stream carried no message");
+    } else {
+      // A clean half-close: commit, on the worker, after every message queued before it.
+      ++queued_;
+      pool_->worker().Post([this] { Complete(); });
+    }
+    finish = TakeFinishLocked();
+  }
+  if (finish) Done(*finish);
+}
+
+void AppendReactor::FailLocked(absl::Status status) {
+  if (doomed_ || finishing_) return;
+  doomed_ = true;
+  if (pool_ == nullptr && queued_ == 0) {
+    // Nothing was staged and nothing is queued: finish directly.
+    finishing_ = true;
+    finish_status_ = std::move(status);
+    return;
+  }
+  ++queued_;
+  SerialExecutor& worker = pool_ != nullptr ? pool_->worker() : service_->control();
+  worker.Post([this, status = std::move(status)] { Fail(status); });
+}
+
+int AppendReactor::TakeFreeSlotLocked() {
+  for (int b = 0; b < 2; ++b) {
+    if (!slots_[b].busy) {
+      reading_ = b;
+      ++starting_reads_;  // Finish waits until StartRead has been called
+      return b;
+    }
+  }
+  read_wanted_ = true;
+  return -1;
+}
+
+void AppendReactor::StartReadInto(int slot) {
+  StartRead(&slots_[slot].raw);
+  std::optional<absl::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    --starting_reads_;
+    finish = TakeFinishLocked();
+  }
+  if (finish) Done(*finish);
+}
+
+void AppendReactor::OnWatchdogTick(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  // Idle: waiting for the client's next message (a read in flight), with
+  // nothing received or processed for the whole timeout.
+  const absl::Duration limit = service_->options().append_idle_timeout;
+  if (finishing_ || doomed_ || reading_ < 0 || now - last_activity_ < limit) return;
+  FailLocked(absl::DeadlineExceededError(absl::StrCat(
+      "the Append stream delivered no message for ", absl::FormatDuration(limit),
+      " (the server's append_idle_timeout_seconds) after message ", messages_received_,
+      "; the whole append was rolled back")));
+}
+
+// ---- worker side -----------------------------------------------------------------
+
+void AppendReactor::Process(int slot, int index) {
+  bool skip;
+  {
+    absl::MutexLock lock(&mu_);
+    skip = finishing_ || doomed_;
+  }
+  const absl::Status status = skip ? absl::OkStatus() : ProcessMessage(slots_[slot].message, index);
+  int next_read = -1;
+  std::optional<absl::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    slots_[slot].busy = false;
+    --queued_;
+    last_activity_ = absl::Now();
+    if (!status.ok() && !finishing_) {
+      finishing_ = true;
+      finish_status_ = status;
+    }
+    if (!finishing_ && !doomed_ && read_wanted_) {
+      read_wanted_ = false;
+      next_read = TakeFreeSlotLocked();
+    }
+    finish = TakeFinishLocked();
+  }
+  if (finish) Done(*finish);
+  if (next_read >= 0) StartReadInto(next_read);
+}
+
+absl::Status AppendReactor::ProcessMessage(const v1::AppendRequest& req, int index) {
+  messages_processed_.store(index);
+  absl::Status status = [&]() -> absl::Status {
+    if (index > 1) {
+      if (!req.pool().empty() && req.pool() != pool_field_) {
+        return absl::InvalidArgumentError(absl::StrCat("message ", index, " names pool ", Quote(req.pool()),
+                                                       " but the stream's first message named ", Quote(pool_field_),
+                                                       "; leave it empty after the first message"));
+      }
+      if (!req.sequence().empty() && req.sequence() != sequence_) {
+        return absl::InvalidArgumentError(absl::StrCat("message ", index, " names sequence ", Quote(req.sequence()),
+                                                       " but the stream is for ", Quote(sequence_),
+                                                       "; one Append stream writes one sequence"));
+      }
+      if (req.reserve_tokens() != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "message ", index, " sets reserve_tokens; only the first message of a stream may reserve"));
+      }
+      if (req.view() != v1::SEQUENCE_VIEW_UNSPECIFIED) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("message ", index, " sets view; only the first message of a stream chooses the view"));
+      }
+    }
+    MLAKV_ASSIGN_OR_RETURN(std::optional<DType> dtype, ToDType(req.dtype()));
+    if (append_ == nullptr) {
+      append_ = std::make_unique<AtomicAppend>(pool_);
+      MLAKV_RETURN_IF_ERROR(append_->Begin(sequence_));
+    }
+    const std::optional<uint32_t> expect =
+        req.has_expect_length() ? std::optional<uint32_t>(req.expect_length()) : std::nullopt;
+    MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn rows, ToRows(sequence_, req.start(), req.row_count(), req.layers(),
+                                                       req.reserve_tokens(), expect, *service_->options().regions,
+                                                       *pool_, &regions_held_));
+    const SequenceRowsIn* rows_ptr = &rows;
+    const absl::Status staged = append_->Stage({&rows_ptr, 1}, dtype);
+    // The rows are in the cache now: packed copies of strided region rows
+    // go (the regions themselves stay held until the stream ends).
+    regions_held_.gathered.clear();
+    MLAKV_RETURN_IF_ERROR(staged);
+    MLAKV_RETURN_IF_ERROR(regions_held_.CheckNoFaults(absl::StrCat("sequence ", Quote(sequence_))));
+    row_bytes_ += static_cast<uint64_t>(req.row_count()) * kRowBytes * rows.layers.size();
+    return absl::OkStatus();
+  }();
+  if (status.ok()) return status;
+  if (append_ != nullptr) append_->Abort();
+  return absl::Status(status.code(),
+                      absl::StrCat(status.message(), index > 1 ? absl::StrCat(" (message ", index,
+                                                                              " of the stream; the whole append was "
+                                                                              "rolled back)")
+                                                               : ""));
+}
+
+void AppendReactor::Complete() {
+  bool skip;
+  {
+    absl::MutexLock lock(&mu_);
+    skip = finishing_ || doomed_;
+  }
+  const absl::Status status = skip ? absl::OkStatus() : CommitStream();
+  std::optional<absl::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    --queued_;
+    if (!skip && !finishing_) {
+      finishing_ = true;
+      finish_status_ = status;
+    }
+    finish = TakeFinishLocked();
+  }
+  if (finish) Done(*finish);
+}
+
+absl::Status AppendReactor::CommitStream() {
+  if (append_ == nullptr || append_->size() != 1) return absl::InternalError("Append ended without a transaction");
+  const AppendTransaction& txn = append_->transaction(0);
+  const size_t pages = txn.original_pages() + txn.pages_allocated();
+  const size_t first_new = txn.original_pages();
+  const uint32_t max_bytes = service_->options().max_message_bytes;
+  auto last_check = [&]() -> absl::Status {
+    MLAKV_RETURN_IF_ERROR(regions_held_.CheckNoFaults(absl::StrCat("sequence ", Quote(sequence_))));
+    MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx_, "the whole append was rolled back"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (doomed_) return absl::AbortedError("the Append stream failed before its commit");
+    }
+    const uint64_t bound = SequenceProtoBytesBound(sequence_.size(), pool_->name().size(),
+                                                   view_ == v1::SEQUENCE_VIEW_BASIC ? pages - first_new : pages,
+                                                   pool_->num_pages(),
+                                                   view_ == v1::SEQUENCE_VIEW_BASIC ? 0 : pool_->num_layers()) +
+                           32;
+    if (bound > max_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the response would describe ", pages, " pages (up to ", bound, " bytes), over the ", max_bytes,
+          "-byte message limit; nothing was written. Ask for view SEQUENCE_VIEW_BASIC in the first message"));
+    }
+    return absl::OkStatus();
+  };
+  const uint64_t rows = append_->rows_written();
+  const uint32_t allocated = append_->pages_allocated();
+  MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append_->Commit(last_check));
+  v1::AppendResponse response;
+  ToProto(pool_->name(), after.front(), response.mutable_sequence(), view_, first_new);
+  response.set_rows_written(rows);
+  response.set_pages_allocated(allocated);
+  bool own = false;
+  if (grpc::Status s = grpc::SerializationTraits<v1::AppendResponse>::Serialize(response, response_, &own); !s.ok()) {
+    // Committed already; cannot happen for a message this small.
+    spdlog::error("Append {}: serializing the response failed: {}", Detail(), s.error_message());
+  }
+  return absl::OkStatus();
+}
+
+void AppendReactor::Fail(const absl::Status& status) {
+  if (append_ != nullptr) append_->Abort();
+  std::optional<absl::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    --queued_;
+    if (!finishing_) {
+      finishing_ = true;
+      finish_status_ = status;
+    }
+    finish = TakeFinishLocked();
+  }
+  if (finish) Done(*finish);
+}
+
+// ---- finishing ------------------------------------------------------------------
+
+std::optional<absl::Status> AppendReactor::TakeFinishLocked() {
+  if (!finishing_ || queued_ > 0 || starting_reads_ > 0 || finish_taken_) return std::nullopt;
+  finish_taken_ = true;
+  return finish_status_;
+}
+
+std::string AppendReactor::Detail() const {
+  return absl::StrCat("pool=", Quote(pool_ ? pool_->name() : pool_field_), " sequence=", Quote(sequence_),
+                      " messages=", messages_processed_.load());
+}
+
+void AppendReactor::Done(const absl::Status& status) {
+  const uint64_t rows = append_ != nullptr && status.ok() ? append_->rows_written() : 0;
+  LogCall("Append", absl::StrCat(Detail(), " rows=", rows), status);
+  if (counted_) {
+    // Before Finish: OnDone (and the service's destruction) may follow at once.
+    service_->AppendEnded({.method = "Append",
+                           .pool = pool_ != nullptr ? pool_->name() : "",
+                           .ok = status.ok(),
+                           .rows = rows,
+                           .bytes = status.ok() ? row_bytes_ : 0,
+                           .seconds = absl::ToDoubleSeconds(absl::Now() - started_)});
+  }
+  Finish(ToGrpcStatus(status));
+}
+
+void AppendReactor::OnDone() {
+  if (registered_) service_->watchdog().Remove(this);
+  if (append_ != nullptr && !append_->finished()) {
+    // Every end of the stream rolls back on the worker before Finish; this is a bug.
+    spdlog::error("Append {} ended with its transaction open; rolling it back on the pool's worker", Detail());
+    pool_->worker().Post([append = std::move(append_)]() mutable { append->Abort(); });
+  }
+  delete this;
+}
+
+}  // namespace mlakv::server

@@ -1,0 +1,125 @@
+// AppendReactor: one Append stream (a raw method: ByteBuffer messages).
+//
+// The stream is one atomic append (AtomicAppend on the pool's worker). It
+// commits only on a clean half-close after messages that all parsed and
+// staged; every other end — a message that does not parse, one over the
+// size limit, a transport error, a cancel, the deadline, an idle stream, a
+// failure while staging — rolls everything back, and where the client can
+// still hear it the status says which message failed and why
+// (docs/reliability.md "Atomic streams").
+//
+// Why raw: gRPC's typed reader reports a message that fails to parse the
+// same way as the end of the stream (OnReadDone(false) without an error on
+// the call), so a truncated or non-UTF-8 second message would commit the
+// first. Parsing here tells the two apart. A read that fails because the
+// call broke (cancel, oversized message, lost connection, deadline) marks
+// the call cancelled before OnReadDone(false) (gRPC's
+// grpc_call_failed_before_recv_message), which IsCancelled() then reports.
+//
+// Pipelining: two message slots. While the worker processes message k,
+// message k+1 is received into the other slot, and the read of k+2 starts as
+// soon as k's slot is free, so the server holds at most two messages per
+// stream (backpressure) and the network overlaps the worker.
+//
+// Lifetime: Finish is called exactly once, and only when no task of this
+// reactor is queued on a worker and no StartRead is being made; a read may
+// still be in flight then (gRPC completes it with ok=false). OnDone removes
+// the reactor from the watchdog and deletes it.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "mlakv/v1/kv_cache.pb.h"
+#include "server/core/atomic_append.h"
+#include "server/rpc/kv_cache_service.h"
+#include "server/regions/region_registry.h"
+#include "server/rpc/stream_watchdog.h"
+
+namespace mlakv::server {
+
+class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, public StreamWatchdog::Watched {
+ public:
+  AppendReactor(KvCacheService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response);
+
+  void OnReadDone(bool ok) override;
+  void OnDone() override;
+  void OnWatchdogTick(absl::Time now) override;
+
+ private:
+  struct Slot {
+    grpc::ByteBuffer raw;      // what the read delivers
+    v1::AppendRequest message;  // parsed from raw
+    bool busy = false;         // holds a message queued on / being processed by the worker
+  };
+
+  // ---- reader side (gRPC threads) ----
+  void OnMessage(int slot, int index);
+  void OnStreamEnd();
+  // The slot to read the next message into, marked as being read; -1 when
+  // both hold messages not yet processed (the worker starts the read when
+  // it frees one). Never called with a read in flight.
+  int TakeFreeSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Called without mu_ (the read may complete, and OnReadDone run, before
+  // StartRead returns).
+  void StartReadInto(int slot);
+  // The stream failed with `status`: a rollback task goes to the worker
+  // (the pool's, or the service's control executor before any message named
+  // a pool); later messages are ignored.
+  void FailLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // ---- worker side ----
+  void Process(int slot, int index);
+  absl::Status ProcessMessage(const v1::AppendRequest& req, int index);
+  void Complete();
+  absl::Status CommitStream();
+  void Fail(const absl::Status& status);
+
+  // The status to finish with, once: when the stream is finishing, no task of
+  // this reactor is left on a worker and no StartRead is about to be made.
+  std::optional<absl::Status> TakeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Done(const absl::Status& status);
+  std::string Detail() const;
+
+  KvCacheService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  grpc::ByteBuffer* const response_;
+  const absl::Time started_;
+  bool counted_ = false;     // in the service's appends in flight (not when refused while draining)
+  bool registered_ = false;  // with the watchdog
+
+  Slot slots_[2];
+  absl::Mutex mu_;
+  int reading_ ABSL_GUARDED_BY(mu_) = -1;        // slot a read is in flight into, -1: none
+  bool read_wanted_ ABSL_GUARDED_BY(mu_) = false;  // a read waits for a free slot
+  int queued_ ABSL_GUARDED_BY(mu_) = 0;           // tasks of this reactor on a worker
+  int starting_reads_ ABSL_GUARDED_BY(mu_) = 0;   // reads decided on, StartRead not yet returned
+  bool doomed_ ABSL_GUARDED_BY(mu_) = false;      // a failure is known; its rollback task is queued
+  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_taken_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status finish_status_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_activity_ ABSL_GUARDED_BY(mu_);  // last message received or processed
+  int messages_received_ ABSL_GUARDED_BY(mu_) = 0;
+  // Set by the first message, before any task is posted; read-only after.
+  Pool* pool_ = nullptr;
+  std::string pool_field_;
+  std::string sequence_;
+  v1::SequenceView view_ = v1::SEQUENCE_VIEW_FULL;
+  // Worker-only state.
+  std::unique_ptr<AtomicAppend> append_;
+  // Regions the stream's messages named: held until the stream ends, so an
+  // UnregisterRegion meanwhile never unmaps memory this append reads.
+  RegionHold regions_held_;
+  uint64_t row_bytes_ = 0;  // ckv + kpe bytes of the rows staged
+  std::atomic<int> messages_processed_{0};
+};
+
+}  // namespace mlakv::server

@@ -1,0 +1,75 @@
+// KvCacheServer: the whole process minus flags and signals — pools built
+// from a ServerConfig, the KvCache service, the health service and server
+// reflection on one grpc::Server.
+//
+// Health and reflection are switched on in exactly one place,
+// EnableHealthAndReflection() in kv_cache_server.cc.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "mlakv/v1/config.pb.h"
+#include "server/rpc/kv_cache_service.h"
+#include "server/core/pool.h"
+#include "server/regions/region_registry.h"
+#include "server/observability/server_metrics.h"
+
+namespace mlakv::server {
+
+class KvCacheServer {
+ public:
+  struct Options {
+    v1::ServerConfig config;             // pools, limits (an empty pool list: the embedded default pool)
+    std::string listen;                  // host:port; port 0 picks a free port; empty: in-process only
+    std::string default_device = "auto";  // for pools without a device: auto | cpu | cuda:N
+    bool allow_ipc = false;  // --allow_ipc: shm / CUDA IPC regions (else their calls are PERMISSION_DENIED)
+    // ---- operations (docs/deploy.md) ----
+    // Credentials of the listening port (server_credentials.h); null: plaintext.
+    std::shared_ptr<grpc::ServerCredentials> credentials;
+    // Per-RPC metrics (interceptor) and backend timing; null: none. Not owned.
+    ServerMetrics* metrics = nullptr;
+    // ---- end operations ----
+  };
+
+  static absl::StatusOr<std::unique_ptr<KvCacheServer>> Create(const Options& options);
+  // Shuts down (if not done yet) and releases the pools.
+  ~KvCacheServer();
+
+  // "host:port" actually bound (the port resolved when 0 was asked); empty when in-process only.
+  const std::string& bound_address() const { return bound_address_; }
+  int bound_port() const { return bound_port_; }
+  // A channel to this server that bypasses the network (tests).
+  std::shared_ptr<grpc::Channel> InProcessChannel();
+  const std::vector<std::unique_ptr<Pool>>& pools() const { return pools_; }
+  KvCacheService& service() { return *service_; }
+  const RegionRegistry& regions() const { return *regions_; }
+
+  // Graceful drain: health NOT_SERVING, new calls refused (UNAVAILABLE), calls
+  // in flight finish (or are cancelled after `grace`), then the pools' workers
+  // drain. Idempotent.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  KvCacheServer() = default;
+
+  std::vector<std::unique_ptr<Pool>> pools_;
+  std::unique_ptr<RegionRegistry> regions_;  // released after the service, before the pools
+  std::unique_ptr<KvCacheService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string bound_address_;
+  int bound_port_ = 0;
+  bool shut_down_ = false;
+  // Frees idle sequences of pools with an idle TTL (none: not started).
+  absl::Notification stop_reaper_;
+  std::thread reaper_;
+};
+
+}  // namespace mlakv::server

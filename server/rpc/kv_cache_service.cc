@@ -1,0 +1,407 @@
+#include "server/rpc/kv_cache_service.h"
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
+#include "kernels/nvfp4_format.h"
+#include "server/rpc/append_reactor.h"
+#include "server/core/atomic_append.h"
+#include "server/rpc/call_support.h"
+#include "server/rpc/grpc_status.h"
+#include "server/rpc/proto_convert.h"
+#include "server/rpc/read_reactor.h"
+
+namespace mlakv::server {
+namespace {
+
+using format::kCkvPackedBytes;
+using format::kCkvSfBytes;
+using format::kKpeBytes;
+
+constexpr uint32_t kDefaultListPageSize = 100;
+constexpr uint32_t kMaxListPageSize = 1000;
+// Bytes of one row of ckv + kpe (both dtypes have 2-byte elements).
+constexpr uint64_t kRowBytes = (format::kCkvDim + format::kKpeDim) * 2;
+
+// The watchdog looks four times per timeout, between 50 ms and 1 s apart.
+absl::Duration WatchdogPeriod(absl::Duration idle_timeout) {
+  return std::clamp(idle_timeout / 4, absl::Milliseconds(50), absl::Seconds(1));
+}
+
+std::string PoolDetail(const std::string& pool) { return absl::StrCat("pool=", Quote(pool)); }
+
+std::string SequenceDetail(const std::string& pool, const std::string& sequence) {
+  return absl::StrCat("pool=", Quote(pool), " sequence=", Quote(sequence));
+}
+
+}  // namespace
+
+KvCacheService::KvCacheService(Options options)
+    : options_(std::move(options)),
+      control_(std::make_unique<SerialExecutor>()),
+      watchdog_(std::make_unique<StreamWatchdog>(WatchdogPeriod(options_.append_idle_timeout))) {}
+
+KvCacheService::~KvCacheService() {
+  watchdog_.reset();
+  control_.reset();
+}
+
+absl::StatusOr<Pool*> KvCacheService::FindPool(const std::string& name) const {
+  const std::string& want = name.empty() ? options_.default_pool : name;
+  for (Pool* pool : options_.pools) {
+    if (pool->name() == want) return pool;
+  }
+  std::vector<std::string> names;
+  for (Pool* pool : options_.pools) names.push_back(Quote(pool->name()));
+  return absl::NotFoundError(absl::StrCat("pool ", Quote(want), " not found; this server has: ", absl::StrJoin(names, ", ")));
+}
+
+absl::StatusOr<Pool*> KvCacheService::Prelude(const std::string& pool) const {
+  if (draining()) return DrainingError();
+  MLAKV_RETURN_IF_ERROR(CheckFieldLength("pool", pool));
+  return FindPool(pool);
+}
+
+void KvCacheService::AppendEnded(const AppendOutcome& outcome) {
+  if (options_.on_append) options_.on_append(outcome);
+  appends_in_flight_.fetch_sub(1);
+}
+
+// ---- unary queries -------------------------------------------------------------
+
+grpc::ServerUnaryReactor* KvCacheService::ListPools(grpc::CallbackServerContext* ctx, const v1::ListPoolsRequest*,
+                                                    v1::ListPoolsResponse* resp) {
+  if (draining()) return FinishUnary(ctx, "ListPools", "", DrainingError());
+  std::vector<Pool*> pools = options_.pools;
+  std::sort(pools.begin(), pools.end(), [](Pool* a, Pool* b) { return a->name() < b->name(); });
+  for (Pool* pool : pools) ToProto(pool->Snapshot(), resp->add_pools());
+  return FinishUnary(ctx, "ListPools", "", absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::GetPool(grpc::CallbackServerContext* ctx, const v1::GetPoolRequest* req,
+                                                  v1::Pool* resp) {
+  absl::StatusOr<Pool*> pool = Prelude(req->pool());
+  if (pool.ok()) ToProto((*pool)->Snapshot(), resp);
+  return FinishUnary(ctx, "GetPool", PoolDetail(req->pool()), pool.status());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContext* ctx,
+                                                      const v1::GetSequenceRequest* req, v1::Sequence* resp) {
+  const absl::Status status = [&]() -> absl::Status {
+    MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
+    MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
+    MLAKV_ASSIGN_OR_RETURN(SequenceSnapshot seq, pool->GetSequence(req->sequence()));
+    ToProto(pool->name(), seq, resp);
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "GetSequence", SequenceDetail(req->pool(), req->sequence()), status);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerContext* ctx,
+                                                        const v1::ListSequencesRequest* req,
+                                                        v1::ListSequencesResponse* resp) {
+  const absl::Status status = [&]() -> absl::Status {
+    MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
+    MLAKV_RETURN_IF_ERROR(CheckFieldLength("page_token", req->page_token(), kMaxSequenceIdBytes));
+    const uint32_t limit =
+        req->page_size() == 0 ? kDefaultListPageSize : std::min(req->page_size(), kMaxListPageSize);
+    SequenceListing listing = pool->ListSequences(limit, req->page_token());
+    for (const SequenceListing::Entry& e : listing.sequences) {
+      v1::SequenceSummary* s = resp->add_sequences();
+      s->set_id(e.id);
+      s->set_length(e.length);
+      s->set_pages(e.pages);
+    }
+    resp->set_next_page_token(listing.next_page_token);
+    resp->set_total(listing.total);
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "ListSequences",
+                     absl::StrCat(PoolDetail(req->pool()), " page_token=", Quote(req->page_token())), status);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::GetPage(grpc::CallbackServerContext* ctx, const v1::GetPageRequest* req,
+                                                  v1::Page* resp) {
+  const absl::Status status = [&]() -> absl::Status {
+    MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
+    MLAKV_ASSIGN_OR_RETURN(PageSnapshot page, pool->GetPage(req->page()));
+    resp->set_page(static_cast<uint32_t>(page.page));
+    resp->set_used(page.used);
+    resp->set_sequence(page.sequence);
+    resp->set_page_index(page.page_index);
+    resp->set_first_position(page.first_position);
+    for (size_t l = 0; l < page.filled_per_layer.size(); ++l) {
+      resp->add_filled_per_layer(page.filled_per_layer[l]);
+      if (page.filled_per_layer[l] > 0) resp->add_layers_written(static_cast<uint32_t>(l));
+    }
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "GetPage", absl::StrCat(PoolDetail(req->pool()), " page=", req->page()), status);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::FreeSequence(grpc::CallbackServerContext* ctx,
+                                                       const v1::FreeSequenceRequest* req,
+                                                       v1::FreeSequenceResponse* resp) {
+  const absl::Status status = [&]() -> absl::Status {
+    MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
+    MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
+    MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was freed"));
+    MLAKV_ASSIGN_OR_RETURN(uint32_t freed, pool->FreeSequence(req->sequence()));
+    resp->set_pages_freed(freed);
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "FreeSequence", SequenceDetail(req->pool(), req->sequence()), status);
+}
+
+grpc::ServerUnaryReactor* KvCacheService::TruncateSequence(grpc::CallbackServerContext* ctx,
+                                                           const v1::TruncateSequenceRequest* req,
+                                                           v1::Sequence* resp) {
+  const absl::Status status = [&]() -> absl::Status {
+    MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
+    MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
+    MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was truncated"));
+    MLAKV_ASSIGN_OR_RETURN(SequenceSnapshot seq, pool->TruncateSequence(req->sequence(), req->length()));
+    ToProto(pool->name(), seq, resp);
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "TruncateSequence",
+                     absl::StrCat(SequenceDetail(req->pool(), req->sequence()), " length=", req->length()), status);
+}
+
+// ---- AppendBatch ------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContext* ctx,
+                                                      const v1::AppendBatchRequest* req,
+                                                      v1::AppendBatchResponse* resp) {
+  const absl::Time started = absl::Now();
+  const std::string detail = absl::StrCat(PoolDetail(req->pool()), " sequences=", req->sequences_size());
+  // Shape checks that need no pool state, before the call is queued.
+  struct Checked {
+    Pool* pool;
+    std::optional<DType> dtype;
+    v1::SequenceView view;
+  };
+  absl::StatusOr<Checked> checked = [&]() -> absl::StatusOr<Checked> {
+    MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
+    if (const size_t bytes = req->ByteSizeLong(); bytes > options_.max_message_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("AppendBatch request is ", bytes,
+                                                       " bytes, over this server's max_message_bytes of ",
+                                                       options_.max_message_bytes, "; send fewer rows per call"));
+    }
+    MLAKV_ASSIGN_OR_RETURN(std::optional<DType> dtype, ToDType(req->dtype()));
+    MLAKV_ASSIGN_OR_RETURN(v1::SequenceView view, ToView(req->view()));
+    absl::flat_hash_set<std::string_view> ids;
+    for (const v1::SequenceRows& s : req->sequences()) {
+      MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", s.sequence(), kMaxSequenceIdBytes));
+      if (!ids.insert(s.sequence()).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence ", Quote(s.sequence()), " appears twice in one AppendBatch; merge its rows"));
+      }
+    }
+    return Checked{pool, dtype, view};
+  }();
+  if (!checked.ok()) return FinishUnary(ctx, "AppendBatch", detail, checked.status());
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  Pool* p = checked->pool;
+  AppendStarted();
+  p->worker().Post([this, ctx, p, req, resp, reactor, detail, started, c = *checked] {
+    uint64_t row_bytes = 0;
+    const absl::Status status = [&]() -> absl::Status {
+      // Queued behind other work: a call whose client gave up meanwhile is not started.
+      MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was written"));
+      AtomicAppend append(p);
+      RegionHold hold;  // regions named by the rows, until the call ends
+      std::vector<SequenceRowsIn> rows;
+      rows.reserve(req->sequences_size());
+      for (const v1::SequenceRows& s : req->sequences()) {
+        MLAKV_RETURN_IF_ERROR(append.Begin(s.sequence()));
+        const std::optional<uint32_t> expect =
+            s.has_expect_length() ? std::optional<uint32_t>(s.expect_length()) : std::nullopt;
+        MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn r, ToRows(s.sequence(), s.start(), s.row_count(), s.layers(), 0, expect,
+                                                        *options_.regions, *p, &hold));
+        row_bytes += static_cast<uint64_t>(r.row_count) * kRowBytes * r.layers.size();
+        rows.push_back(std::move(r));
+      }
+      std::vector<const SequenceRowsIn*> row_ptrs;
+      for (const SequenceRowsIn& r : rows) row_ptrs.push_back(&r);
+      MLAKV_RETURN_IF_ERROR(append.Stage(row_ptrs, c.dtype));
+      hold.gathered.clear();
+      // The response must fit the send limit: refused now, before the commit,
+      // rather than failing at the client after every sequence was written.
+      uint64_t bound = 64;
+      for (size_t i = 0; i < append.size(); ++i) {
+        const AppendTransaction& txn = append.transaction(i);
+        const size_t pages = txn.original_pages() + txn.pages_allocated();
+        bound += SequenceProtoBytesBound(txn.sequence_id().size(), p->name().size(),
+                                         c.view == v1::SEQUENCE_VIEW_BASIC ? txn.pages_allocated() : pages,
+                                         p->num_pages(), c.view == v1::SEQUENCE_VIEW_BASIC ? 0 : p->num_layers());
+      }
+      auto last_check = [&]() -> absl::Status {
+        MLAKV_RETURN_IF_ERROR(hold.CheckNoFaults("AppendBatch"));
+        MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was written"));
+        if (bound > options_.max_message_bytes) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "the response would describe ", append.size(), " sequences in up to ", bound, " bytes, over the ",
+              options_.max_message_bytes,
+              "-byte message limit; nothing was written. Ask for view SEQUENCE_VIEW_BASIC, or send fewer "
+              "sequences per call"));
+        }
+        return absl::OkStatus();
+      };
+      std::vector<size_t> first_new;
+      for (size_t i = 0; i < append.size(); ++i) first_new.push_back(append.transaction(i).original_pages());
+      const uint64_t rows_written = append.rows_written();
+      const uint32_t pages = append.pages_allocated();
+      MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append.Commit(last_check));
+      for (size_t i = 0; i < after.size(); ++i) {
+        ToProto(p->name(), after[i], resp->add_sequences(), c.view, first_new[i]);
+      }
+      resp->set_rows_written(rows_written);
+      resp->set_pages_allocated(pages);
+      return absl::OkStatus();
+    }();
+    if (!status.ok()) resp->Clear();
+    LogCall("AppendBatch", absl::StrCat(detail, " rows=", resp->rows_written()), status);
+    AppendEnded({.method = "AppendBatch",
+                 .pool = p->name(),
+                 .ok = status.ok(),
+                 .rows = resp->rows_written(),
+                 .bytes = status.ok() ? row_bytes : 0,
+                 .seconds = absl::ToDoubleSeconds(absl::Now() - started)});
+    reactor->Finish(ToGrpcStatus(status));
+  });
+  return reactor;
+}
+
+// ---- streams ---------------------------------------------------------------------
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::Append(grpc::CallbackServerContext* ctx,
+                                                                  grpc::ByteBuffer* resp) {
+  return new AppendReactor(this, ctx, resp);
+}
+
+grpc::ServerWriteReactor<v1::ReadSequenceResponse>* KvCacheService::ReadSequence(
+    grpc::CallbackServerContext* ctx, const v1::ReadSequenceRequest* req) {
+  return new ReadReactor(this, ctx, req);
+}
+
+// ---- regions (docs/server.md "Regions") ---------------------------------------------
+
+grpc::ServerUnaryReactor* KvCacheService::RegisterShmRegion(grpc::CallbackServerContext* ctx,
+                                                            const v1::RegisterShmRegionRequest* req,
+                                                            v1::Region* resp) {
+  const std::string detail = absl::StrCat("name=", Quote(req->name()), " shm_name=", Quote(req->shm_name()),
+                                          " offset=", req->offset(), " byte_size=", req->byte_size());
+  if (draining()) return FinishUnary(ctx, "RegisterShmRegion", detail, DrainingError());
+  if (absl::Status s = options_.regions->CheckAllowed("RegisterShmRegion"); !s.ok()) {
+    return FinishUnary(ctx, "RegisterShmRegion", detail, s);
+  }
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  RegionRegistry* regions = options_.regions;
+  // Opening and mapping run on the registry's worker, never on a gRPC thread.
+  regions->worker().Post([ctx, req, resp, reactor, regions, detail] {
+    absl::Status status = CheckCallAlive(ctx, "nothing was registered");
+    if (status.ok()) {
+      absl::StatusOr<RegionInfo> region = regions->RegisterShm(
+          req->name(), {.shm_name = req->shm_name(), .offset = req->offset(), .byte_size = req->byte_size()});
+      if (region.ok()) *resp = ToProto(*region);
+      status = region.status();
+    }
+    LogCall("RegisterShmRegion", detail, status);
+    reactor->Finish(ToGrpcStatus(status));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KvCacheService::RegisterCudaRegion(grpc::CallbackServerContext* ctx,
+                                                             const v1::RegisterCudaRegionRequest* req,
+                                                             v1::Region* resp) {
+  const std::string detail = absl::StrCat("name=", Quote(req->name()), " device_id=", req->device_id(),
+                                          " byte_size=", req->byte_size());
+  if (draining()) return FinishUnary(ctx, "RegisterCudaRegion", detail, DrainingError());
+  if (absl::Status s = options_.regions->CheckAllowed("RegisterCudaRegion"); !s.ok()) {
+    return FinishUnary(ctx, "RegisterCudaRegion", detail, s);
+  }
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  RegionRegistry* regions = options_.regions;
+  regions->worker().Post([ctx, req, resp, reactor, regions, detail] {
+    absl::Status status = CheckCallAlive(ctx, "nothing was registered");
+    if (status.ok()) {
+      absl::StatusOr<RegionInfo> region = regions->RegisterCuda(req->name(), {.raw_handle = req->raw_handle(),
+                                                                              .device_id = req->device_id(),
+                                                                              .byte_size = req->byte_size(),
+                                                                              .raw_event_handle = req->raw_event_handle()});
+      if (region.ok()) *resp = ToProto(*region);
+      status = region.status();
+    }
+    LogCall("RegisterCudaRegion", detail, status);
+    reactor->Finish(ToGrpcStatus(status));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KvCacheService::UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                                           const v1::UnregisterRegionRequest* req,
+                                                           v1::UnregisterRegionResponse* resp) {
+  const std::string detail = absl::StrCat("name=", Quote(req->name()));
+  if (draining()) return FinishUnary(ctx, "UnregisterRegion", detail, DrainingError());
+  absl::StatusOr<uint32_t> holders = options_.regions->Unregister(req->name());  // releases on the registry's worker
+  if (holders.ok()) resp->set_appends_in_flight(*holders);
+  return FinishUnary(ctx, "UnregisterRegion", detail, holders.status());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ListRegions(grpc::CallbackServerContext* ctx,
+                                                      const v1::ListRegionsRequest*, v1::ListRegionsResponse* resp) {
+  if (draining()) return FinishUnary(ctx, "ListRegions", "", DrainingError());
+  absl::StatusOr<std::vector<RegionInfo>> regions = options_.regions->List();
+  if (regions.ok()) {
+    for (const RegionInfo& r : *regions) *resp->add_regions() = ToProto(r);
+  }
+  return FinishUnary(ctx, "ListRegions", "", regions.status());
+}
+
+grpc::ServerUnaryReactor* KvCacheService::ExportPool(grpc::CallbackServerContext* ctx,
+                                                     const v1::ExportPoolRequest* req, v1::ExportPoolResponse* resp) {
+  const absl::Status status = [&]() -> absl::Status {
+    if (draining()) return DrainingError();
+    MLAKV_RETURN_IF_ERROR(options_.regions->CheckAllowed("ExportPool"));
+    MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
+    absl::StatusOr<std::vector<CacheBackend::LayerHandles>> handles = pool->ExportHandles();
+    if (!handles.ok()) return WithContext(handles.status(), absl::StrCat("pool ", Quote(pool->name())));
+    const PoolSnapshot snap = pool->Snapshot();
+    const uint64_t entries = static_cast<uint64_t>(snap.pages_total) * snap.page_size;
+    resp->set_pool(snap.name);
+    resp->set_device_id(snap.device.ordinal());  // only cuda pools export
+    resp->set_format(v1::CACHE_FORMAT_NVFP4_MLA);
+    resp->set_num_pages(snap.pages_total);
+    resp->set_page_size(snap.page_size);
+    for (size_t l = 0; l < handles->size(); ++l) {
+      v1::ExportedLayer* out = resp->add_layers();
+      out->set_layer(static_cast<uint32_t>(l));
+      const CacheBackend::LayerHandles& h = (*handles)[l];
+      for (auto [buf, handle, stride] : {std::tuple<v1::ExportedBuffer*, const std::string*, uint32_t>{
+                                             out->mutable_ckv_cache(), &h.ckv, kCkvPackedBytes},
+                                         {out->mutable_ckv_sf_cache(), &h.ckv_sf, kCkvSfBytes},
+                                         {out->mutable_kpe_cache(), &h.kpe, kKpeBytes}}) {
+        buf->set_raw_handle(*handle);
+        buf->set_offset(0);
+        buf->set_byte_size(entries * stride);
+        buf->set_entry_stride_bytes(stride);
+      }
+      if (l < snap.layers.size() && snap.layers[l].scales_set) {
+        out->set_ckv_scale(snap.layers[l].ckv_scale);
+        out->set_kpe_scale(snap.layers[l].kpe_scale);
+      }
+    }
+    return absl::OkStatus();
+  }();
+  return FinishUnary(ctx, "ExportPool", PoolDetail(req->pool()), status);
+}
+
+}  // namespace mlakv::server

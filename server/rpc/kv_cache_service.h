@@ -1,0 +1,127 @@
+// KvCacheService: the RPC surface of mlakv.v1.KvCache (callback API).
+//
+// Unary queries (ListPools, GetPool, GetSequence, ListSequences, GetPage,
+// FreeSequence, TruncateSequence) touch metadata under a pool's mutex for a
+// moment and finish inline through context->DefaultReactor(). Everything that
+// touches cache memory -- Append (AppendReactor, one per stream), AppendBatch
+// and ReadSequence (ReadReactor) -- runs on the pool's worker, and region
+// registrations on the region registry's worker, so no reaction ever waits
+// on quantization, a CUDA synchronization, an mmap or an IPC open.
+//
+// Append is a raw method (ByteBuffer in and out): the reactor parses each
+// message itself, so that a message that does not parse fails the stream
+// (and rolls it back) instead of reading as a clean end of stream
+// (docs/reliability.md "Atomic streams").
+// absl::Status becomes grpc::Status only through ToGrpcStatus.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "mlakv/v1/kv_cache.grpc.pb.h"
+#include "server/core/pool.h"
+#include "server/regions/region_registry.h"
+#include "server/core/serial_executor.h"
+#include "server/rpc/stream_watchdog.h"
+
+namespace mlakv::server {
+
+// What one Append or AppendBatch call did, for metrics.
+struct AppendOutcome {
+  const char* method = "";   // "Append" or "AppendBatch"
+  std::string pool;          // the pool's name; empty when the call named no existing pool
+  bool ok = false;           // committed
+  uint64_t rows = 0;         // rows written (per layer), when ok
+  uint64_t bytes = 0;        // ckv + kpe bytes carried in the messages, when ok
+  double seconds = 0;        // from the call's start to its status
+};
+
+class KvCacheService final : public mlakv::v1::KvCache::WithRawCallbackMethod_Append<mlakv::v1::KvCache::CallbackService> {
+ public:
+  struct Options {
+    std::vector<Pool*> pools;   // not owned; outlive the service
+    std::string default_pool;   // the pool an empty `pool` field means
+    uint32_t max_message_bytes = 64 << 20;  // largest message received and sent
+    RegionRegistry* regions = nullptr;  // not owned, outlives the service; never null
+    // An Append stream that delivers no message for this long is ended
+    // (DEADLINE_EXCEEDED) and rolled back.
+    absl::Duration append_idle_timeout = absl::Seconds(60);
+    // Called once per Append / AppendBatch call when it ends (metrics); may be empty.
+    std::function<void(const AppendOutcome&)> on_append;
+  };
+
+  explicit KvCacheService(Options options);
+  ~KvCacheService() override;
+
+  // From now on every new call is refused with UNAVAILABLE; calls in flight
+  // (an open Append stream included) run to their end.
+  void StartDraining() { draining_.store(true); }
+  bool draining() const { return draining_.load(); }
+  // Appends (Append streams, AppendBatch calls) accepted and not yet
+  // finished: what a drain waits for before the grpc::Server shuts down, so
+  // that until then every new call gets this service's UNAVAILABLE rather
+  // than whatever a closing transport says (CANCELLED).
+  int appends_in_flight() const { return appends_in_flight_.load(); }
+
+  // The pool `name` names (empty: the default), or NOT_FOUND listing the pools.
+  absl::StatusOr<Pool*> FindPool(const std::string& name) const;
+
+  // ---- what the reactors share ----
+  const Options& options() const { return options_; }
+  StreamWatchdog& watchdog() { return *watchdog_; }
+  // Runs the rollback of a stream that timed out before it named a pool.
+  SerialExecutor& control() { return *control_; }
+  void AppendStarted() { appends_in_flight_.fetch_add(1); }
+  void AppendEnded(const AppendOutcome& outcome);
+
+  grpc::ServerUnaryReactor* ListPools(grpc::CallbackServerContext* ctx, const v1::ListPoolsRequest* req,
+                                      v1::ListPoolsResponse* resp) override;
+  grpc::ServerUnaryReactor* GetPool(grpc::CallbackServerContext* ctx, const v1::GetPoolRequest* req,
+                                    v1::Pool* resp) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
+                                                    grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* AppendBatch(grpc::CallbackServerContext* ctx, const v1::AppendBatchRequest* req,
+                                        v1::AppendBatchResponse* resp) override;
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* req,
+                                        v1::Sequence* resp) override;
+  grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* ctx, const v1::ListSequencesRequest* req,
+                                          v1::ListSequencesResponse* resp) override;
+  grpc::ServerUnaryReactor* GetPage(grpc::CallbackServerContext* ctx, const v1::GetPageRequest* req,
+                                    v1::Page* resp) override;
+  grpc::ServerWriteReactor<v1::ReadSequenceResponse>* ReadSequence(grpc::CallbackServerContext* ctx,
+                                                                   const v1::ReadSequenceRequest* req) override;
+  grpc::ServerUnaryReactor* FreeSequence(grpc::CallbackServerContext* ctx, const v1::FreeSequenceRequest* req,
+                                         v1::FreeSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* TruncateSequence(grpc::CallbackServerContext* ctx,
+                                             const v1::TruncateSequenceRequest* req, v1::Sequence* resp) override;
+  // Regions: opened and closed on the registry's worker (shm_open + mmap,
+  // cudaIpcOpenMemHandle), finished from there.
+  grpc::ServerUnaryReactor* RegisterShmRegion(grpc::CallbackServerContext* ctx, const v1::RegisterShmRegionRequest* req,
+                                              v1::Region* resp) override;
+  grpc::ServerUnaryReactor* RegisterCudaRegion(grpc::CallbackServerContext* ctx,
+                                               const v1::RegisterCudaRegionRequest* req, v1::Region* resp) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx, const v1::UnregisterRegionRequest* req,
+                                             v1::UnregisterRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx, const v1::ListRegionsRequest* req,
+                                        v1::ListRegionsResponse* resp) override;
+  grpc::ServerUnaryReactor* ExportPool(grpc::CallbackServerContext* ctx, const v1::ExportPoolRequest* req,
+                                       v1::ExportPoolResponse* resp) override;
+
+ private:
+  // The unary prelude: UNAVAILABLE while draining, INVALID_ARGUMENT for an
+  // over-long pool name, then the pool (NOT_FOUND).
+  absl::StatusOr<Pool*> Prelude(const std::string& pool) const;
+
+  const Options options_;
+  std::atomic<bool> draining_{false};
+  std::atomic<int> appends_in_flight_{0};
+  std::unique_ptr<SerialExecutor> control_;
+  std::unique_ptr<StreamWatchdog> watchdog_;  // after control_: destroyed first
+};
+
+}  // namespace mlakv::server

@@ -1,0 +1,154 @@
+#include "server/rpc/proto_convert.h"
+
+#include <algorithm>
+#include <climits>
+
+#include "absl/strings/str_cat.h"
+#include "common/quote.h"
+#include "common/status_macros.h"
+#include "kernels/nvfp4_format.h"
+
+namespace mlakv::server {
+
+using format::kCkvDim;
+using format::kCkvPackedBytes;
+using format::kCkvSfBytes;
+using format::kKpeBytes;
+using format::kKpeDim;
+
+absl::StatusOr<std::optional<DType>> ToDType(v1::RowDType dtype) {
+  switch (dtype) {
+    case v1::ROW_DTYPE_UNSPECIFIED: return std::optional<DType>();
+    case v1::ROW_DTYPE_FLOAT16: return std::optional<DType>(DType::kFloat16);
+    case v1::ROW_DTYPE_BFLOAT16: return std::optional<DType>(DType::kBFloat16);
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("dtype ", static_cast<int>(dtype),
+                                                     " is not a RowDType; use ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
+  }
+}
+
+absl::StatusOr<v1::SequenceView> ToView(v1::SequenceView view) {
+  switch (view) {
+    case v1::SEQUENCE_VIEW_UNSPECIFIED:
+    case v1::SEQUENCE_VIEW_FULL: return v1::SEQUENCE_VIEW_FULL;
+    case v1::SEQUENCE_VIEW_BASIC: return v1::SEQUENCE_VIEW_BASIC;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "view ", static_cast<int>(view), " is not a SequenceView; use SEQUENCE_VIEW_FULL or SEQUENCE_VIEW_BASIC"));
+  }
+}
+
+void ToProto(const PoolSnapshot& p, v1::Pool* out) {
+  out->set_name(p.name);
+  out->set_device(p.device.ToString());
+  out->set_format(v1::CACHE_FORMAT_NVFP4_MLA);
+  out->set_num_layers(p.num_layers);
+  out->set_page_size(p.page_size);
+  out->set_pages_total(p.pages_total);
+  out->set_pages_free(p.pages_free);
+  out->set_pages_used(p.pages_used);
+  out->set_sequences(p.sequences);
+  out->set_max_sequences(p.max_sequences);
+  out->set_bytes_per_token_per_layer(format::kEntryBytes);
+  out->set_cache_bytes(p.cache_bytes);
+  out->set_ckv_dim(kCkvDim);
+  out->set_kpe_dim(kKpeDim);
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    v1::LayerScales* ls = out->add_layers();
+    ls->set_layer(static_cast<uint32_t>(l));
+    ls->set_set(p.layers[l].scales_set);
+    ls->set_ckv_scale(p.layers[l].scales_set ? p.layers[l].ckv_scale : 0.0f);
+    ls->set_kpe_scale(p.layers[l].scales_set ? p.layers[l].kpe_scale : 0.0f);
+    ls->set_tokens(p.layers[l].tokens);
+  }
+}
+
+void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* out, v1::SequenceView view,
+             size_t first_new_page) {
+  out->set_pool(pool);
+  out->set_id(s.id);
+  out->set_length(s.length);
+  const size_t first = view == v1::SEQUENCE_VIEW_BASIC ? std::min(first_new_page, s.kv_indices.size()) : 0;
+  out->set_kv_indices_offset(static_cast<uint32_t>(first));
+  for (size_t i = first; i < s.kv_indices.size(); ++i) out->add_kv_indices(static_cast<uint32_t>(s.kv_indices[i]));
+  out->set_last_page_len(s.last_page_len);
+  if (view != v1::SEQUENCE_VIEW_BASIC) {
+    for (uint32_t len : s.layer_lengths) out->add_layer_lengths(len);
+  }
+  out->set_page_size(s.page_size);
+  out->set_capacity_tokens(s.capacity_tokens);
+}
+
+namespace {
+
+// Bytes of `v` as a protobuf varint.
+uint64_t VarintBytes(uint64_t v) {
+  uint64_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, uint32_t num_pages, size_t layers) {
+  // Strings and packed fields: a tag, a length varint and the bytes; the six
+  // scalar fields at most a tag and 5 bytes each; the enclosing message's
+  // own tag and length 6 more. Page ids are below num_pages, lengths below 2^31.
+  const uint64_t page_id = VarintBytes(num_pages == 0 ? 0 : num_pages - 1);
+  const uint64_t page_ids = page_id * pages, lengths = 5 * static_cast<uint64_t>(layers);
+  return (1 + VarintBytes(pool_bytes) + pool_bytes) + (1 + VarintBytes(id_bytes) + id_bytes) +
+         (1 + VarintBytes(page_ids) + page_ids) + (1 + VarintBytes(lengths) + lengths) + 6 * 6 + 6;
+}
+
+absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t start, uint32_t row_count,
+                                      const google::protobuf::RepeatedPtrField<v1::LayerRows>& layers,
+                                      uint32_t reserve_tokens, std::optional<uint32_t> expect_length,
+                                      const RegionRegistry& regions, const Pool& pool, RegionHold* hold) {
+  if (layers.size() > pool.num_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", Quote(sequence), ": ", layers.size(),
+                                                   " LayerRows entries but pool ", Quote(pool.name()), " has ",
+                                                   pool.num_layers(), " layers; send one entry per layer"));
+  }
+  SequenceRowsIn r;
+  r.start = start;
+  r.row_count = row_count;
+  r.reserve_tokens = reserve_tokens;
+  r.expect_length = expect_length;
+  r.layers.reserve(layers.size());
+  for (const v1::LayerRows& lr : layers) {
+    LayerRowsRequest in{.layer = static_cast<int32_t>(std::min<uint32_t>(lr.layer(), INT32_MAX)),
+                        .ckv = lr.ckv(),
+                        .kpe = lr.kpe(),
+                        .ckv_scale = lr.ckv_scale(),
+                        .kpe_scale = lr.kpe_scale()};
+    if (lr.has_ckv_ref()) in.ckv_ref = RegionRef{lr.ckv_ref().region(), lr.ckv_ref().offset(), lr.ckv_ref().row_stride_bytes()};
+    if (lr.has_kpe_ref()) in.kpe_ref = RegionRef{lr.kpe_ref().region(), lr.kpe_ref().offset(), lr.kpe_ref().row_stride_bytes()};
+    LayerRows out;
+    MLAKV_RETURN_IF_ERROR(regions.ResolveRows(absl::StrCat("sequence ", Quote(sequence), " layer ", lr.layer()), in,
+                                              row_count, pool.device(), &out, hold));
+    r.layers.push_back(out);
+  }
+  return r;
+}
+
+v1::Region ToProto(const RegionInfo& region) {
+  v1::Region out;
+  out.set_name(region.name);
+  out.set_byte_size(region.byte_size);
+  out.set_appends_in_flight(region.appends_in_flight);
+  if (region.kind == Region::Kind::kShm) {
+    out.set_kind(v1::REGION_KIND_SHM);
+    out.set_shm_name(region.shm_name);
+    out.set_shm_offset(region.shm_offset);
+  } else {
+    out.set_kind(v1::REGION_KIND_CUDA);
+    out.set_device_id(region.device);
+    out.set_has_event(region.has_event);
+  }
+  return out;
+}
+
+}  // namespace mlakv::server

@@ -1,0 +1,47 @@
+// Conversions between the wire (mlakv.v1 protos) and the core model (Pool's
+// snapshots and row views), in one place.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "mlakv/v1/kv_cache.pb.h"
+#include "server/core/pool.h"
+#include "server/regions/region_registry.h"
+
+namespace mlakv::server {
+
+// UNSPECIFIED -> nullopt (refused by Pool::Stage when rows come); values
+// outside the enum -> INVALID_ARGUMENT.
+absl::StatusOr<std::optional<DType>> ToDType(v1::RowDType dtype);
+
+// INVALID_ARGUMENT for a value outside the enum; UNSPECIFIED -> FULL.
+absl::StatusOr<v1::SequenceView> ToView(v1::SequenceView view);
+
+void ToProto(const PoolSnapshot& p, v1::Pool* out);
+
+// `view` FULL: every page; BASIC: only page table entries from
+// `first_new_page` on (the pages an append allocated), no per-layer lengths.
+void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* out,
+             v1::SequenceView view = v1::SEQUENCE_VIEW_FULL, size_t first_new_page = 0);
+
+// An upper bound of the serialized size of a Sequence message holding
+// `pages` page ids below `num_pages` and `layers` lengths below 2^31, whose
+// id and pool name have those byte counts (for refusing, before a commit, a
+// response over the send limit).
+uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, uint32_t num_pages, size_t layers);
+
+// A registered region as the wire describes it.
+v1::Region ToProto(const RegionInfo& region);
+
+// The rows of one sequence as Pool::Stage takes them: LayerRows' bytes, or
+// the rows their RegionRefs name (resolved by `regions`; `hold` keeps them
+// valid while the append is in flight).
+absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t start, uint32_t row_count,
+                                      const google::protobuf::RepeatedPtrField<v1::LayerRows>& layers,
+                                      uint32_t reserve_tokens, std::optional<uint32_t> expect_length,
+                                      const RegionRegistry& regions, const Pool& pool, RegionHold* hold);
+
+}  // namespace mlakv::server

@@ -1,0 +1,124 @@
+// AtomicAppend: the transaction sequence the RPC layer drives (begin, stage,
+// commit with a last check, or abort), over a cpu pool.
+#include "server/core/atomic_append.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+
+namespace mlakv::server {
+namespace {
+
+constexpr float kCkv = 0.125f, kKpe = 0.5f;
+
+std::unique_ptr<Pool> MakePool() {
+  Pool::Options o;
+  o.name = "p";
+  o.device = Device::Cpu();
+  o.num_layers = 2;
+  o.page_size = 4;
+  o.num_pages = 16;
+  auto pool = Pool::Create(o);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return std::move(*pool);
+}
+
+struct Bytes {
+  std::string ckv, kpe;
+  explicit Bytes(uint32_t n) : ckv(n * 1024, '\0'), kpe(n * 128, '\0') {
+    std::mt19937 gen(n);
+    for (size_t i = 0; i < ckv.size(); i += 2) ckv[i + 1] = static_cast<char>(0x3c + gen() % 4);
+    for (size_t i = 0; i < kpe.size(); i += 2) kpe[i + 1] = static_cast<char>(0x3c + gen() % 4);
+  }
+};
+
+SequenceRowsIn Rows(const Bytes& b, uint32_t start, uint32_t n) {
+  SequenceRowsIn r;
+  r.start = start;
+  r.row_count = n;
+  for (int32_t l : {0, 1}) {
+    r.layers.push_back({.layer = l,
+                        .source = {.ckv = b.ckv.data(), .kpe = b.kpe.data()},
+                        .ckv_bytes = b.ckv.size(),
+                        .kpe_bytes = b.kpe.size(),
+                        .ckv_scale = kCkv,
+                        .kpe_scale = kKpe});
+  }
+  return r;
+}
+
+absl::Status Ok() { return absl::OkStatus(); }
+
+TEST(AtomicAppend, CommitsEveryTransactionInBeginOrder) {
+  auto pool = MakePool();
+  AtomicAppend a(pool.get());
+  ASSERT_TRUE(a.Begin("x").ok());
+  ASSERT_TRUE(a.Begin("y").ok());
+  Bytes bx(3), by(2);
+  const SequenceRowsIn rx = Rows(bx, 0, 3), ry = Rows(by, 0, 2);
+  const SequenceRowsIn* rows[] = {&rx, &ry};
+  ASSERT_TRUE(a.Stage(rows, DType::kBFloat16).ok());
+  EXPECT_EQ(a.rows_written(), 10u);  // (3 + 2) rows x 2 layers
+  EXPECT_EQ(a.pages_allocated(), 2u);
+  auto after = a.Commit(Ok);
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_EQ(after->size(), 2u);
+  EXPECT_EQ((*after)[0].id, "x");
+  EXPECT_EQ((*after)[0].length, 3u);
+  EXPECT_EQ((*after)[1].length, 2u);
+  EXPECT_TRUE(a.finished());
+  EXPECT_TRUE(pool->CheckInvariants().ok());
+}
+
+TEST(AtomicAppend, AFailingLastCheckAbortsAndReturnsItsStatus) {
+  auto pool = MakePool();
+  AtomicAppend a(pool.get());
+  ASSERT_TRUE(a.Begin("x").ok());
+  Bytes b(5);
+  const SequenceRowsIn r = Rows(b, 0, 5);
+  const SequenceRowsIn* rows[] = {&r};
+  ASSERT_TRUE(a.Stage(rows, DType::kBFloat16).ok());
+  EXPECT_EQ(pool->Snapshot().pages_used, 2);
+  auto after = a.Commit([] { return absl::DeadlineExceededError("too late"); });
+  EXPECT_EQ(after.status(), absl::DeadlineExceededError("too late"));
+  EXPECT_EQ(pool->Snapshot().pages_used, 0);
+  EXPECT_EQ(pool->GetSequence("x").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(pool->CheckInvariants().ok());
+}
+
+TEST(AtomicAppend, DestroyingAnOpenAppendRollsItBack) {
+  auto pool = MakePool();
+  Bytes b(4);
+  {
+    AtomicAppend a(pool.get());
+    ASSERT_TRUE(a.Begin("x").ok());
+    const SequenceRowsIn r = Rows(b, 0, 4);
+    const SequenceRowsIn* rows[] = {&r};
+    ASSERT_TRUE(a.Stage(rows, DType::kBFloat16).ok());
+  }
+  EXPECT_EQ(pool->Snapshot().pages_used, 0);
+  EXPECT_TRUE(pool->BeginAppend("x").ok());  // no longer busy
+}
+
+TEST(AtomicAppend, AbortIsIdempotentAndNothingAfterIt) {
+  auto pool = MakePool();
+  AtomicAppend a(pool.get());
+  ASSERT_TRUE(a.Begin("x").ok());
+  a.Abort();
+  a.Abort();
+  EXPECT_EQ(a.Begin("y").code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(a.Commit(Ok).status().code(), absl::StatusCode::kInternal);
+}
+
+TEST(AtomicAppend, BeginPassesThePoolsRefusal) {
+  auto pool = MakePool();
+  AtomicAppend first(pool.get());
+  ASSERT_TRUE(first.Begin("x").ok());
+  AtomicAppend second(pool.get());
+  EXPECT_EQ(second.Begin("x").code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(second.Begin("").code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace mlakv::server

@@ -1,0 +1,99 @@
+// SequenceTable: ownership of pages, counts kept as state changes, and the
+// use-order list of idle committed sequences.
+#include "server/core/sequence_table.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace mlakv::server {
+namespace {
+
+std::vector<std::string> UseOrder(const SequenceTable& t) {
+  std::vector<std::string> out;
+  for (const Sequence* s = t.LeastRecentlyUsed(); s != nullptr; s = SequenceTable::MoreRecent(s)) out.push_back(s->id());
+  return out;
+}
+
+// Adds `id` and commits it, idle, used at `when`.
+Sequence* Committed(SequenceTable& t, const std::string& id, int64_t when) {
+  Sequence* s = t.Add(id);
+  t.SetCommitted(s);
+  t.MarkIdle(s, when);
+  return s;
+}
+
+TEST(SequenceTable, NewSequencesAreBusyUncommittedAndUnlisted) {
+  SequenceTable t(2, 8);
+  Sequence* s = t.Add("a");
+  EXPECT_TRUE(s->busy());
+  EXPECT_FALSE(s->committed());
+  EXPECT_EQ(t.committed_count(), 0u);
+  EXPECT_EQ(t.size(), 1u);
+  EXPECT_EQ(t.LeastRecentlyUsed(), nullptr);
+  EXPECT_TRUE(t.ListAfter("", 10).empty());
+}
+
+TEST(SequenceTable, UseOrderFollowsTouchesAndSkipsBusySequences) {
+  SequenceTable t(1, 8);
+  Sequence* a = Committed(t, "a", 10);
+  Sequence* b = Committed(t, "b", 20);
+  Committed(t, "c", 30);
+  EXPECT_EQ(UseOrder(t), (std::vector<std::string>{"a", "b", "c"}));
+  t.Touch(a, 40);
+  EXPECT_EQ(UseOrder(t), (std::vector<std::string>{"b", "c", "a"}));
+  t.MarkBusy(b);
+  EXPECT_EQ(UseOrder(t), (std::vector<std::string>{"c", "a"}));
+  t.Touch(b, 50);  // a busy sequence's use is recorded, it joins the list when idle
+  EXPECT_EQ(UseOrder(t), (std::vector<std::string>{"c", "a"}));
+  t.MarkIdle(b, 60);
+  EXPECT_EQ(UseOrder(t), (std::vector<std::string>{"c", "a", "b"}));
+  EXPECT_EQ(t.committed_count(), 3u);
+}
+
+TEST(SequenceTable, ClockSteppingBackKeepsTheListOrdered) {
+  SequenceTable t(1, 8);
+  Committed(t, "a", 100);
+  Sequence* b = Committed(t, "b", 50);  // earlier than the tail: clamped
+  EXPECT_EQ(b->last_used_ns(), 100);
+  EXPECT_EQ(UseOrder(t), (std::vector<std::string>{"a", "b"}));
+}
+
+TEST(SequenceTable, EraseUnlinksAndUncounts) {
+  SequenceTable t(1, 8);
+  Committed(t, "a", 1);
+  Sequence* b = Committed(t, "b", 2);
+  Committed(t, "c", 3);
+  t.Erase(b);
+  EXPECT_EQ(UseOrder(t), (std::vector<std::string>{"a", "c"}));
+  EXPECT_EQ(t.committed_count(), 2u);
+  EXPECT_EQ(t.Find("b"), nullptr);
+  Sequence* pending = t.Add("d");  // uncommitted: erasing it does not touch the count
+  t.Erase(pending);
+  EXPECT_EQ(t.committed_count(), 2u);
+  EXPECT_EQ(t.size(), 2u);
+}
+
+TEST(SequenceTable, PagesRecordTheirOwnerAndAreReleasedOnDetach) {
+  SequenceTable t(1, 8);
+  Sequence* s = Committed(t, "a", 1);
+  const std::vector<int32_t> pages = {5, 2, 7};
+  t.AttachPages(s, pages);
+  EXPECT_EQ(t.OwnerOf(2).sequence, s);
+  EXPECT_EQ(t.OwnerOf(2).page_index, 1u);
+  EXPECT_EQ(t.DetachTail(s, 1), (std::vector<int32_t>{2, 7}));
+  EXPECT_EQ(t.OwnerOf(7).sequence, nullptr);
+  EXPECT_EQ(t.OwnerOf(5).sequence, s);
+}
+
+TEST(SequenceTable, ListAfterPaginatesCommittedIdsInOrder) {
+  SequenceTable t(1, 8);
+  for (const char* id : {"d", "b", "a", "c"}) Committed(t, id, 1);
+  t.Add("bb");  // uncommitted: never listed
+  std::vector<std::string> ids;
+  for (const Sequence* s : t.ListAfter("a", 2)) ids.push_back(s->id());
+  EXPECT_EQ(ids, (std::vector<std::string>{"b", "c"}));
+}
+
+}  // namespace
+}  // namespace mlakv::server

@@ -1,0 +1,903 @@
+// The KvCache service in process (Server::InProcessChannel), on the backend
+// named by MLAKV_SERVER_TEST_DEVICE: "cpu" (server_service_test) or "cuda:0"
+// (server_service_cuda_test, ctest label gpu, skipped without a GPU). Every
+// row of DESIGN.md's error table, atomicity (failed, exhausted and cancelled
+// appends leave nothing), truncate/free, AppendBatch for 64 sequences, and
+// stored bytes equal to the kernel's (QuantizeRows on the CPU) and to
+// ../shared/vectors, byte for byte. Pool invariants are checked after each test.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "kernels/quantize_rows.h"
+#include "server/core/pool.h"
+#include "tests/server/rpc/service_fixture.h"
+#include "tests/testing/vector_files.h"
+
+#ifndef MLAKV_SERVER_TEST_DEVICE
+#define MLAKV_SERVER_TEST_DEVICE "cpu"
+#endif
+// Distinct ctest names per backend: ServiceTest.* (cpu), CudaServiceTest.* (gpu).
+#ifdef MLAKV_SERVER_TEST_CUDA_SUITE
+#define ServiceTest CudaServiceTest
+#endif
+
+namespace mlakv::server::testing {
+namespace {
+
+constexpr char kDevice[] = MLAKV_SERVER_TEST_DEVICE;
+constexpr float kCkvScale = 0.0625f;
+constexpr float kKpeScale = 0.03125f;
+
+QuantizedRows Expected(const Rows& rows, float ckv_scale, float kpe_scale, int64_t first = 0, int64_t count = -1) {
+  if (count < 0) count = rows.n - first;
+  Rows part;
+  part.dtype = rows.dtype;
+  part.n = count;
+  part.ckv.assign(rows.ckv.begin() + first * 512, rows.ckv.begin() + (first + count) * 512);
+  part.kpe.assign(rows.kpe.begin() + first * 64, rows.kpe.begin() + (first + count) * 64);
+  absl::StatusOr<QuantizedRows> q =
+      QuantizeRows(part.ckv_view(), part.kpe_view(), ckv_scale, kpe_scale, KernelDevice::kCpu);
+  EXPECT_TRUE(q.ok()) << q.status();
+  return q.ok() ? *q : QuantizedRows{};
+}
+
+class ServiceTest : public ::testing::Test, public ServiceFixture {
+ protected:
+  void SetUp() override {
+    if (std::string(kDevice) != "cpu" && !mlakv::testing::HaveCuda()) GTEST_SKIP() << "no CUDA device visible";
+    // 4 layers, 16-token pages, 32 pages = 512 tokens.
+    StartServer(kDevice, "name: 'default' num_layers: 4 page_size: 16 num_pages: 32");
+  }
+  void TearDown() override {
+    if (IsSkipped()) return;
+    absl::Status inv = pool().CheckInvariants();
+    EXPECT_TRUE(inv.ok()) << inv;
+    StopServer();
+  }
+
+  // Appends rows to `layers` (naming the test scales) and expects OK.
+  void MustAppend(const std::string& seq, uint32_t start, const Rows& rows, const std::vector<uint32_t>& layers,
+                  int64_t per_message = 1 << 30) {
+    grpc::Status s = AppendRows(seq, start, rows, layers, kCkvScale, kKpeScale, per_message);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
+  void ExpectStored(const std::string& seq, uint32_t layer, uint32_t start, const QuantizedRows& expect) {
+    Stored got = Read(seq, layer, start, static_cast<uint32_t>(expect.rows));
+    ASSERT_TRUE(got.status.ok()) << Describe(got.status);
+    EXPECT_EQ(mlakv::testing::DescribeMismatch(expect, got.rows), "") << "layer " << layer;
+  }
+};
+
+// ---- happy paths ---------------------------------------------------------------
+
+TEST_F(ServiceTest, ListPoolsReportsGeometry) {
+  grpc::ClientContext ctx;
+  v1::ListPoolsResponse resp;
+  ASSERT_TRUE(stub().ListPools(&ctx, v1::ListPoolsRequest(), &resp).ok());
+  ASSERT_EQ(resp.pools_size(), 1);
+  const v1::Pool& p = resp.pools(0);
+  EXPECT_EQ(p.name(), "default");
+  EXPECT_EQ(p.device(), kDevice);
+  EXPECT_EQ(p.format(), v1::CACHE_FORMAT_NVFP4_MLA);
+  EXPECT_EQ(p.num_layers(), 4u);
+  EXPECT_EQ(p.page_size(), 16u);
+  EXPECT_EQ(p.pages_total(), 32u);
+  EXPECT_EQ(p.pages_free(), 32u);
+  EXPECT_EQ(p.pages_used(), 0u);
+  EXPECT_EQ(p.bytes_per_token_per_layer(), 352u);
+  EXPECT_EQ(p.cache_bytes(), 352ull * 16 * 32 * 4);
+  EXPECT_EQ(p.ckv_dim(), 512u);
+  EXPECT_EQ(p.kpe_dim(), 64u);
+  ASSERT_EQ(p.layers_size(), 4);
+  EXPECT_FALSE(p.layers(0).set());
+}
+
+TEST_F(ServiceTest, AppendThenGetSequence) {
+  const Rows rows = RandomRows(40, 1);
+  v1::AppendResponse resp;
+  grpc::Status s = AppendRows("req-1", 0, rows, {0, 1, 2, 3}, kCkvScale, kKpeScale, 1 << 30, &resp);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.rows_written(), 160u);
+  EXPECT_EQ(resp.pages_allocated(), 3u);
+  EXPECT_EQ(resp.sequence().length(), 40u);
+
+  v1::Sequence seq;
+  ASSERT_TRUE(GetSequence("req-1", &seq).ok());
+  EXPECT_EQ(seq.pool(), "default");
+  EXPECT_EQ(seq.id(), "req-1");
+  EXPECT_EQ(seq.length(), 40u);
+  EXPECT_EQ(seq.kv_indices_size(), 3);
+  EXPECT_EQ(seq.last_page_len(), 8u);
+  EXPECT_EQ(seq.page_size(), 16u);
+  EXPECT_EQ(seq.capacity_tokens(), 48u);
+  ASSERT_EQ(seq.layer_lengths_size(), 4);
+  for (uint32_t len : seq.layer_lengths()) EXPECT_EQ(len, 40u);
+
+  const v1::Pool pool = GetPool();
+  EXPECT_EQ(pool.pages_used(), 3u);
+  EXPECT_EQ(pool.pages_free(), 29u);
+  EXPECT_EQ(pool.sequences(), 1u);
+  EXPECT_TRUE(pool.layers(2).set());
+  EXPECT_EQ(pool.layers(2).ckv_scale(), kCkvScale);
+  EXPECT_EQ(pool.layers(2).kpe_scale(), kKpeScale);
+  EXPECT_EQ(pool.layers(2).tokens(), 40u);
+}
+
+TEST_F(ServiceTest, StoredBytesMatchTheKernelAcrossPagesAndMessages) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    const std::string id = dtype == DType::kBFloat16 ? "bf16" : "f16";
+    const Rows rows = RandomRows(53, dtype == DType::kBFloat16 ? 2 : 3, dtype);
+    MustAppend(id, 0, rows, {1, 3}, /*per_message=*/7);  // 7-row messages straddle 16-token pages
+    const QuantizedRows expect = Expected(rows, kCkvScale, kKpeScale);
+    ExpectStored(id, 1, 0, expect);
+    ExpectStored(id, 3, 0, expect);
+  }
+}
+
+TEST_F(ServiceTest, LayersGrowIndependentlyAndLengthIsTheMinimum) {
+  const Rows a = RandomRows(20, 4), b = RandomRows(5, 5);
+  MustAppend("s", 0, a, {0});
+  MustAppend("s", 0, b, {1});
+  v1::Sequence seq;
+  ASSERT_TRUE(GetSequence("s", &seq).ok());
+  EXPECT_EQ(seq.layer_lengths(0), 20u);
+  EXPECT_EQ(seq.layer_lengths(1), 5u);
+  EXPECT_EQ(seq.layer_lengths(2), 0u);
+  EXPECT_EQ(seq.length(), 0u);
+  EXPECT_EQ(seq.last_page_len(), 0u);
+  EXPECT_EQ(seq.kv_indices_size(), 2);  // one page table for all layers
+  MustAppend("s", 5, RandomRows(15, 6), {1});
+  ExpectStored("s", 0, 0, Expected(a, kCkvScale, kKpeScale));
+}
+
+TEST_F(ServiceTest, RewriteIsAllowedAndKeepsTheLength) {
+  const Rows rows = RandomRows(30, 7);
+  MustAppend("s", 0, rows, {0});
+  const Rows other = RandomRows(10, 8);
+  MustAppend("s", 5, other, {0});  // rewrite positions 5..14
+  v1::Sequence seq;
+  ASSERT_TRUE(GetSequence("s", &seq).ok());
+  EXPECT_EQ(seq.layer_lengths(0), 30u);
+  ExpectStored("s", 0, 5, Expected(other, kCkvScale, kKpeScale));
+  ExpectStored("s", 0, 15, Expected(rows, kCkvScale, kKpeScale, 15, 15));
+  MustAppend("s", 0, rows, {0});  // a retried append is harmless
+  ExpectStored("s", 0, 0, Expected(rows, kCkvScale, kKpeScale));
+}
+
+TEST_F(ServiceTest, VectorFilesRoundTripByteExact) {
+  const std::vector<std::string> files = mlakv::testing::VectorFileNames();
+  ASSERT_FALSE(files.empty()) << "no vector files in " << mlakv::testing::VectorsDir();
+  ASSERT_LE(files.size(), 4u * 8) << "test pool is too small";
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: " + std::to_string(files.size()) +
+                           " page_size: 16 num_pages: 256");
+  for (size_t i = 0; i < files.size(); ++i) {
+    mlakv::testing::VectorCase vc = mlakv::testing::LoadVectorCase(files[i]);
+    Rows rows;
+    rows.dtype = vc.dtype;
+    rows.n = vc.rows;
+    rows.ckv = vc.ckv;
+    rows.kpe = vc.kpe;
+    // Each file to its own layer of one sequence, in 3 messages.
+    const int64_t per = std::max<int64_t>(1, (vc.rows + 2) / 3);
+    grpc::Status s = AppendRows("vectors", 0, rows, {static_cast<uint32_t>(i)}, vc.ckv_scale, vc.kpe_scale, per);
+    ASSERT_TRUE(s.ok()) << files[i] << ": " << Describe(s);
+  }
+  for (size_t i = 0; i < files.size(); ++i) {
+    mlakv::testing::VectorCase vc = mlakv::testing::LoadVectorCase(files[i]);
+    Stored got = Read("vectors", static_cast<uint32_t>(i), 0, static_cast<uint32_t>(vc.rows));
+    ASSERT_TRUE(got.status.ok()) << Describe(got.status);
+    EXPECT_EQ(mlakv::testing::DescribeMismatch(vc.expect, got.rows), "") << files[i];
+    EXPECT_EQ(got.ckv_scale, vc.ckv_scale);
+    EXPECT_EQ(got.kpe_scale, vc.kpe_scale);
+  }
+}
+
+TEST_F(ServiceTest, DequantizedReadMatchesDequantizeRows) {
+  const Rows rows = RandomRows(37, 9);
+  MustAppend("s", 0, rows, {2});
+  const QuantizedRows q = Expected(rows, kCkvScale, kKpeScale);
+  const DequantizedRows d = DequantizeRows(q, kCkvScale, kKpeScale);
+  Stored got = Read("s", 2, 0, 37, /*dequantize=*/true, /*tokens_per_message=*/10);
+  ASSERT_TRUE(got.status.ok()) << Describe(got.status);
+  EXPECT_EQ(got.messages, 4);
+  ASSERT_EQ(got.ckv_float.size(), d.ckv.size());
+  ASSERT_EQ(got.kpe_float.size(), d.kpe.size());
+  EXPECT_EQ(std::memcmp(got.ckv_float.data(), d.ckv.data(), d.ckv.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(got.kpe_float.data(), d.kpe.data(), d.kpe.size() * 4), 0);
+}
+
+TEST_F(ServiceTest, ReadSequenceChunksByTokensAndDefaultsToAllLayers) {
+  const Rows rows = RandomRows(25, 10);
+  MustAppend("s", 0, rows, {0, 1, 2, 3});
+  v1::ReadSequenceRequest req;
+  req.set_sequence("s");
+  req.set_tokens_per_message(10);
+  grpc::ClientContext ctx;
+  auto reader = stub().ReadSequence(&ctx, req);
+  v1::ReadSequenceResponse resp;
+  std::vector<std::pair<uint32_t, uint32_t>> seen;  // (layer, count)
+  while (reader->Read(&resp)) {
+    seen.emplace_back(resp.layer(), resp.count());
+    EXPECT_EQ(resp.ckv_packed().size(), resp.count() * 256u);
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_EQ(seen.size(), 12u);  // 4 layers x (10 + 10 + 5)
+  EXPECT_EQ(seen[2], std::make_pair(0u, 5u));
+  EXPECT_EQ(seen[11], std::make_pair(3u, 5u));
+}
+
+TEST_F(ServiceTest, ReserveTokensAllocatesUpFront) {
+  v1::AppendRequest m = AppendMessage("s", 0, RandomRows(3, 11), 0, 3, {0}, kCkvScale, kKpeScale);
+  m.set_reserve_tokens(100);
+  v1::AppendResponse resp;
+  grpc::Status s = Append({m}, &resp);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.pages_allocated(), 7u);
+  EXPECT_EQ(resp.sequence().capacity_tokens(), 112u);
+  // Appends inside the reservation allocate nothing more.
+  v1::AppendResponse more;
+  s = AppendRows("s", 3, RandomRows(90, 12), {0}, kCkvScale, kKpeScale, 1 << 30, &more);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(more.pages_allocated(), 0u);
+  EXPECT_EQ(GetPool().pages_used(), 7u);
+}
+
+TEST_F(ServiceTest, TruncateCutsLayersAndReleasesPages) {
+  const Rows rows = RandomRows(50, 13);
+  MustAppend("s", 0, rows, {0, 1});
+  EXPECT_EQ(GetPool().pages_used(), 4u);
+  grpc::ClientContext ctx;
+  v1::TruncateSequenceRequest req;
+  req.set_sequence("s");
+  req.set_length(17);
+  v1::Sequence seq;
+  grpc::Status s = stub().TruncateSequence(&ctx, req, &seq);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(seq.length(), 0u);  // layers 2 and 3 hold nothing
+  EXPECT_EQ(seq.layer_lengths(0), 17u);
+  EXPECT_EQ(seq.layer_lengths(1), 17u);
+  EXPECT_EQ(seq.kv_indices_size(), 2);
+  EXPECT_EQ(GetPool().pages_used(), 2u);
+  EXPECT_EQ(GetPool().layers(0).tokens(), 17u);
+  ExpectStored("s", 1, 0, Expected(rows, kCkvScale, kKpeScale, 0, 17));
+  // Appending again continues from 17.
+  MustAppend("s", 17, RandomRows(20, 14), {0});
+  // Beyond the longest layer: OUT_OF_RANGE.
+  grpc::ClientContext ctx2;
+  req.set_length(1000);
+  s = stub().TruncateSequence(&ctx2, req, &seq);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+}
+
+TEST_F(ServiceTest, FreeReleasesEveryPage) {
+  MustAppend("a", 0, RandomRows(33, 15), {0, 3});
+  MustAppend("b", 0, RandomRows(3, 16), {0});
+  grpc::ClientContext ctx;
+  v1::FreeSequenceRequest req;
+  req.set_sequence("a");
+  v1::FreeSequenceResponse resp;
+  grpc::Status s = stub().FreeSequence(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.pages_freed(), 3u);
+  const v1::Pool pool = GetPool();
+  EXPECT_EQ(pool.pages_used(), 1u);
+  EXPECT_EQ(pool.sequences(), 1u);
+  EXPECT_EQ(pool.layers(0).tokens(), 3u);
+  EXPECT_EQ(pool.layers(3).tokens(), 0u);
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("a", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, ListSequencesPaginatesInIdOrder) {
+  for (const char* id : {"c", "a", "e", "b", "d"}) MustAppend(id, 0, RandomRows(1, 17), {0, 1, 2, 3});
+  std::vector<std::string> ids;
+  std::string token;
+  int pages = 0;
+  do {
+    grpc::ClientContext ctx;
+    v1::ListSequencesRequest req;
+    req.set_page_size(2);
+    req.set_page_token(token);
+    v1::ListSequencesResponse resp;
+    ASSERT_TRUE(stub().ListSequences(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.total(), 5u);
+    for (const auto& s : resp.sequences()) {
+      ids.push_back(s.id());
+      EXPECT_EQ(s.length(), 1u);
+      EXPECT_EQ(s.pages(), 1u);
+    }
+    token = resp.next_page_token();
+    ++pages;
+  } while (!token.empty() && pages < 10);
+  EXPECT_EQ(pages, 3);
+  EXPECT_EQ(ids, (std::vector<std::string>{"a", "b", "c", "d", "e"}));
+}
+
+TEST_F(ServiceTest, GetPageReportsOwnerAndFill) {
+  MustAppend("s", 0, RandomRows(20, 18), {0});
+  MustAppend("s", 0, RandomRows(3, 19), {2});
+  v1::Sequence seq;
+  ASSERT_TRUE(GetSequence("s", &seq).ok());
+  grpc::ClientContext ctx;
+  v1::GetPageRequest req;
+  req.set_page(seq.kv_indices(1));
+  v1::Page page;
+  ASSERT_TRUE(stub().GetPage(&ctx, req, &page).ok());
+  EXPECT_TRUE(page.used());
+  EXPECT_EQ(page.sequence(), "s");
+  EXPECT_EQ(page.page_index(), 1u);
+  EXPECT_EQ(page.first_position(), 16u);
+  EXPECT_EQ(page.filled_per_layer(0), 4u);
+  EXPECT_EQ(page.filled_per_layer(2), 0u);
+  EXPECT_EQ(std::vector<uint32_t>(page.layers_written().begin(), page.layers_written().end()),
+            std::vector<uint32_t>{0});
+  grpc::ClientContext ctx2;
+  req.set_page(32);
+  EXPECT_EQ(stub().GetPage(&ctx2, req, &page).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+}
+
+TEST_F(ServiceTest, AppendBatchWritesSixtyFourSequencesInOneCall) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 4 page_size: 16 num_pages: 256");
+  std::vector<Rows> prefix, step;
+  for (int i = 0; i < 64; ++i) {
+    prefix.push_back(RandomRows(i % 20, 100 + i));
+    step.push_back(RandomRows(1 + i % 2, 200 + i));
+    if (prefix.back().n > 0) MustAppend("seq" + std::to_string(i), 0, prefix.back(), {0, 1});
+  }
+  v1::AppendBatchRequest req;
+  req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  for (int i = 0; i < 64; ++i) {
+    v1::SequenceRows* sr = req.add_sequences();
+    sr->set_sequence("seq" + std::to_string(i));
+    sr->set_start(static_cast<uint32_t>(prefix[i].n));
+    sr->set_row_count(static_cast<uint32_t>(step[i].n));
+    for (uint32_t l : {0u, 1u}) {
+      v1::LayerRows* lr = sr->add_layers();
+      lr->set_layer(l);
+      lr->set_ckv(step[i].ckv_bytes());
+      lr->set_kpe(step[i].kpe_bytes());
+      lr->set_ckv_scale(kCkvScale);
+      lr->set_kpe_scale(kKpeScale);
+    }
+  }
+  grpc::ClientContext ctx;
+  v1::AppendBatchResponse resp;
+  grpc::Status s = stub().AppendBatch(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ASSERT_EQ(resp.sequences_size(), 64);
+  uint64_t rows = 0;
+  for (int i = 0; i < 64; ++i) {
+    EXPECT_EQ(resp.sequences(i).id(), "seq" + std::to_string(i));
+    EXPECT_EQ(resp.sequences(i).layer_lengths(0), prefix[i].n + step[i].n);
+    EXPECT_EQ(resp.sequences(i).layer_lengths(1), prefix[i].n + step[i].n);
+    rows += 2 * step[i].n;
+  }
+  EXPECT_EQ(resp.rows_written(), rows);
+  for (int i : {0, 17, 63}) {
+    ExpectStored("seq" + std::to_string(i), 1, static_cast<uint32_t>(prefix[i].n),
+                 Expected(step[i], kCkvScale, kKpeScale));
+    if (prefix[i].n > 0) ExpectStored("seq" + std::to_string(i), 0, 0, Expected(prefix[i], kCkvScale, kKpeScale));
+  }
+}
+
+TEST_F(ServiceTest, HealthServesUntilShutdown) {
+  auto health = grpc::health::v1::Health::NewStub(server().InProcessChannel());
+  for (const char* service : {"", "mlakv.v1.KvCache"}) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    const grpc::Status s = health->Check(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << "'" << service << "': " << Describe(s);
+    EXPECT_EQ(resp.status(), grpc::health::v1::HealthCheckResponse::SERVING) << "'" << service << "'";
+  }
+}
+
+// ---- the error table --------------------------------------------------------------
+
+TEST_F(ServiceTest, WrongCkvByteCountIsInvalidArgument) {
+  v1::AppendRequest m = AppendMessage("s", 0, RandomRows(4, 20), 0, 4, {0}, kCkvScale, kKpeScale);
+  m.mutable_layers(0)->mutable_ckv()->resize(4000);
+  grpc::Status s = Append({m});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_NE(s.error_message().find("ckv bytes 4000 is not rows(4) x 1024 for bf16"), std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(GetPool().pages_used(), 0u);
+}
+
+TEST_F(ServiceTest, WrongKpeByteCountIsInvalidArgument) {
+  v1::AppendRequest m = AppendMessage("s", 0, RandomRows(4, 21, DType::kFloat16), 0, 4, {0}, kCkvScale, kKpeScale);
+  m.mutable_layers(0)->mutable_kpe()->resize(100);
+  grpc::Status s = Append({m});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_NE(s.error_message().find("kpe bytes 100 is not rows(4) x 128 for fp16"), std::string::npos)
+      << s.error_message();
+}
+
+TEST_F(ServiceTest, UnsetDtypeIsInvalidArgument) {
+  v1::AppendRequest m = AppendMessage("s", 0, RandomRows(2, 22), 0, 2, {0}, kCkvScale, kKpeScale);
+  m.set_dtype(v1::ROW_DTYPE_UNSPECIFIED);
+  grpc::Status s = Append({m});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_NE(s.error_message().find("dtype is unset"), std::string::npos) << s.error_message();
+}
+
+TEST_F(ServiceTest, ScalesThatAreNotPositiveNormalAreInvalidArgument) {
+  const Rows rows = RandomRows(2, 23);
+  for (auto [ckv, kpe] : {std::pair<float, float>{1e-40f, 1.0f}, {-1.0f, 1.0f}, {1.0f, INFINITY}, {NAN, 1.0f},
+                          {1.0f, 0.0f}}) {
+    grpc::Status s = Append({AppendMessage("s", 0, rows, 0, 2, {0}, ckv, kpe)});
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << ckv << " " << kpe << ": " << Describe(s);
+    EXPECT_NE(s.error_message().find("positive normal"), std::string::npos) << s.error_message();
+  }
+  EXPECT_FALSE(GetPool().layers(0).set());
+}
+
+TEST_F(ServiceTest, UnknownPoolIsNotFound) {
+  v1::AppendRequest m = AppendMessage("s", 0, RandomRows(1, 24), 0, 1, {0}, kCkvScale, kKpeScale);
+  m.set_pool("nope");
+  grpc::Status s = Append({m});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+  EXPECT_NE(s.error_message().find("pool 'nope' not found"), std::string::npos) << s.error_message();
+  grpc::ClientContext ctx;
+  v1::GetPoolRequest req;
+  req.set_pool("nope");
+  v1::Pool pool;
+  EXPECT_EQ(stub().GetPool(&ctx, req, &pool).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, UnknownSequenceIsNotFound) {
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("ghost", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  {
+    grpc::ClientContext ctx;
+    v1::FreeSequenceRequest req;
+    req.set_sequence("ghost");
+    v1::FreeSequenceResponse resp;
+    EXPECT_EQ(stub().FreeSequence(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::TruncateSequenceRequest req;
+    req.set_sequence("ghost");
+    EXPECT_EQ(stub().TruncateSequence(&ctx, req, &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  EXPECT_EQ(Read("ghost", 0, 0, 0).status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, HoleIsOutOfRange) {
+  MustAppend("s", 0, RandomRows(10, 25), {0});
+  grpc::Status s = AppendRows("s", 11, RandomRows(2, 26), {0}, kCkvScale, kKpeScale);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  EXPECT_NE(s.error_message().find("hole"), std::string::npos) << s.error_message();
+  // Into a fresh layer, a start above 0 is a hole too.
+  s = AppendRows("s", 1, RandomRows(2, 27), {1}, kCkvScale, kKpeScale);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  v1::Sequence seq;
+  ASSERT_TRUE(GetSequence("s", &seq).ok());
+  EXPECT_EQ(seq.layer_lengths(0), 10u);
+  EXPECT_EQ(seq.layer_lengths(1), 0u);
+}
+
+TEST_F(ServiceTest, LayerOutOfRangeIsOutOfRange) {
+  grpc::Status s = AppendRows("s", 0, RandomRows(2, 28), {4}, kCkvScale, kKpeScale);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  EXPECT_NE(s.error_message().find("layer 4 is outside [0, 4)"), std::string::npos) << s.error_message();
+  EXPECT_EQ(Read("s", 0, 0, 0).status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, ScaleMismatchIsFailedPrecondition) {
+  MustAppend("a", 0, RandomRows(3, 29), {0});
+  grpc::Status s = AppendRows("b", 0, RandomRows(3, 30), {0}, 0.5f, 0.25f);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
+  EXPECT_NE(s.error_message().find("has ckv_scale 0.0625 kpe_scale 0.03125"), std::string::npos) << s.error_message();
+  // Leaving the scales unset uses the layer's.
+  s = AppendRows("b", 0, RandomRows(3, 31), {0});
+  EXPECT_TRUE(s.ok()) << Describe(s);
+}
+
+TEST_F(ServiceTest, LayerWithoutScalesRefusesUnscaledRows) {
+  grpc::Status s = AppendRows("a", 0, RandomRows(3, 32), {1});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
+  EXPECT_NE(s.error_message().find("has no scales yet"), std::string::npos) << s.error_message();
+}
+
+TEST_F(ServiceTest, ScalesOfAnEmptiedLayerMayChange) {
+  MustAppend("a", 0, RandomRows(3, 33), {0});
+  grpc::ClientContext ctx;
+  v1::FreeSequenceRequest req;
+  req.set_sequence("a");
+  v1::FreeSequenceResponse resp;
+  ASSERT_TRUE(stub().FreeSequence(&ctx, req, &resp).ok());
+  grpc::Status s = AppendRows("b", 0, RandomRows(3, 34), {0}, 0.5f, 0.25f);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(GetPool().layers(0).ckv_scale(), 0.5f);
+}
+
+TEST_F(ServiceTest, ConfiguredScalesAreFixed) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 8 "
+                       "layer_scales { layer: 1 ckv_scale: 2 kpe_scale: 4 } all_layers { ckv_scale: 1 kpe_scale: 1 }");
+  EXPECT_TRUE(GetPool().layers(0).set());
+  EXPECT_EQ(GetPool().layers(1).ckv_scale(), 2.0f);
+  grpc::Status s = AppendRows("a", 0, RandomRows(3, 35), {1}, 0.5f, 0.25f);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
+  EXPECT_NE(s.error_message().find("fixed by configuration"), std::string::npos) << s.error_message();
+  const Rows rows = RandomRows(3, 36);
+  s = AppendRows("a", 0, rows, {1});
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ExpectStored("a", 1, 0, Expected(rows, 2.0f, 4.0f));
+}
+
+TEST_F(ServiceTest, PoolExhaustedWritesNothing) {
+  MustAppend("big", 0, RandomRows(500, 37), {0});  // 32 pages of 16 would be 512 tokens: 32 used
+  const QuantizedRows before = Read("big", 0, 0, 500).rows;
+  EXPECT_EQ(GetPool().pages_free(), 0u);
+  grpc::Status s = AppendRows("other", 0, RandomRows(2, 38), {0}, kCkvScale, kKpeScale);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << Describe(s);
+  EXPECT_NE(s.error_message().find("nothing was written"), std::string::npos) << s.error_message();
+  // A growing append of an existing sequence: same, and it keeps its length.
+  s = AppendRows("big", 490, RandomRows(40, 39), {0}, kCkvScale, kKpeScale);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << Describe(s);
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("other", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  ASSERT_TRUE(GetSequence("big", &seq).ok());
+  EXPECT_EQ(seq.layer_lengths(0), 500u);
+  EXPECT_EQ(mlakv::testing::DescribeMismatch(before, Read("big", 0, 0, 500).rows), "");
+  // More than the whole pool.
+  s = AppendRows("huge", 0, RandomRows(513, 40), {1}, kCkvScale, kKpeScale);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << Describe(s);
+  EXPECT_FALSE(GetPool().layers(1).set());
+}
+
+TEST_F(ServiceTest, DrainingRefusesNewCallsWithUnavailable) {
+  MustAppend("s", 0, RandomRows(2, 41), {0});
+  server().service().StartDraining();
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("s", &seq).error_code(), grpc::StatusCode::UNAVAILABLE);
+  grpc::Status s = AppendRows("s", 2, RandomRows(2, 42), {0});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << Describe(s);
+  EXPECT_EQ(Read("s", 0, 0, 2).status.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(ServiceTest, SecondAppendToABusySequenceIsAborted) {
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  auto writer = stub().Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(AppendMessage("s", 0, RandomRows(5, 43), 0, 5, {0}, kCkvScale, kKpeScale)));
+  // Wait until the server has staged it (its pages are allocated).
+  for (int i = 0; i < 500 && GetPool().pages_used() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_EQ(GetPool().pages_used(), 1u);
+  grpc::Status s = AppendRows("s", 0, RandomRows(1, 44), {0}, kCkvScale, kKpeScale);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << Describe(s);
+  writer->WritesDone();
+  s = writer->Finish();
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.sequence().layer_lengths(0), 5u);
+}
+
+// ---- atomicity ----------------------------------------------------------------------
+
+TEST_F(ServiceTest, FailedStreamLeavesNothing) {
+  const Rows rows = RandomRows(40, 45);
+  std::vector<v1::AppendRequest> messages = {AppendMessage("s", 0, rows, 0, 20, {0, 1}, kCkvScale, kKpeScale),
+                                             AppendMessage("", 20, rows, 20, 20, {0, 1})};
+  messages[1].mutable_layers(1)->mutable_kpe()->resize(7);  // second message is malformed
+  grpc::Status s = Append(messages);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_NE(s.error_message().find("rolled back"), std::string::npos) << s.error_message();
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("s", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  const v1::Pool pool = GetPool();
+  EXPECT_EQ(pool.pages_used(), 0u);
+  EXPECT_EQ(pool.sequences(), 0u);
+  EXPECT_FALSE(pool.layers(0).set()) << "scales set by the failed append are unset again";
+  EXPECT_EQ(pool.layers(0).tokens(), 0u);
+}
+
+// The server reads message k+1 while message k is processed: a failure in the
+// middle of a long stream, with valid messages already read behind it, must
+// still roll everything back and answer once. Repeated to vary the timing.
+TEST_F(ServiceTest, FailureMidStreamWithMessagesReadBehindIt) {
+  const Rows rows = RandomRows(40, 49);
+  for (int round = 0; round < 20; ++round) {
+    std::vector<v1::AppendRequest> messages;
+    for (uint32_t m = 0; m < 10; ++m) {
+      messages.push_back(m == 0 ? AppendMessage("s", 0, rows, 0, 4, {0, 1}, kCkvScale, kKpeScale)
+                                : AppendMessage("", 4 * m, rows, 4 * m, 4, {0, 1}));
+    }
+    messages[3].mutable_layers(0)->mutable_ckv()->resize(5);  // message 4 of 10 is malformed
+    grpc::Status s = Append(messages);
+    ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "round " << round << ": " << Describe(s);
+    EXPECT_NE(s.error_message().find("message 4 of the stream"), std::string::npos) << s.error_message();
+    v1::Sequence seq;
+    EXPECT_EQ(GetSequence("s", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(GetPool().pages_used(), 0u) << "round " << round;
+  }
+}
+
+TEST_F(ServiceTest, LongStreamOfSmallMessagesIsByteExact) {
+  const Rows rows = RandomRows(256, 50);
+  MustAppend("long", 0, rows, {0, 2}, /*per_message=*/3);  // 86 messages, read ahead of processing
+  const QuantizedRows expect = Expected(rows, kCkvScale, kKpeScale);
+  ExpectStored("long", 0, 0, expect);
+  ExpectStored("long", 2, 0, expect);
+}
+
+TEST_F(ServiceTest, FailedStreamRestoresRewrittenRows) {
+  const Rows original = RandomRows(40, 46);
+  MustAppend("s", 0, original, {0});
+  const QuantizedRows before = Read("s", 0, 0, 40).rows;
+  const Rows other = RandomRows(50, 47);
+  // Rewrites 0..29 and grows to 50 in two messages, then a hole fails it.
+  std::vector<v1::AppendRequest> messages = {AppendMessage("s", 0, other, 0, 30, {0}),
+                                             AppendMessage("", 30, other, 30, 20, {0}),
+                                             AppendMessage("", 60, other, 0, 1, {0})};
+  grpc::Status s = Append(messages);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  v1::Sequence seq;
+  ASSERT_TRUE(GetSequence("s", &seq).ok());
+  EXPECT_EQ(seq.layer_lengths(0), 40u);
+  EXPECT_EQ(seq.kv_indices_size(), 3);
+  EXPECT_EQ(mlakv::testing::DescribeMismatch(before, Read("s", 0, 0, 40).rows), "");
+  EXPECT_EQ(GetPool().pages_used(), 3u);
+}
+
+TEST_F(ServiceTest, MultiMessageStreamCommitsAtTheEnd) {
+  const Rows rows = RandomRows(40, 48);
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  auto writer = stub().Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(AppendMessage("s", 0, rows, 0, 20, {0}, kCkvScale, kKpeScale)));
+  for (int i = 0; i < 500 && GetPool().pages_used() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("s", &seq).error_code(), grpc::StatusCode::NOT_FOUND) << "invisible until commit";
+  ASSERT_TRUE(writer->Write(AppendMessage("", 20, rows, 20, 20, {0})));
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.rows_written(), 40u);
+  ASSERT_TRUE(GetSequence("s", &seq).ok());
+  EXPECT_EQ(seq.layer_lengths(0), 40u);
+}
+
+TEST_F(ServiceTest, CancelledStreamLeavesNoPages) {
+  MustAppend("keep", 0, RandomRows(10, 49), {0});
+  const QuantizedRows before = Read("keep", 0, 0, 10).rows;
+  for (const char* id : {"new", "keep"}) {
+    grpc::ClientContext ctx;
+    v1::AppendResponse resp;
+    auto writer = stub().Append(&ctx, &resp);
+    const uint32_t start = std::string(id) == "keep" ? 0 : 0;
+    const Rows rows = RandomRows(60, 50);
+    ASSERT_TRUE(writer->Write(AppendMessage(id, start, rows, 0, 30, {0}, kCkvScale, kKpeScale)));
+    ASSERT_TRUE(writer->Write(AppendMessage("", start + 30, rows, 30, 30, {0})));
+    // Wait until both messages are staged: 4 pages for 60 tokens (plus "keep"'s 1).
+    const uint32_t want = std::string(id) == "keep" ? 4u : 5u;
+    for (int i = 0; i < 1000 && GetPool().pages_used() < want; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ASSERT_EQ(GetPool().pages_used(), want);
+    ctx.TryCancel();
+    grpc::Status s = writer->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << Describe(s);
+    for (int i = 0; i < 1000 && GetPool().pages_used() != 1u; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    EXPECT_EQ(GetPool().pages_used(), 1u) << id;
+    EXPECT_EQ(GetPool().sequences(), 1u) << id;
+  }
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("new", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  ASSERT_TRUE(GetSequence("keep", &seq).ok());
+  EXPECT_EQ(seq.layer_lengths(0), 10u);
+  EXPECT_EQ(mlakv::testing::DescribeMismatch(before, Read("keep", 0, 0, 10).rows), "") << "rewrites restored";
+}
+
+// gRPC's default SO_REUSEPORT would let a second server bind this port and
+// take a share of its connections; here that is an error.
+TEST_F(ServiceTest, SecondServerOnAPortInUseIsRefused) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 8", "", "127.0.0.1:0");
+  ASSERT_GT(server().bound_port(), 0);
+  KvCacheServer::Options options;
+  options.config.add_pools()->set_name("default");
+  options.config.mutable_pools(0)->set_num_layers(2);
+  options.config.mutable_pools(0)->set_page_size(16);
+  options.config.mutable_pools(0)->set_num_pages(8);
+  options.listen = server().bound_address();
+  options.default_device = kDevice;
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> second = KvCacheServer::Create(options);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
+  EXPECT_THAT(std::string(second.status().message()), ::testing::HasSubstr("cannot listen on '" + options.listen));
+}
+
+// Over real HTTP/2 on loopback, where a cancel and a half-close reach the
+// server through different frames: a cancelled stream must never commit.
+TEST_F(ServiceTest, CancelledStreamOverTcpNeverCommits) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 64", "", "127.0.0.1:0");
+  ASSERT_GT(server().bound_port(), 0);
+  auto tcp = v1::KvCache::NewStub(grpc::CreateChannel(server().bound_address(), grpc::InsecureChannelCredentials()));
+  const Rows rows = RandomRows(40, 60);
+  for (int round = 0; round < 20; ++round) {
+    const std::string id = "cancel" + std::to_string(round);
+    grpc::ClientContext ctx;
+    v1::AppendResponse resp;
+    auto writer = tcp->Append(&ctx, &resp);
+    ASSERT_TRUE(writer->Write(AppendMessage(id, 0, rows, 0, 20, {0, 1}, kCkvScale, kKpeScale)));
+    ASSERT_TRUE(writer->Write(AppendMessage("", 20, rows, 20, 20, {0, 1})));
+    if (round % 2 == 0) {  // half the rounds cancel once staged, half at once
+      for (int i = 0; i < 1000 && GetPool().pages_used() < 3; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ctx.TryCancel();
+    grpc::Status s = writer->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << Describe(s);
+  }
+  // The server may still be processing a message of a cancelled stream; once
+  // it is done, nothing of any of them remains (a wrongly committed stream
+  // would stay forever).
+  for (int i = 0; i < 5000 && (GetPool().pages_used() != 0 || pool().worker().pending() != 0); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(GetPool().pages_used(), 0u);
+  EXPECT_EQ(GetPool().sequences(), 0u);
+  for (int round = 0; round < 20; ++round) {
+    v1::Sequence seq;
+    EXPECT_EQ(GetSequence("cancel" + std::to_string(round), &seq).error_code(), grpc::StatusCode::NOT_FOUND)
+        << "round " << round;
+  }
+  // And a normal stream over the same channel still commits.
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  auto writer = tcp->Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(AppendMessage("ok", 0, rows, 0, 40, {0, 1}, kCkvScale, kKpeScale)));
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.sequence().length(), 40u);
+}
+
+// SIGTERM's path: new calls are refused, an Append in flight may finish and
+// commits.
+TEST_F(ServiceTest, ShutdownLetsAnInFlightAppendFinish) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 64", "", "127.0.0.1:0");
+  auto tcp = v1::KvCache::NewStub(grpc::CreateChannel(server().bound_address(), grpc::InsecureChannelCredentials()));
+  const Rows rows = RandomRows(40, 61);
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  auto writer = tcp->Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(AppendMessage("inflight", 0, rows, 0, 20, {0, 1}, kCkvScale, kKpeScale)));
+  for (int i = 0; i < 1000 && pool().Snapshot().pages_used < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::thread stopper([this] { server().Shutdown(absl::Seconds(20)); });
+  // New calls are refused while the stream is open.
+  bool refused = false;
+  for (int i = 0; i < 2000 && !refused; ++i) {
+    grpc::ClientContext c;
+    c.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::Pool p;
+    const grpc::Status s = tcp->GetPool(&c, v1::GetPoolRequest(), &p);
+    refused = s.error_code() == grpc::StatusCode::UNAVAILABLE;
+    if (!refused) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(refused) << "a call made while draining must get UNAVAILABLE";
+  ASSERT_TRUE(writer->Write(AppendMessage("", 20, rows, 20, 20, {0, 1})));
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  stopper.join();
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  absl::StatusOr<SequenceSnapshot> seq = pool().GetSequence("inflight");
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  EXPECT_EQ(seq->length, 40u);
+}
+
+// ... and one that outlives the grace period is cancelled and rolled back.
+TEST_F(ServiceTest, ShutdownRollsBackAnAppendPastTheGrace) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 64", "", "127.0.0.1:0");
+  auto tcp = v1::KvCache::NewStub(grpc::CreateChannel(server().bound_address(), grpc::InsecureChannelCredentials()));
+  const Rows rows = RandomRows(40, 62);
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  auto writer = tcp->Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(AppendMessage("stuck", 0, rows, 0, 20, {0, 1}, kCkvScale, kKpeScale)));
+  for (int i = 0; i < 1000 && pool().Snapshot().pages_used < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(pool().Snapshot().pages_used, 2);
+  server().Shutdown(absl::Milliseconds(300));  // returns once every call is done
+  const grpc::Status s = writer->Finish();
+  EXPECT_FALSE(s.ok());
+  for (int i = 0; i < 1000 && pool().worker().pending() != 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_EQ(pool().Snapshot().pages_used, 0);
+  EXPECT_EQ(pool().GetSequence("stuck").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ServiceTest, AppendBatchIsAtomic) {
+  MustAppend("a", 0, RandomRows(5, 51), {0});
+  const QuantizedRows before = Read("a", 0, 0, 5).rows;
+  const Rows step = RandomRows(1, 52);
+  v1::AppendBatchRequest req;
+  req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  for (const auto& [id, start] : {std::pair<std::string, uint32_t>{"a", 2}, {"b", 0}, {"c", 3}}) {  // c: a hole
+    v1::SequenceRows* sr = req.add_sequences();
+    sr->set_sequence(id);
+    sr->set_start(start);
+    sr->set_row_count(1);
+    v1::LayerRows* lr = sr->add_layers();
+    lr->set_layer(0);
+    lr->set_ckv(step.ckv_bytes());
+    lr->set_kpe(step.kpe_bytes());
+  }
+  grpc::ClientContext ctx;
+  v1::AppendBatchResponse resp;
+  grpc::Status s = stub().AppendBatch(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  EXPECT_NE(s.error_message().find("sequence 'c'"), std::string::npos) << s.error_message();
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("b", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(GetPool().pages_used(), 1u);
+  EXPECT_EQ(mlakv::testing::DescribeMismatch(before, Read("a", 0, 0, 5).rows), "");
+  // A sequence named twice is malformed.
+  *req.add_sequences() = req.sequences(0);
+  grpc::ClientContext ctx2;
+  s = stub().AppendBatch(&ctx2, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+}
+
+// ---- concurrency ------------------------------------------------------------------------
+
+TEST_F(ServiceTest, ConcurrentClientsKeepInvariants) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 512");
+  MustAppend("warmup", 0, RandomRows(1, 53), {0, 1});  // sets both layers' scales
+  constexpr int kClients = 8, kAppends = 25;
+  std::vector<uint32_t> lengths(kClients, 0);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      std::mt19937 gen(1000 + c);
+      const std::string id = "client" + std::to_string(c);
+      for (int a = 0; a < kAppends; ++a) {
+        const int n = std::uniform_int_distribution<int>(1, 40)(gen);
+        grpc::Status s = AppendRows(id, lengths[c], RandomRows(n, gen()), {0, 1}, 0, 0, 16);
+        if (!s.ok()) {
+          ++failures;
+          ADD_FAILURE() << Describe(s);
+          return;
+        }
+        lengths[c] += n;
+        if (a % 5 == 0) {
+          absl::Status inv = pool().CheckInvariants();
+          if (!inv.ok()) ADD_FAILURE() << inv;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_EQ(failures.load(), 0);
+  uint64_t total = 1;
+  for (int c = 0; c < kClients; ++c) {
+    v1::Sequence seq;
+    ASSERT_TRUE(GetSequence("client" + std::to_string(c), &seq).ok());
+    EXPECT_EQ(seq.length(), lengths[c]);
+    EXPECT_EQ(seq.kv_indices_size(), static_cast<int>((lengths[c] + 15) / 16));
+    total += lengths[c];
+  }
+  EXPECT_EQ(GetPool().layers(1).tokens(), total);
+}
+
+}  // namespace
+}  // namespace mlakv::server::testing
