@@ -122,18 +122,10 @@ void TcpCutProxy::Loop() {
     }
     if (poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) break;
     if (cut_.load()) break;
-    if (fds[1].revents & POLLIN) {
-      const int client = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (client >= 0) {
-        const int server = ConnectTo(upstream_);
-        if (server < 0) {
-          Reset(client);
-        } else {
-          pairs.emplace_back(client, server);
-        }
-      }
-    }
-    for (size_t i = 0; i < pairs.size();) {
+    // The pairs polled above first (fds holds exactly them); a connection
+    // accepted below joins the next poll.
+    size_t polled = pairs.size();
+    for (size_t i = 0; i < polled;) {
       const pollfd& a = fds[2 + 2 * i];
       const pollfd& b = fds[3 + 2 * i];
       bool alive = true;
@@ -146,8 +138,20 @@ void TcpCutProxy::Loop() {
         Reset(pairs[i].second);
         pairs.erase(pairs.begin() + i);
         fds.erase(fds.begin() + 2 + 2 * i, fds.begin() + 4 + 2 * i);
+        --polled;
       } else {
         ++i;
+      }
+    }
+    if (fds[1].revents & POLLIN) {
+      const int client = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (client >= 0) {
+        const int server = ConnectTo(upstream_);
+        if (server < 0) {
+          Reset(client);
+        } else {
+          pairs.emplace_back(client, server);
+        }
       }
     }
   }
