@@ -1,6 +1,7 @@
 #include "client/kv_cache_client.h"
 
 #include "client/append_stream.h"
+#include "common/status_macros.h"
 
 #include <algorithm>
 #include <fstream>
@@ -44,16 +45,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeCredentials(const 
     return grpc::InsecureChannelCredentials();
   }
   grpc::SslCredentialsOptions ssl;
-  absl::StatusOr<std::string> ca = ReadPemFile("TLS CA", o.tls_ca_file);
-  if (!ca.ok()) return ca.status();
-  ssl.pem_root_certs = *ca;
+  MLAKV_ASSIGN_OR_RETURN(std::string ca, ReadPemFile("TLS CA", o.tls_ca_file));
+  ssl.pem_root_certs = ca;
   if (!o.tls_cert_file.empty()) {
-    absl::StatusOr<std::string> cert = ReadPemFile("TLS certificate", o.tls_cert_file);
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPemFile("TLS key", o.tls_key_file);
-    if (!key.ok()) return key.status();
-    ssl.pem_cert_chain = *cert;
-    ssl.pem_private_key = *key;
+    MLAKV_ASSIGN_OR_RETURN(std::string cert, ReadPemFile("TLS certificate", o.tls_cert_file));
+    MLAKV_ASSIGN_OR_RETURN(std::string key, ReadPemFile("TLS key", o.tls_key_file));
+    ssl.pem_cert_chain = cert;
+    ssl.pem_private_key = key;
   }
   return grpc::SslCredentials(ssl);
 }
@@ -186,9 +184,8 @@ absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Create(Options opt
   // A channel of its own connection: N clients are N TCP connections.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = MakeCredentials(options);
-  if (!credentials.ok()) return credentials.status();
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(options.target, *credentials, args);
+  MLAKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeCredentials(options));
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(options.target, credentials, args);
   if (!channel) return absl::InternalError(absl::StrCat("client: cannot create a channel to ", options.target));
   return std::unique_ptr<KvCacheClient>(new KvCacheClient(std::move(options), std::move(channel)));
 }
@@ -207,7 +204,7 @@ absl::Status KvCacheClient::CheckHealth(absl::Duration timeout) {
   PrepareContext(context, timeout);
   grpc::health::v1::HealthCheckRequest request;
   grpc::health::v1::HealthCheckResponse response;
-  if (absl::Status s = FromGrpcStatus(health->Check(&context, request, &response)); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(FromGrpcStatus(health->Check(&context, request, &response)));
   if (response.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
     return absl::UnavailableError(absl::StrCat("health: server answers ",
                                                grpc::health::v1::HealthCheckResponse::ServingStatus_Name(
@@ -221,14 +218,13 @@ absl::StatusOr<Response> KvCacheClient::Call(UnaryMethod<Request, Response> meth
   grpc::ClientContext context;
   PrepareContext(context, options_.timeout);
   Response response;
-  if (absl::Status s = FromGrpcStatus((stub_.get()->*method)(&context, request, &response)); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(FromGrpcStatus((stub_.get()->*method)(&context, request, &response)));
   return response;
 }
 
 absl::StatusOr<std::vector<v1::Pool>> KvCacheClient::ListPools() {
-  absl::StatusOr<v1::ListPoolsResponse> response = Call(&v1::KvCache::Stub::ListPools, v1::ListPoolsRequest());
-  if (!response.ok()) return response.status();
-  return std::vector<v1::Pool>(response->pools().begin(), response->pools().end());
+  MLAKV_ASSIGN_OR_RETURN(v1::ListPoolsResponse response, Call(&v1::KvCache::Stub::ListPools, v1::ListPoolsRequest()));
+  return std::vector<v1::Pool>(response.pools().begin(), response.pools().end());
 }
 
 absl::StatusOr<v1::Pool> KvCacheClient::GetPool(const std::string& pool) {
@@ -250,13 +246,12 @@ absl::StatusOr<std::vector<v1::SequenceSummary>> KvCacheClient::ListSequences(co
   request.set_pool(pool);
   request.set_page_size(1000);
   do {
-    absl::StatusOr<v1::ListSequencesResponse> response = Call(&v1::KvCache::Stub::ListSequences, request);
-    if (!response.ok()) return response.status();
-    all.insert(all.end(), response->sequences().begin(), response->sequences().end());
-    if (!response->next_page_token().empty() && response->next_page_token() == request.page_token()) {
+    MLAKV_ASSIGN_OR_RETURN(v1::ListSequencesResponse response, Call(&v1::KvCache::Stub::ListSequences, request));
+    all.insert(all.end(), response.sequences().begin(), response.sequences().end());
+    if (!response.next_page_token().empty() && response.next_page_token() == request.page_token()) {
       return absl::InternalError("list sequences: server returned the same page token twice");
     }
-    request.set_page_token(response->next_page_token());
+    request.set_page_token(response.next_page_token());
   } while (!request.page_token().empty());
   return all;
 }
@@ -272,9 +267,8 @@ absl::StatusOr<uint32_t> KvCacheClient::Free(const std::string& pool, const std:
   v1::FreeSequenceRequest request;
   request.set_pool(pool);
   request.set_sequence(sequence);
-  absl::StatusOr<v1::FreeSequenceResponse> response = Call(&v1::KvCache::Stub::FreeSequence, request);
-  if (!response.ok()) return response.status();
-  return response->pages_freed();
+  MLAKV_ASSIGN_OR_RETURN(v1::FreeSequenceResponse response, Call(&v1::KvCache::Stub::FreeSequence, request));
+  return response.pages_freed();
 }
 
 absl::StatusOr<v1::Sequence> KvCacheClient::Truncate(const std::string& pool, const std::string& sequence,
@@ -287,7 +281,7 @@ absl::StatusOr<v1::Sequence> KvCacheClient::Truncate(const std::string& pool, co
 }
 
 absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& append) {
-  if (absl::Status s = CheckAppendShape(append); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckAppendShape(append));
   // Rows that all come from regions make one message of references.
   const size_t row_bytes = WireRowBytes(append);
   const uint32_t rows_per_message =
@@ -308,7 +302,7 @@ absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& appen
     const uint32_t first = static_cast<uint32_t>(i * rows_per_message);
     return AppendMessage(append, first, std::min(rows_per_message, append.rows - first), i == 0);
   });
-  if (absl::Status s = FromGrpcStatus(status); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(FromGrpcStatus(status));
   return response;
 }
 
@@ -341,9 +335,8 @@ absl::StatusOr<v1::Region> KvCacheClient::RegisterCudaRegion(const std::string& 
 absl::StatusOr<uint32_t> KvCacheClient::UnregisterRegion(const std::string& name) {
   v1::UnregisterRegionRequest request;
   request.set_name(name);
-  absl::StatusOr<v1::UnregisterRegionResponse> response = Call(&v1::KvCache::Stub::UnregisterRegion, request);
-  if (!response.ok()) return response.status();
-  return response->appends_in_flight();
+  MLAKV_ASSIGN_OR_RETURN(v1::UnregisterRegionResponse response, Call(&v1::KvCache::Stub::UnregisterRegion, request));
+  return response.appends_in_flight();
 }
 
 absl::StatusOr<std::vector<v1::Region>> KvCacheClient::ListRegions() {
@@ -395,7 +388,7 @@ absl::StatusOr<StoredLayer> KvCacheClient::ReadLayer(const std::string& pool, co
     stored.ckv_scale = chunk.ckv_scale();
     stored.kpe_scale = chunk.kpe_scale();
   }
-  if (absl::Status s = FromGrpcStatus(reader->Finish()); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
   if (!problem.ok()) return problem;
   if (stored.count == 0) {
     // No chunk carried the scales; the pool still knows them.

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace mlakv {
 namespace {
@@ -78,32 +79,30 @@ absl::StatusOr<std::unique_ptr<LoadGenerator>> LoadGenerator::Create(const KvCac
   std::vector<std::unique_ptr<KvCacheClient>> clients;
   const int connections = options.connections == 0 ? options.concurrency : options.connections;
   for (int i = 0; i < connections; ++i) {
-    absl::StatusOr<std::unique_ptr<KvCacheClient>> client = KvCacheClient::Create(client_options);
-    if (!client.ok()) return client.status();
-    clients.push_back(std::move(*client));
+    MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<KvCacheClient> client, KvCacheClient::Create(client_options));
+    clients.push_back(std::move(client));
   }
-  absl::StatusOr<v1::Pool> pool = clients[0]->GetPool(options.pool);
-  if (!pool.ok()) return pool.status();
-  if (options.layers > pool->num_layers()) {
-    return absl::InvalidArgumentError(absl::StrCat("bench: layers ", options.layers, " but pool ", pool->name(),
-                                                   " has ", pool->num_layers()));
+  MLAKV_ASSIGN_OR_RETURN(v1::Pool pool, clients[0]->GetPool(options.pool));
+  if (options.layers > pool.num_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat("bench: layers ", options.layers, " but pool ", pool.name(),
+                                                   " has ", pool.num_layers()));
   }
   // Each sequence gets an equal share of 3/4 of the free pages.
   const uint64_t sequences = uint64_t(options.concurrency) * (decode ? options.sequences : 1);
-  const uint64_t pages_each = pool->pages_free() * 3ull / 4 / sequences;
-  const uint32_t context_tokens = static_cast<uint32_t>(std::min<uint64_t>(pages_each * pool->page_size(), 1u << 30));
+  const uint64_t pages_each = pool.pages_free() * 3ull / 4 / sequences;
+  const uint32_t context_tokens = static_cast<uint32_t>(std::min<uint64_t>(pages_each * pool.page_size(), 1u << 30));
   const uint32_t rows = decode ? 1 : options.rows_per_message;
   if (context_tokens < rows) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "bench: pool ", pool->name(), " has ", pool->pages_free(), " free pages of ", pool->page_size(),
+        "bench: pool ", pool.name(), " has ", pool.pages_free(), " free pages of ", pool.page_size(),
         " tokens; ", sequences, " sequence(s) of ", rows, " tokens need ",
-        sequences * ((rows + pool->page_size() - 1) / pool->page_size()), " (using at most 3/4 of the free pages)"));
+        sequences * ((rows + pool.page_size() - 1) / pool.page_size()), " (using at most 3/4 of the free pages)"));
   }
   std::vector<float> ckv_scales, kpe_scales;
   for (uint32_t layer = 0; layer < options.layers; ++layer) {
-    const bool set = static_cast<int>(layer) < pool->layers_size() && pool->layers(layer).set();
-    ckv_scales.push_back(set ? pool->layers(layer).ckv_scale() : kBenchCkvScale);
-    kpe_scales.push_back(set ? pool->layers(layer).kpe_scale() : kBenchKpeScale);
+    const bool set = static_cast<int>(layer) < pool.layers_size() && pool.layers(layer).set();
+    ckv_scales.push_back(set ? pool.layers(layer).ckv_scale() : kBenchCkvScale);
+    kpe_scales.push_back(set ? pool.layers(layer).kpe_scale() : kBenchKpeScale);
   }
   return std::unique_ptr<LoadGenerator>(
       new LoadGenerator(options, std::move(clients), context_tokens, std::move(ckv_scales), std::move(kpe_scales)));

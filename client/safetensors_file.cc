@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/quote.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace mlakv {
@@ -262,14 +263,13 @@ absl::StatusOr<const SafetensorsFile::Tensor*> SafetensorsFile::Get(const std::s
 }
 
 absl::StatusOr<float> SafetensorsFile::GetScalarF32(const std::string& tensor) const {
-  absl::StatusOr<const Tensor*> t = Get(tensor, {"F32"});
-  if (!t.ok()) return t.status();
-  if ((*t)->numel() != 1 || (*t)->shape.size() > 1) {
+  MLAKV_ASSIGN_OR_RETURN(const Tensor* t, Get(tensor, {"F32"}));
+  if (t->numel() != 1 || t->shape.size() > 1) {
     return absl::InvalidArgumentError(absl::StrCat(name_, ": tensor ", Quote(tensor), " is F32",
-                                                   ShapeString((*t)->shape), "; expected a scalar [] or [1]"));
+                                                   ShapeString(t->shape), "; expected a scalar [] or [1]"));
   }
   float f;
-  std::memcpy(&f, (*t)->data.data(), sizeof(f));
+  std::memcpy(&f, t->data.data(), sizeof(f));
   return f;
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/quantize_append.h"
+#include "common/status_macros.h"
 
 namespace mlakv {
 namespace {
@@ -133,7 +134,7 @@ absl::Status QuantizeAppendCpu(const TensorView& append_ckv, const TensorView& a
       MakeQuantizeAppendParams(append_ckv, append_kpe, batch_indices, positions, ckv_cache, ckv_sf_cache, kpe_cache,
                                kv_indices, kv_indptr, kv_last_page_len, ckv_scale, kpe_scale);
   if (!params.ok()) return params.status();
-  if (absl::Status s = ValidateRowPlacement(*params); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(ValidateRowPlacement(*params));
   QuantizeAppendHost(*params);
   return absl::OkStatus();
 }

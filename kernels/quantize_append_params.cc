@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/quantize_append.h"
 
 namespace mlakv {
@@ -69,26 +70,24 @@ absl::StatusOr<QuantizeAppendParams> MakeQuantizeAppendParams(
     const TensorView& kpe_cache, const TensorView& kv_indices, const TensorView& kv_indptr,
     const TensorView& kv_last_page_len, double ckv_scale, double kpe_scale) {
   QuantizeAppendParams p;
-  absl::StatusOr<float> ckv = CheckDecodeScale(ckv_scale, "ckv_scale");
-  if (!ckv.ok()) return ckv.status();
-  absl::StatusOr<float> kpe = CheckDecodeScale(kpe_scale, "kpe_scale");
-  if (!kpe.ok()) return kpe.status();
-  p.ckv_scale = *ckv;
-  p.kpe_scale = *kpe;
+  MLAKV_ASSIGN_OR_RETURN(float ckv, CheckDecodeScale(ckv_scale, "ckv_scale"));
+  MLAKV_ASSIGN_OR_RETURN(float kpe, CheckDecodeScale(kpe_scale, "kpe_scale"));
+  p.ckv_scale = ckv;
+  p.kpe_scale = kpe;
 
-  if (absl::Status s = CheckRows("append_ckv", append_ckv, kCkvDim); !s.ok()) return s;
-  if (absl::Status s = CheckRows("append_kpe", append_kpe, kKpeDim); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckRows("append_ckv", append_ckv, kCkvDim));
+  MLAKV_RETURN_IF_ERROR(CheckRows("append_kpe", append_kpe, kKpeDim));
   if (append_kpe.dtype != append_ckv.dtype || append_kpe.shape[0] != append_ckv.shape[0]) {
     return Invalid("append_kpe", append_kpe,
                    absl::StrCat(DTypeName(append_ckv.dtype), "[", append_ckv.shape[0], ", 64] to match append_ckv"));
   }
   const int64_t n = append_ckv.shape[0];
-  if (absl::Status s = CheckIndex("batch_indices", batch_indices, n); !s.ok()) return s;
-  if (absl::Status s = CheckIndex("positions", positions, n); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckIndex("batch_indices", batch_indices, n));
+  MLAKV_RETURN_IF_ERROR(CheckIndex("positions", positions, n));
 
-  if (absl::Status s = CheckCache("ckv_cache", ckv_cache, DType::kUInt8, kCkvPackedBytes); !s.ok()) return s;
-  if (absl::Status s = CheckCache("ckv_sf_cache", ckv_sf_cache, DType::kFloat8E4M3, kCkvSfBytes); !s.ok()) return s;
-  if (absl::Status s = CheckCache("kpe_cache", kpe_cache, DType::kFloat8E4M3, kKpeBytes); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckCache("ckv_cache", ckv_cache, DType::kUInt8, kCkvPackedBytes));
+  MLAKV_RETURN_IF_ERROR(CheckCache("ckv_sf_cache", ckv_sf_cache, DType::kFloat8E4M3, kCkvSfBytes));
+  MLAKV_RETURN_IF_ERROR(CheckCache("kpe_cache", kpe_cache, DType::kFloat8E4M3, kKpeBytes));
   const int64_t num_pages = ckv_cache.shape[0], page_size = ckv_cache.shape[1];
   for (const auto& [name, v] : {std::pair<const char*, const TensorView*>{"ckv_sf_cache", &ckv_sf_cache},
                                 {"kpe_cache", &kpe_cache}}) {
@@ -102,11 +101,11 @@ absl::StatusOr<QuantizeAppendParams> MakeQuantizeAppendParams(
     return Invalid("ckv_cache", ckv_cache, "page_size >= 1 and num_pages, page_size within int32");
   }
 
-  if (absl::Status s = CheckIndex("kv_indptr", kv_indptr, -1); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckIndex("kv_indptr", kv_indptr, -1));
   if (kv_indptr.shape[0] < 1) return Invalid("kv_indptr", kv_indptr, "int32[batch + 1] with batch >= 0");
   const int64_t batch = kv_indptr.shape[0] - 1;
-  if (absl::Status s = CheckIndex("kv_indices", kv_indices, -1); !s.ok()) return s;
-  if (absl::Status s = CheckIndex("kv_last_page_len", kv_last_page_len, batch); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckIndex("kv_indices", kv_indices, -1));
+  MLAKV_RETURN_IF_ERROR(CheckIndex("kv_last_page_len", kv_last_page_len, batch));
 
   p.append_ckv = append_ckv.data;
   p.append_kpe = append_kpe.data;

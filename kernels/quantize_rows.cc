@@ -4,10 +4,11 @@
 
 #include <numeric>
 
+#include "common/status_macros.h"
 #include "kernels/cuda_check.h"
-#include "kernels/scoped_cuda_device.h"
 #include "kernels/dequantize.h"
 #include "kernels/quantize_append.h"
+#include "kernels/scoped_cuda_device.h"
 
 namespace mlakv {
 namespace {
@@ -77,7 +78,7 @@ absl::StatusOr<QuantizedRows> QuantizeRows(const TensorView& ckv, const TensorVi
   for (auto [buf, bytes] : {std::pair{&d_ckv, ckv_bytes}, {&d_kpe, kpe_bytes}, {&d_idx, idx_bytes},
                             {&d_ckv_out, out.ckv_packed.size()}, {&d_sf_out, out.ckv_sf.size()},
                             {&d_kpe_out, out.kpe.size()}}) {
-    if (absl::Status s = buf->Allocate(bytes); !s.ok()) return s;
+    MLAKV_RETURN_IF_ERROR(buf->Allocate(bytes));
   }
   auto copy_rows = [&](void* dst, const TensorView& v, int64_t cols) {
     return CudaStatus(cudaMemcpy2D(dst, cols * esize, v.data, (n > 1 ? v.strides[0] : cols) * esize, cols * esize,
@@ -90,8 +91,8 @@ absl::StatusOr<QuantizedRows> QuantizeRows(const TensorView& ckv, const TensorVi
       return absl::InvalidArgumentError(absl::StrCat("expected ckv [N, 512] and kpe [N, 64], got ", ckv.DebugString(),
                                                      " and ", kpe.DebugString()));
     }
-    if (absl::Status s = copy_rows(d_ckv.get(), ckv, format::kCkvDim); !s.ok()) return s;
-    if (absl::Status s = copy_rows(d_kpe.get(), kpe, format::kKpeDim); !s.ok()) return s;
+    MLAKV_RETURN_IF_ERROR(copy_rows(d_ckv.get(), ckv, format::kCkvDim));
+    MLAKV_RETURN_IF_ERROR(copy_rows(d_kpe.get(), kpe, format::kKpeDim));
   }
   std::vector<int32_t> idx;
   idx.insert(idx.end(), batch.begin(), batch.end());

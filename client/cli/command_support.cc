@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/cli/cli_flags.h"
+#include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace mlakv::cli {
@@ -33,9 +34,8 @@ absl::StatusOr<KvCacheClient::Options> ClientOptionsFromFlags() {
 }
 
 absl::StatusOr<std::unique_ptr<KvCacheClient>> ConnectFromFlags() {
-  absl::StatusOr<KvCacheClient::Options> options = ClientOptionsFromFlags();
-  if (!options.ok()) return options.status();
-  return KvCacheClient::Create(*options);
+  MLAKV_ASSIGN_OR_RETURN(KvCacheClient::Options options, ClientOptionsFromFlags());
+  return KvCacheClient::Create(options);
 }
 
 int Fail(std::string_view command, const absl::Status& status) {

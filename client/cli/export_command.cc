@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/flags/flag.h"
+#include "common/status_macros.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/cli_flags.h"
 #include "client/cli/command_support.h"
@@ -30,15 +31,11 @@ absl::Status WriteExport(const std::string& path, const StoredLayer& stored, con
   rows.ckv_sf = ToVector(stored.ckv_sf);
   rows.kpe = ToVector(stored.kpe);
   SafetensorsWriter writer;
-  if (absl::Status s = AddQuantizedTensors(rows, writer); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(AddQuantizedTensors(rows, writer));
   const std::vector<int32_t> kv_indices(seq.kv_indices().begin(), seq.kv_indices().end());
-  if (absl::Status s = writer.Add("kv_indices", "I32", {static_cast<int64_t>(kv_indices.size())},
-                                  Bytes(kv_indices.data(), kv_indices.size() * sizeof(int32_t)));
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = writer.Add("ckv_scale", "F32", {1}, Bytes(&stored.ckv_scale, sizeof(float))); !s.ok()) return s;
-  if (absl::Status s = writer.Add("kpe_scale", "F32", {1}, Bytes(&stored.kpe_scale, sizeof(float))); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(writer.Add("kv_indices", "I32", {static_cast<int64_t>(kv_indices.size())}, Bytes(kv_indices.data(), kv_indices.size() * sizeof(int32_t))));
+  MLAKV_RETURN_IF_ERROR(writer.Add("ckv_scale", "F32", {1}, Bytes(&stored.ckv_scale, sizeof(float))));
+  MLAKV_RETURN_IF_ERROR(writer.Add("kpe_scale", "F32", {1}, Bytes(&stored.kpe_scale, sizeof(float))));
   writer.SetMetadata("pool", seq.pool());
   writer.SetMetadata("sequence", seq.id());
   writer.SetMetadata("layer", absl::StrFormat("%u", stored.layer));

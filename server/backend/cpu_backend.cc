@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_append.h"
 
@@ -139,7 +140,7 @@ absl::Status CpuBackend::CheckEntries(int32_t layer, std::span<const int64_t> en
 }
 
 absl::Status CpuBackend::ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) {
-  if (absl::Status s = CheckEntries(layer, entries); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckEntries(layer, entries));
   const LayerCaches& c = layers_[layer];
   ForEachRun(entries, [&](size_t i, size_t n) {
     const int64_t e = entries[i];
@@ -151,7 +152,7 @@ absl::Status CpuBackend::ReadEntries(int32_t layer, std::span<const int64_t> ent
 }
 
 absl::Status CpuBackend::WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) {
-  if (absl::Status s = CheckEntries(layer, entries); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckEntries(layer, entries));
   const LayerCaches& c = layers_[layer];
   ForEachRun(entries, [&](size_t i, size_t n) {
     const int64_t e = entries[i];

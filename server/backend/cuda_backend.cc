@@ -357,7 +357,7 @@ absl::Status CudaBackend::CheckEntries(int32_t layer, std::span<const int64_t> e
 
 absl::Status CudaBackend::CopyEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& rows,
                                       bool to_device) {
-  if (absl::Status s = CheckEntries(layer, entries); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckEntries(layer, entries));
   if (entries.empty()) return absl::OkStatus();
   ScopedCudaDevice guard(options_.device.ordinal());
   if (!guard.status().ok()) return guard.status();

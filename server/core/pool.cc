@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
+#include "common/status_macros.h"
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_append.h"
 #include "server/backend/backend_factory.h"
@@ -82,8 +83,7 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(const Options& options) {
       }
     }
   }
-  absl::StatusOr<std::unique_ptr<PageAllocator>> allocator = PageAllocator::Create({.num_pages = options.num_pages});
-  if (!allocator.ok()) return allocator.status();
+  MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<PageAllocator> allocator, PageAllocator::Create({.num_pages = options.num_pages}));
   absl::StatusOr<std::unique_ptr<CacheBackend>> backend = CreateCacheBackend(
       options.device,
       {.num_layers = options.num_layers, .num_pages = options.num_pages, .page_size = options.page_size});
@@ -91,7 +91,7 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(const Options& options) {
     return absl::Status(backend.status().code(), absl::StrCat(where, backend.status().message()));
   }
   if (options.wrap_backend) *backend = options.wrap_backend(std::move(*backend));  // operations: metrics
-  return std::unique_ptr<Pool>(new Pool(options, std::move(*backend), std::move(*allocator)));
+  return std::unique_ptr<Pool>(new Pool(options, std::move(*backend), std::move(allocator)));
 }
 
 Pool::Pool(const Options& options, std::unique_ptr<CacheBackend> backend, std::unique_ptr<PageAllocator> allocator)
@@ -401,23 +401,23 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
   if (txns.size() != rows.size()) return absl::InternalError("Pool::Stage: txns and rows differ in length");
   for (size_t i = 0; i < txns.size(); ++i) {
     if (txns[i]->finished_) return absl::InternalError("Pool::Stage on a finished transaction");
-    if (absl::Status s = ValidateShape(Who(txns[i]->id_), *rows[i], dtype); !s.ok()) return s;
+    MLAKV_RETURN_IF_ERROR(ValidateShape(Who(txns[i]->id_), *rows[i], dtype));
   }
   StagePlan plan;
   plan.new_pages.assign(txns.size(), 0);
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < txns.size(); ++i) {
-      if (absl::Status s = CheckState(i, *txns[i], *rows[i], plan); !s.ok()) return s;
+      MLAKV_RETURN_IF_ERROR(CheckState(i, *txns[i], *rows[i], plan));
     }
-    if (absl::Status s = CheckCapacity(plan); !s.ok()) return s;
+    MLAKV_RETURN_IF_ERROR(CheckCapacity(plan));
     Reserve(txns, plan);
     PlanWrites(txns, rows, dtype, plan);
   }
   // Save what will be rewritten, then write (outside mu_; only this worker
   // touches the caches).
-  if (absl::Status s = CaptureUndo(plan); !s.ok()) return s;
-  if (absl::Status s = backend_->Append(plan.appends); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CaptureUndo(plan));
+  MLAKV_RETURN_IF_ERROR(backend_->Append(plan.appends));
   absl::MutexLock lock(&mu_);
   RecordStaged(txns, rows);
   return absl::OkStatus();
@@ -528,10 +528,9 @@ PoolSnapshot Pool::Snapshot() const {
 
 absl::StatusOr<SequenceSnapshot> Pool::GetSequence(const std::string& id) {
   absl::MutexLock lock(&mu_);  // exclusive: a query by id is a use (it moves in the use order)
-  absl::StatusOr<Sequence*> seq = FindCommitted(id);
-  if (!seq.ok()) return seq.status();
-  sequences_.Touch(*seq, NowNs());
-  return SnapshotOf(**seq);
+  MLAKV_ASSIGN_OR_RETURN(Sequence* seq, FindCommitted(id));
+  sequences_.Touch(seq, NowNs());
+  return SnapshotOf(*seq);
 }
 
 SequenceListing Pool::ListSequences(size_t limit, const std::string& page_token) const {
@@ -572,9 +571,7 @@ absl::StatusOr<PageSnapshot> Pool::GetPage(int64_t page) const {
 
 absl::StatusOr<uint32_t> Pool::FreeSequence(const std::string& id) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<Sequence*> found = FindCommitted(id);
-  if (!found.ok()) return found.status();
-  Sequence* seq = *found;
+  MLAKV_ASSIGN_OR_RETURN(Sequence* seq, FindCommitted(id));
   if (seq->busy()) {
     return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
                                            " has an append in progress; free it when the append has finished"));
@@ -625,9 +622,7 @@ int Pool::FreeIdle(absl::Time now, int max_batch) {
 
 absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, uint32_t length) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<Sequence*> found = FindCommitted(id);
-  if (!found.ok()) return found.status();
-  Sequence* seq = *found;
+  MLAKV_ASSIGN_OR_RETURN(Sequence* seq, FindCommitted(id));
   if (seq->busy()) {
     return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
                                            " has an append in progress; truncate it when the append has finished"));
@@ -658,9 +653,8 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, u
 absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const std::string& id, std::span<const uint32_t> layers,
                                                     uint32_t start, uint32_t* count) {
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<Sequence*> found = FindCommitted(id);
-  if (!found.ok()) return found.status();
-  const Sequence& seq = **found;
+  MLAKV_ASSIGN_OR_RETURN(Sequence* found, FindCommitted(id));
+  const Sequence& seq = *found;
   std::vector<int32_t> out;
   if (layers.empty()) {
     for (int32_t l = 0; l < options_.num_layers; ++l) out.push_back(l);
@@ -696,7 +690,7 @@ absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const std::string& id, std::
       }
     }
   }
-  sequences_.Touch(*found, NowNs());
+  sequences_.Touch(found, NowNs());
   return out;
 }
 
@@ -705,9 +699,8 @@ absl::Status Pool::ReadRows(const std::string& id, int32_t layer, uint32_t start
   std::vector<int64_t> entries;
   {
     absl::ReaderMutexLock lock(&mu_);
-    absl::StatusOr<Sequence*> found = FindCommitted(id);
-    if (!found.ok()) return found.status();
-    const Sequence& seq = **found;
+    MLAKV_ASSIGN_OR_RETURN(Sequence* found, FindCommitted(id));
+    const Sequence& seq = *found;
     if (layer < 0 || layer >= options_.num_layers) return absl::OutOfRangeError(absl::StrCat("layer ", layer));
     if (static_cast<uint64_t>(start) + count > seq.layer_length(layer)) {
       return absl::AbortedError(absl::StrCat(Who(id), " layer ", layer, " was cut to ", seq.layer_length(layer),

@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace mlakv::server {
 namespace {
@@ -74,7 +75,7 @@ absl::Status InstallOnce() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MappingFaultGuard>> MappingFaultGuard::Register(const void* base, size_t bytes) {
-  if (absl::Status s = InstallOnce(); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(InstallOnce());
   if (bytes == 0) return absl::InvalidArgumentError("MappingFaultGuard: empty range");
   for (int i = 0; i < kMaxRanges; ++i) {
     bool expected = false;

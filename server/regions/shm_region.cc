@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
+#include "common/status_macros.h"
 
 namespace mlakv::server {
 namespace {
@@ -46,7 +47,7 @@ absl::Status ShmRegion::CheckName(const std::string& name) {
 
 absl::StatusOr<std::unique_ptr<ShmRegion>> ShmRegion::Create(const Options& options) {
   const std::string& name = options.shm_name;
-  if (absl::Status s = CheckName(name); !s.ok()) return s;
+  MLAKV_RETURN_IF_ERROR(CheckName(name));
   const std::string quoted = Quote(name);
   // O_NONBLOCK: opening a FIFO does not wait for a writer. O_NOFOLLOW: a
   // symbolic link in /dev/shm is refused (ELOOP) instead of followed.

@@ -7,11 +7,12 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "grpc/health/v1/health.pb.h"
 #include "server/observability/instrumented_backend.h"
-#include "server/regions/mapping_fault_guard.h"
-#include "server/observability/reflection_option.h"
 #include "server/observability/metrics_interceptor.h"
+#include "server/observability/reflection_option.h"
+#include "server/regions/mapping_fault_guard.h"
 #include "server/rpc/server_config.h"
 #include "spdlog/spdlog.h"
 
@@ -33,20 +34,18 @@ std::string WithPort(const std::string& listen, int port) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Options& options) {
-  absl::StatusOr<std::vector<Pool::Options>> pool_options = PoolOptionsFromConfig(options.config, options.default_device);
-  if (!pool_options.ok()) return pool_options.status();
+  MLAKV_ASSIGN_OR_RETURN(std::vector<Pool::Options> pool_options, PoolOptionsFromConfig(options.config, options.default_device));
   std::unique_ptr<KvCacheServer> server(new KvCacheServer());
   KvCacheService::Options service_options;
-  for (Pool::Options& po : *pool_options) {
+  for (Pool::Options& po : pool_options) {
     if (options.metrics != nullptr) {  // operations: time every quantize-append
       po.wrap_backend = [metrics = options.metrics, name = po.name](std::unique_ptr<CacheBackend> b) {
         return std::unique_ptr<CacheBackend>(std::make_unique<InstrumentedBackend>(std::move(b), name, metrics));
       };
     }
-    absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(po);
-    if (!pool.ok()) return pool.status();
-    service_options.pools.push_back(pool->get());
-    server->pools_.push_back(std::move(*pool));
+    MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, Pool::Create(po));
+    service_options.pools.push_back(pool.get());
+    server->pools_.push_back(std::move(pool));
   }
   // The default pool: the one named "default", else the first.
   service_options.default_pool = server->pools_.front()->name();

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
+#include "common/status_macros.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "kernels/nvfp4_format.h"
@@ -141,15 +142,13 @@ absl::StatusOr<std::vector<Pool::Options>> PoolOptionsFromConfig(const v1::Serve
       if (o.layer_scales[ls.layer()]) {
         return absl::InvalidArgumentError(absl::StrCat(where, field, ": layer ", ls.layer(), " is listed twice"));
       }
-      absl::StatusOr<Pool::Options::Scales> s = check(ls, field);
-      if (!s.ok()) return s.status();
-      o.layer_scales[ls.layer()] = *s;
+      MLAKV_ASSIGN_OR_RETURN(Pool::Options::Scales s, check(ls, field));
+      o.layer_scales[ls.layer()] = s;
     }
     if (pc.has_all_layers()) {
-      absl::StatusOr<Pool::Options::Scales> s = check(pc.all_layers(), "all_layers");
-      if (!s.ok()) return s.status();
+      MLAKV_ASSIGN_OR_RETURN(Pool::Options::Scales s, check(pc.all_layers(), "all_layers"));
       for (auto& entry : o.layer_scales) {
-        if (!entry) entry = *s;
+        if (!entry) entry = s;
       }
     }
     o.idle_ttl = absl::Seconds(pc.sequence_idle_ttl_seconds());
