@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 # config).
 build_packages=(
   cmake ninja-build g++ pkg-config ccache
-  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev
   libabsl-dev libspdlog-dev nlohmann-json3-dev
   prometheus-cpp-dev libcivetweb-dev
   libgtest-dev libgmock-dev libbenchmark-dev

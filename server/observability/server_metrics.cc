@@ -115,27 +115,11 @@ struct ServerMetrics::Families {
       Build(prometheus::BuildGauge(), *registry, "mlakv_draining", "1 while the server drains after SIGTERM.").Add({});
 };
 
-const char* StatusCodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
-  }
+std::string StatusCodeName(grpc::StatusCode code) {
+  // gRPC's codes are absl's canonical codes, number for number.
+  const int n = static_cast<int>(code);
+  if (n < 0 || n > static_cast<int>(grpc::StatusCode::UNAUTHENTICATED)) return "UNKNOWN";
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(n));
 }
 
 ServerMetrics::ServerMetrics() = default;
@@ -211,7 +195,7 @@ void ServerMetrics::RpcFinished(const std::string& service, const std::string& m
   auto [s, m] = RpcLabels(service, method);
   Families& f = *families_;
   f.in_flight.Get({s, m}).Decrement();
-  const char* name = StatusCodeName(code);
+  const std::string name = StatusCodeName(code);
   f.rpcs.Get({s, m, name}).Increment();
   if (code != grpc::StatusCode::OK) f.rpc_errors.Get({s, m, name}).Increment();
   f.rpc_latency.Get({s, m}).Observe(seconds);

@@ -106,6 +106,6 @@ class ServerMetrics {
 };
 
 // "OK", "CANCELLED", ... "UNAUTHENTICATED" (the names of grpc::StatusCode).
-const char* StatusCodeName(grpc::StatusCode code);
+std::string StatusCodeName(grpc::StatusCode code);
 
 }  // namespace mlakv::server

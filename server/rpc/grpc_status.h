@@ -7,8 +7,8 @@
 
 namespace mlakv::server {
 
-// Same code, same message. absl and gRPC share the canonical code numbers;
-// the switch keeps the mapping explicit and maps anything unknown to UNKNOWN.
+// Same code, same message: absl and gRPC share the canonical code numbers,
+// so the code is a checked cast; anything outside them is UNKNOWN.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
 }  // namespace mlakv::server

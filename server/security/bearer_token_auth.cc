@@ -1,5 +1,8 @@
 #include "server/security/bearer_token_auth.h"
 
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
+
 #include <fstream>
 #include <sstream>
 
@@ -9,15 +12,12 @@
 namespace mlakv::server {
 
 bool ConstantTimeEquals(const std::string& a, const std::string& b) {
-  // Walk the expected length whatever the input's, so the time says nothing
-  // about where the first difference is.
-  const size_t n = b.size();
-  volatile unsigned char diff = static_cast<unsigned char>(a.size() != n);
-  for (size_t i = 0; i < n; ++i) {
-    unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    diff = diff | static_cast<unsigned char>(x ^ static_cast<unsigned char>(b[i]));
-  }
-  return diff == 0;
+  // OpenSSL's constant-time compare, over SHA-256 digests so that neither
+  // the content nor the length of the expected token shows in the time.
+  unsigned char da[SHA256_DIGEST_LENGTH], db[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(a.data()), a.size(), da);
+  SHA256(reinterpret_cast<const unsigned char*>(b.data()), b.size(), db);
+  return CRYPTO_memcmp(da, db, sizeof(da)) == 0 && a.size() == b.size();
 }
 
 grpc::Status BearerTokenAuthProcessor::Process(const InputMetadata& auth_metadata, grpc::AuthContext* /*context*/,
