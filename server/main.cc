@@ -1,4 +1,4 @@
-// mlakv-server: flags, logging, signals; everything else is KvCacheServer.
+// mlakv-server: flags, logging, signals; ServerProcess (server/rpc/server_process.h) builds the rest.
 #include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
@@ -10,16 +10,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/observability/health_probe_server.h"
-#include "server/rpc/kv_cache_server.h"
-#include "server/observability/metrics_endpoint.h"
-#include "server/rpc/server_config.h"
-#include "server/security/server_credentials.h"
-#include "server/observability/server_metrics.h"
+#include "server/rpc/server_process.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -75,11 +69,22 @@ void ProtobufLogToSpdlog(google::protobuf::LogLevel level, const char* filename,
 #define MLAKV_VERSION "unknown"
 #endif
 
-std::string HumanBytes(uint64_t bytes) {
-  if (bytes >= (1ull << 30)) return absl::StrCat(absl::SixDigits(bytes / double(1ull << 30)), " GiB");
-  return absl::StrCat(absl::SixDigits(bytes / double(1ull << 20)), " MiB");
+ServerFlags FlagsFromCommandLine() {
+  return {.config_path = absl::GetFlag(FLAGS_config),
+          .listen = absl::GetFlag(FLAGS_listen),
+          .device = absl::GetFlag(FLAGS_device),
+          .allow_ipc = absl::GetFlag(FLAGS_allow_ipc),
+          .metrics_listen = absl::GetFlag(FLAGS_metrics_listen),
+          .health_listen = absl::GetFlag(FLAGS_health_listen),
+          .tls_cert = absl::GetFlag(FLAGS_tls_cert),
+          .tls_key = absl::GetFlag(FLAGS_tls_key),
+          .tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca),
+          .auth_token_file = absl::GetFlag(FLAGS_auth_token_file),
+          .version = MLAKV_VERSION};
 }
 
+// Exit status: 0 after a drain, 2 for flags or files the operator must fix,
+// 1 when the host refused something (a port in use, pool memory).
 int RunServer() {
   // Block the stop signals in every thread (gRPC's included); this thread
   // waits for them with sigwait.
@@ -89,123 +94,23 @@ int RunServer() {
   sigaddset(&stop, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
 
-  v1::ServerConfig config = DefaultServerConfig();
-  const std::string config_path = absl::GetFlag(FLAGS_config);
-  if (!config_path.empty()) {
-    absl::StatusOr<v1::ServerConfig> loaded = LoadServerConfig(config_path);
-    if (!loaded.ok()) {
-      spdlog::critical("{}", std::string(loaded.status().message()));
-      return 2;
-    }
-    config = *loaded;
-  }
-  std::string listen = absl::GetFlag(FLAGS_listen);
-  if (listen.empty()) listen = config.listen().empty() ? kDefaultListen : config.listen();
-  const std::string device = absl::GetFlag(FLAGS_device);
-  if (absl::StatusOr<Device> parsed = Device::Parse(device); !parsed.ok()) {
-    spdlog::critical("--device: {}", std::string(parsed.status().message()));
+  absl::StatusOr<PreparedServer> prepared = PrepareServer(FlagsFromCommandLine());
+  if (!prepared.ok()) {
+    spdlog::critical("{}", std::string(prepared.status().message()));
     return 2;
   }
-
-  // ---- operations: metrics registry, server credentials ----
-  absl::StatusOr<std::unique_ptr<ServerMetrics>> metrics = ServerMetrics::Create(MLAKV_VERSION);
-  if (!metrics.ok()) {
-    spdlog::critical("metrics: {}", std::string(metrics.status().message()));
+  absl::StatusOr<std::unique_ptr<ServerProcess>> process = ServerProcess::Start(std::move(*prepared));
+  if (!process.ok()) {
+    spdlog::critical("{}", std::string(process.status().message()));
     return 1;
   }
-  ServerSecurityOptions security{.tls_cert_file = absl::GetFlag(FLAGS_tls_cert),
-                                 .tls_key_file = absl::GetFlag(FLAGS_tls_key),
-                                 .tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca),
-                                 .auth_token_file = absl::GetFlag(FLAGS_auth_token_file),
-                                 .on_auth_failure = [m = metrics->get()](const std::string& reason) {
-                                   m->AuthFailed(reason);
-                                   spdlog::warn("refused a call: bearer token {}", reason);
-                                 }};
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = BuildServerCredentials(security);
-  if (!credentials.ok()) {
-    spdlog::critical("{}", std::string(credentials.status().message()));
-    return 2;
-  }
-  // ---- end operations ----
-
-  absl::StatusOr<std::unique_ptr<KvCacheServer>> server =
-      KvCacheServer::Create({.config = config, .listen = listen, .default_device = device,
-                             .allow_ipc = absl::GetFlag(FLAGS_allow_ipc), .credentials = *credentials,
-                             .metrics = metrics->get()});
-  if (!server.ok()) {
-    spdlog::critical("cannot start: {}", std::string(server.status().message()));
-    return 1;
-  }
-  // ---- operations: pool gauges at scrape time, /metrics, health probe port ----
-  (*metrics)->SetPoolSource([s = server->get()] {
-    std::vector<PoolSnapshot> out;
-    for (const auto& pool : s->pools()) out.push_back(pool->Snapshot());
-    return out;
-  });
-  (*metrics)->SetIpcRegionSource([s = server->get()] { return static_cast<int64_t>(s->regions().size()); });
-  std::unique_ptr<MetricsEndpoint> metrics_endpoint;
-  if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
-    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> m =
-        MetricsEndpoint::Create({.listen = ml, .collectables = (*metrics)->collectables()});
-    if (!m.ok()) {
-      spdlog::critical("--metrics_listen: {}", std::string(m.status().message()));
-      return 1;
-    }
-    metrics_endpoint = std::move(*m);
-  }
-  std::unique_ptr<HealthProbeServer> health_probe;
-  if (const std::string hl = absl::GetFlag(FLAGS_health_listen); !hl.empty()) {
-    absl::StatusOr<std::unique_ptr<HealthProbeServer>> h = HealthProbeServer::Create(hl);
-    if (!h.ok()) {
-      spdlog::critical("{}", std::string(h.status().message()));
-      return 1;
-    }
-    health_probe = std::move(*h);
-  }
-  // ---- end operations ----
-  spdlog::info("mlakv-server {} (config: {})", MLAKV_VERSION, config_path.empty() ? "embedded default" : config_path);
-  for (const auto& pool : (*server)->pools()) {
-    const PoolSnapshot p = pool->Snapshot();
-    int fixed = 0;
-    for (const LayerSnapshot& l : p.layers) fixed += l.scales_from_config ? 1 : 0;
-    spdlog::info("pool '{}': device {}, {} layers, {} pages x {} tokens, {} cache bytes ({}), scales fixed for {} of {} "
-                 "layers",
-                 p.name, p.device.ToString(), p.num_layers, p.pages_total, p.page_size, p.cache_bytes, HumanBytes(p.cache_bytes),
-                 fixed, p.num_layers);
-  }
-  spdlog::info("listening on {}", (*server)->bound_address());
-  // ---- operations: the one start-up summary line ----
-  {
-    std::string pools;
-    uint64_t total_bytes = 0;
-    for (const auto& pool : (*server)->pools()) {
-      const PoolSnapshot p = pool->Snapshot();
-      absl::StrAppend(&pools, pools.empty() ? "" : ", ", p.name, "@", p.device.ToString(), " ", p.pages_total, "x", p.page_size,
-                      "x", p.num_layers, "L ", HumanBytes(p.cache_bytes));
-      total_bytes += p.cache_bytes;
-    }
-    spdlog::info("mlakv-server {} ready: grpc {} ({}), metrics {}, health probe {}, pools [{}], cache {} ({} bytes)",
-                 MLAKV_VERSION, (*server)->bound_address(), DescribeSecurity(security),
-                 metrics_endpoint ? absl::StrCat("port ", metrics_endpoint->port()) : std::string("off"),
-                 health_probe ? absl::StrCat("port ", health_probe->port()) : std::string("off"), pools,
-                 HumanBytes(total_bytes), total_bytes);
-  }
-  // ---- end operations ----
-  spdlog::default_logger()->flush();
+  (*process)->LogReady();
 
   int signal = 0;
   sigwait(&stop, &signal);
   spdlog::info("received {}", signal == SIGTERM ? "SIGTERM" : "SIGINT");
-  // ---- operations: probes and metrics see the drain ----
-  (*metrics)->SetDraining(true);
-  if (health_probe) health_probe->SetServing(false);
-  // ---- end operations ----
-  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s)));
-  // ---- operations: stop the side servers before the pools they read go away ----
-  metrics_endpoint.reset();
-  health_probe.reset();
-  // ---- end operations ----
-  server->reset();
+  (*process)->Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_grace_s)));
+  process->reset();
   spdlog::info("stopped");
   return 0;
 }

@@ -2,8 +2,9 @@
 // from a ServerConfig, the KvCache service, the health service and server
 // reflection on one grpc::Server.
 //
-// Health and reflection are switched on in exactly one place,
-// EnableHealthAndReflection() in kv_cache_server.cc.
+// Health and reflection of the main port are switched on by
+// EnableHealthAndReflection() in kv_cache_server.cc; the --health_listen
+// port's server (observability/health_probe_server.h) has health only.
 #pragma once
 
 #include <grpcpp/grpcpp.h>

@@ -1,0 +1,149 @@
+#include "server/rpc/server_process.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/backend/device.h"
+#include "common/status_macros.h"
+#include "server/rpc/server_config.h"
+#include "spdlog/spdlog.h"
+
+namespace mlakv::server {
+namespace {
+
+std::string HumanBytes(uint64_t bytes) {
+  if (bytes >= (1ull << 30)) return absl::StrCat(absl::SixDigits(bytes / double(1ull << 30)), " GiB");
+  return absl::StrCat(absl::SixDigits(bytes / double(1ull << 20)), " MiB");
+}
+
+absl::Status WithPrefix(absl::string_view prefix, const absl::Status& status) {
+  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<PreparedServer> PrepareServer(const ServerFlags& flags) {
+  PreparedServer p;
+  p.version = flags.version;
+  p.config_source = flags.config_path.empty() ? "embedded default" : flags.config_path;
+  if (flags.config_path.empty()) {
+    p.config = DefaultServerConfig();
+  } else {
+    MLAKV_ASSIGN_OR_RETURN(p.config, LoadServerConfig(flags.config_path));
+  }
+  p.listen = !flags.listen.empty() ? flags.listen : !p.config.listen().empty() ? p.config.listen() : kDefaultListen;
+  if (absl::StatusOr<Device> device = Device::Parse(flags.device); !device.ok()) {
+    return WithPrefix("--device: ", device.status());
+  }
+  p.device = flags.device;
+  p.allow_ipc = flags.allow_ipc;
+  p.metrics_listen = flags.metrics_listen;
+  p.health_listen = flags.health_listen;
+
+  absl::StatusOr<std::unique_ptr<ServerMetrics>> metrics = ServerMetrics::Create(flags.version);
+  if (!metrics.ok()) return WithPrefix("metrics: ", metrics.status());
+  p.metrics = std::move(*metrics);
+  p.security = {.tls_cert_file = flags.tls_cert,
+                .tls_key_file = flags.tls_key,
+                .tls_client_ca_file = flags.tls_client_ca,
+                .auth_token_file = flags.auth_token_file,
+                .on_auth_failure = [m = p.metrics.get()](const std::string& reason) {
+                  m->AuthFailed(reason);
+                  spdlog::warn("refused a call: bearer token {}", reason);
+                }};
+  MLAKV_ASSIGN_OR_RETURN(p.credentials, BuildServerCredentials(p.security));
+  return p;
+}
+
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(PreparedServer prepared) {
+  std::unique_ptr<ServerProcess> process(new ServerProcess(std::move(prepared)));
+  MLAKV_RETURN_IF_ERROR(process->StartKvCacheServer());
+  process->ConnectPoolGauges();
+  MLAKV_RETURN_IF_ERROR(process->StartMetricsEndpoint());
+  MLAKV_RETURN_IF_ERROR(process->StartHealthProbe());
+  return process;
+}
+
+ServerProcess::~ServerProcess() {
+  // The side servers read the pools: they go first (Drain did it already on
+  // the normal path; an early return from Start gets here).
+  metrics_endpoint_.reset();
+  health_probe_.reset();
+  server_.reset();
+}
+
+absl::Status ServerProcess::StartKvCacheServer() {
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> server =
+      KvCacheServer::Create({.config = prepared_.config,
+                             .listen = prepared_.listen,
+                             .default_device = prepared_.device,
+                             .allow_ipc = prepared_.allow_ipc,
+                             .credentials = prepared_.credentials,
+                             .metrics = prepared_.metrics.get()});
+  if (!server.ok()) return WithPrefix("cannot start: ", server.status());
+  server_ = std::move(*server);
+  return absl::OkStatus();
+}
+
+// Pool gauges and the region count are read when Prometheus scrapes, not
+// pushed on every change.
+void ServerProcess::ConnectPoolGauges() {
+  prepared_.metrics->SetPoolSource([s = server_.get()] {
+    std::vector<PoolSnapshot> out;
+    for (const auto& pool : s->pools()) out.push_back(pool->Snapshot());
+    return out;
+  });
+  prepared_.metrics->SetIpcRegionSource([s = server_.get()] { return static_cast<int64_t>(s->regions().size()); });
+}
+
+absl::Status ServerProcess::StartMetricsEndpoint() {
+  if (prepared_.metrics_listen.empty()) return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+      MetricsEndpoint::Create({.listen = prepared_.metrics_listen, .collectables = prepared_.metrics->collectables()});
+  if (!endpoint.ok()) return WithPrefix("--metrics_listen: ", endpoint.status());
+  metrics_endpoint_ = std::move(*endpoint);
+  return absl::OkStatus();
+}
+
+absl::Status ServerProcess::StartHealthProbe() {
+  if (prepared_.health_listen.empty()) return absl::OkStatus();
+  MLAKV_ASSIGN_OR_RETURN(health_probe_, HealthProbeServer::Create(prepared_.health_listen));
+  return absl::OkStatus();
+}
+
+void ServerProcess::LogReady() const {
+  spdlog::info("mlakv-server {} (config: {})", prepared_.version, prepared_.config_source);
+  std::string pools;
+  uint64_t total_bytes = 0;
+  for (const auto& pool : server_->pools()) {
+    const PoolSnapshot p = pool->Snapshot();
+    int fixed = 0;
+    for (const LayerSnapshot& l : p.layers) fixed += l.scales_from_config ? 1 : 0;
+    spdlog::info("pool '{}': device {}, {} layers, {} pages x {} tokens, {} cache bytes ({}), scales fixed for {} of {} "
+                 "layers",
+                 p.name, p.device.ToString(), p.num_layers, p.pages_total, p.page_size, p.cache_bytes,
+                 HumanBytes(p.cache_bytes), fixed, p.num_layers);
+    absl::StrAppend(&pools, pools.empty() ? "" : ", ", p.name, "@", p.device.ToString(), " ", p.pages_total, "x",
+                    p.page_size, "x", p.num_layers, "L ", HumanBytes(p.cache_bytes));
+    total_bytes += p.cache_bytes;
+  }
+  spdlog::info("listening on {}", server_->bound_address());
+  spdlog::info("mlakv-server {} ready: grpc {} ({}), metrics {}, health probe {}, pools [{}], cache {} ({} bytes)",
+               prepared_.version, server_->bound_address(), DescribeSecurity(prepared_.security),
+               metrics_endpoint_ ? absl::StrCat("port ", metrics_endpoint_->port()) : std::string("off"),
+               health_probe_ ? absl::StrCat("port ", health_probe_->port()) : std::string("off"), pools,
+               HumanBytes(total_bytes), total_bytes);
+  spdlog::default_logger()->flush();
+}
+
+void ServerProcess::Drain(absl::Duration grace) {
+  prepared_.metrics->SetDraining(true);
+  if (health_probe_) health_probe_->SetServing(false);
+  server_->Shutdown(grace);
+  metrics_endpoint_.reset();
+  health_probe_.reset();
+  server_.reset();
+}
+
+}  // namespace mlakv::server
