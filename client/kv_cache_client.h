@@ -29,7 +29,7 @@ namespace mlakv {
 // offset + i x row_stride_bytes of the region; each row's elements are
 // contiguous.
 struct RegionRows {
-  std::string region;
+  std::string region{};
   uint64_t offset = 0;            // bytes from the region's start to row 0
   uint64_t row_stride_bytes = 0;  // bytes from one row to the next; 0: packed rows
 };
@@ -39,11 +39,11 @@ struct RegionRows {
 // which the server reads itself: nothing but the reference crosses the wire.
 struct LayerBytes {
   uint32_t layer = 0;
-  std::string_view ckv;  // rows x 512 elements; empty when ckv_region is set
-  std::string_view kpe;  // rows x 64 elements; empty when kpe_region is set
+  std::string_view ckv{};  // rows x 512 elements; empty when ckv_region is set
+  std::string_view kpe{};  // rows x 64 elements; empty when kpe_region is set
   // Scales the rows were calibrated for; unset leaves the layer's own.
-  std::optional<float> ckv_scale;
-  std::optional<float> kpe_scale;
+  std::optional<float> ckv_scale{};
+  std::optional<float> kpe_scale{};
   // Instead of the bytes: where the rows lie in a registered region.
   std::optional<RegionRows> ckv_region = std::nullopt;
   std::optional<RegionRows> kpe_region = std::nullopt;
@@ -53,18 +53,18 @@ struct LayerBytes {
 // `start`. The byte views must stay valid for the duration of the call, and
 // region rows unchanged until it returns.
 struct AppendRows {
-  std::string pool;  // empty: the server's default pool
-  std::string sequence;
+  std::string pool{};  // empty: the server's default pool
+  std::string sequence{};
   uint32_t start = 0;
   uint32_t rows = 0;
   v1::RowDType dtype = v1::ROW_DTYPE_BFLOAT16;
-  std::vector<LayerBytes> layers;
+  std::vector<LayerBytes> layers{};
   uint32_t reserve_tokens = 0;  // allocate pages for this many tokens up front
   // Apply only if every layer written holds exactly this many tokens (else
   // FAILED_PRECONDITION, nothing written): set it to `start` when appending
   // at the end of a sequence, so that retrying an append whose response was
   // lost cannot write its tokens twice (docs/reliability.md "Retries").
-  std::optional<uint32_t> expect_length;
+  std::optional<uint32_t> expect_length{};
   // What the response's sequence carries (BASIC: no whole page table).
   v1::SequenceView view = v1::SEQUENCE_VIEW_UNSPECIFIED;
 };
@@ -98,17 +98,17 @@ class KvCacheClient {
     // ---- transport security and authentication (docs/deploy.md) ----
     // PEM file of the CA that signed the server's certificate; non-empty
     // switches the channel to TLS.
-    std::string tls_ca_file;
+    std::string tls_ca_file{};
     // PEM client certificate chain and its key, for servers that require
     // mutual TLS (--tls_client_ca). Both or neither; need tls_ca_file.
-    std::string tls_cert_file;
-    std::string tls_key_file;
+    std::string tls_cert_file{};
+    std::string tls_key_file{};
     // Name to check the server certificate against instead of the target's
     // host (e.g. a pod IP behind a certificate for mlakv.NS.svc).
-    std::string tls_server_name;
+    std::string tls_server_name{};
     // Bearer token sent as "authorization: Bearer <token>" on every call;
     // needs TLS (a token in plaintext can be read on the way).
-    std::string token;
+    std::string token{};
     // ---- end transport security ----
   };
 

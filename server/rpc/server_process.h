@@ -28,14 +28,14 @@ namespace mlakv::server {
 
 // The command line, as main.cc parsed it (flag help: server/main.cc).
 struct ServerFlags {
-  std::string config_path;  // empty: the embedded default
-  std::string listen;       // empty: the config's listen, else kDefaultListen
+  std::string config_path{};  // empty: the embedded default
+  std::string listen{};       // empty: the config's listen, else kDefaultListen
   std::string device = "auto";
   bool allow_ipc = false;
-  std::string metrics_listen;  // empty: no /metrics endpoint
-  std::string health_listen;   // empty: no probe port
-  std::string tls_cert, tls_key, tls_client_ca, auth_token_file;
-  std::string version;  // the build's version, for logs and mlakv_build_info
+  std::string metrics_listen{};  // empty: no /metrics endpoint
+  std::string health_listen{};   // empty: no probe port
+  std::string tls_cert{}, tls_key{}, tls_client_ca{}, auth_token_file{};
+  std::string version{};  // the build's version, for logs and mlakv_build_info
 };
 
 // What the flags and files say, checked; nothing is listening yet.

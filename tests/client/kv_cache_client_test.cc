@@ -1,0 +1,463 @@
+// KvCacheClient against a scripted KvCache service on loopback: what the
+// client puts on the wire (how an append is split into messages, which fields
+// only the first message carries, region references advancing with the
+// rows, the deadline of every call), what it checks before sending anything,
+// and how it turns what comes back into values and statuses. The real
+// server's side of the same calls: tests/server/rpc/service_test.cc.
+#include "client/kv_cache_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "gtest/gtest.h"
+
+namespace mlakv {
+namespace {
+
+constexpr size_t kCkvRowBytes = 512 * 2;
+constexpr size_t kKpeRowBytes = 64 * 2;
+
+// Records what arrives; answers what the test scripted.
+class ScriptedKvCache final : public v1::KvCache::Service {
+ public:
+  grpc::Status Append(grpc::ServerContext* ctx, grpc::ServerReader<v1::AppendRequest>* reader,
+                      v1::AppendResponse* response) override {
+    RecordDeadline(ctx);
+    v1::AppendRequest message;
+    std::vector<v1::AppendRequest> got;
+    while (reader->Read(&message)) got.push_back(message);
+    absl::MutexLock lock(&mu_);
+    ++calls_;
+    appends_ = std::move(got);
+    response->mutable_sequence()->set_id(appends_.empty() ? "" : appends_[0].sequence());
+    return status_;
+  }
+
+  grpc::Status ReadSequence(grpc::ServerContext* ctx, const v1::ReadSequenceRequest* request,
+                            grpc::ServerWriter<v1::ReadSequenceResponse>* writer) override {
+    RecordDeadline(ctx);
+    absl::MutexLock lock(&mu_);
+    ++calls_;
+    read_request_ = *request;
+    for (const v1::ReadSequenceResponse& chunk : chunks_) writer->Write(chunk);
+    return status_;
+  }
+
+  grpc::Status GetPool(grpc::ServerContext* ctx, const v1::GetPoolRequest*, v1::Pool* pool) override {
+    RecordDeadline(ctx);
+    absl::MutexLock lock(&mu_);
+    ++calls_;
+    *pool = pool_;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListSequences(grpc::ServerContext* ctx, const v1::ListSequencesRequest* request,
+                             v1::ListSequencesResponse* response) override {
+    RecordDeadline(ctx);
+    absl::MutexLock lock(&mu_);
+    ++calls_;
+    list_tokens_.push_back(request->page_token());
+    const size_t page = list_tokens_.size() - 1;
+    if (page < list_pages_.size()) *response = list_pages_[page];
+    return status_;
+  }
+
+  grpc::Status FreeSequence(grpc::ServerContext* ctx, const v1::FreeSequenceRequest*,
+                            v1::FreeSequenceResponse* response) override {
+    RecordDeadline(ctx);
+    absl::MutexLock lock(&mu_);
+    ++calls_;
+    response->set_pages_freed(3);
+    return status_;
+  }
+
+  // ---- scripting and inspection ----
+  void Answer(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    status_ = std::move(status);
+  }
+  void Chunks(std::vector<v1::ReadSequenceResponse> chunks) {
+    absl::MutexLock lock(&mu_);
+    chunks_ = std::move(chunks);
+  }
+  void PoolInfo(v1::Pool pool) {
+    absl::MutexLock lock(&mu_);
+    pool_ = std::move(pool);
+  }
+  void ListPages(std::vector<v1::ListSequencesResponse> pages) {
+    absl::MutexLock lock(&mu_);
+    list_pages_ = std::move(pages);
+    list_tokens_.clear();
+  }
+  std::vector<v1::AppendRequest> appends() {
+    absl::MutexLock lock(&mu_);
+    return appends_;
+  }
+  v1::ReadSequenceRequest read_request() {
+    absl::MutexLock lock(&mu_);
+    return read_request_;
+  }
+  std::vector<std::string> list_tokens() {
+    absl::MutexLock lock(&mu_);
+    return list_tokens_;
+  }
+  int calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+  // Deadlines seen, as seconds from the call's arrival.
+  std::vector<double> deadlines() {
+    absl::MutexLock lock(&mu_);
+    return deadlines_;
+  }
+
+ private:
+  void RecordDeadline(grpc::ServerContext* ctx) {
+    const double left = std::chrono::duration<double>(ctx->deadline() - std::chrono::system_clock::now()).count();
+    absl::MutexLock lock(&mu_);
+    deadlines_.push_back(left);
+  }
+
+  absl::Mutex mu_;
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::AppendRequest> appends_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ReadSequenceResponse> chunks_ ABSL_GUARDED_BY(mu_);
+  v1::ReadSequenceRequest read_request_ ABSL_GUARDED_BY(mu_);
+  v1::Pool pool_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ListSequencesResponse> list_pages_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> list_tokens_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> deadlines_ ABSL_GUARDED_BY(mu_);
+  int calls_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class KvCacheClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port_, 0);
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  std::unique_ptr<KvCacheClient> Client(size_t append_message_bytes = (4u << 20) - (64u << 10),
+                                        absl::Duration timeout = absl::Seconds(30)) {
+    absl::StatusOr<std::unique_ptr<KvCacheClient>> c = KvCacheClient::Create(
+        {.target = "127.0.0.1:" + std::to_string(port_), .timeout = timeout,
+         .append_message_bytes = append_message_bytes});
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  ScriptedKvCache service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+// Distinct bytes per row so a message carrying the wrong slice shows.
+std::string Rows(uint32_t rows, size_t row_bytes, char seed) {
+  std::string out(rows * row_bytes, 0);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(seed + i / row_bytes);
+  return out;
+}
+
+TEST_F(KvCacheClientTest, AppendSplitsRowsIntoMessagesOfTheConfiguredSize) {
+  // Three rows' worth of bytes per message (two layers of ckv + kpe each).
+  const size_t row_bytes = 2 * (kCkvRowBytes + kKpeRowBytes);
+  auto client = Client(3 * row_bytes + row_bytes / 2);
+  const std::string ckv0 = Rows(10, kCkvRowBytes, 'a'), kpe0 = Rows(10, kKpeRowBytes, 'A');
+  const std::string ckv1 = Rows(10, kCkvRowBytes, 'k'), kpe1 = Rows(10, kKpeRowBytes, 'K');
+  AppendRows append{.pool = "p", .sequence = "s", .start = 5, .rows = 10, .dtype = v1::ROW_DTYPE_FLOAT16,
+                    .layers = {{.layer = 0, .ckv = ckv0, .kpe = kpe0, .ckv_scale = 2.0f},
+                               {.layer = 7, .ckv = ckv1, .kpe = kpe1}},
+                    .reserve_tokens = 64, .expect_length = 5, .view = v1::SEQUENCE_VIEW_BASIC};
+  absl::StatusOr<v1::AppendResponse> r = client->Append(append);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sequence().id(), "s");
+
+  const std::vector<v1::AppendRequest> got = service_.appends();
+  ASSERT_EQ(got.size(), 4u);
+  const uint32_t counts[] = {3, 3, 3, 1};
+  uint32_t first = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    SCOPED_TRACE(i);
+    const v1::AppendRequest& m = got[i];
+    EXPECT_EQ(m.pool(), "p");
+    EXPECT_EQ(m.sequence(), "s");
+    EXPECT_EQ(m.start(), 5 + first);
+    EXPECT_EQ(m.row_count(), counts[i]);
+    EXPECT_EQ(m.dtype(), v1::ROW_DTYPE_FLOAT16);
+    // Only the first message carries the stream's options.
+    EXPECT_EQ(m.reserve_tokens(), i == 0 ? 64u : 0u);
+    EXPECT_EQ(m.has_expect_length(), i == 0);
+    EXPECT_EQ(m.view(), i == 0 ? v1::SEQUENCE_VIEW_BASIC : v1::SEQUENCE_VIEW_UNSPECIFIED);
+    ASSERT_EQ(m.layers_size(), 2);
+    EXPECT_EQ(m.layers(0).layer(), 0u);
+    EXPECT_EQ(m.layers(1).layer(), 7u);
+    EXPECT_EQ(m.layers(0).ckv(), ckv0.substr(first * kCkvRowBytes, counts[i] * kCkvRowBytes));
+    EXPECT_EQ(m.layers(0).kpe(), kpe0.substr(first * kKpeRowBytes, counts[i] * kKpeRowBytes));
+    EXPECT_EQ(m.layers(1).ckv(), ckv1.substr(first * kCkvRowBytes, counts[i] * kCkvRowBytes));
+    EXPECT_EQ(m.layers(1).kpe(), kpe1.substr(first * kKpeRowBytes, counts[i] * kKpeRowBytes));
+    // Scales ride on every message (the server checks they agree); 0 leaves the layer's own.
+    EXPECT_FLOAT_EQ(m.layers(0).ckv_scale(), 2.0f);
+    EXPECT_FLOAT_EQ(m.layers(0).kpe_scale(), 0.0f);
+    EXPECT_FLOAT_EQ(m.layers(1).ckv_scale(), 0.0f);
+    first += counts[i];
+  }
+  EXPECT_EQ(got[0].expect_length(), 5u);
+}
+
+TEST_F(KvCacheClientTest, AMessageHoldsAtLeastOneRowAndZeroRowsIsOneMessage) {
+  auto client = Client(/*append_message_bytes=*/1);
+  const std::string ckv = Rows(3, kCkvRowBytes, 'a'), kpe = Rows(3, kKpeRowBytes, 'A');
+  ASSERT_TRUE(client->Append({.sequence = "s", .rows = 3, .layers = {{.layer = 0, .ckv = ckv, .kpe = kpe}}}).ok());
+  EXPECT_EQ(service_.appends().size(), 3u);
+
+  ASSERT_TRUE(client->Append({.sequence = "empty", .rows = 0, .layers = {{.layer = 0}}, .reserve_tokens = 128}).ok());
+  const std::vector<v1::AppendRequest> got = service_.appends();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].row_count(), 0u);
+  EXPECT_EQ(got[0].reserve_tokens(), 128u);
+}
+
+TEST_F(KvCacheClientTest, RegionRowsTravelAsReferencesThatAdvanceWithTheRows) {
+  const size_t wire_row = kKpeRowBytes;  // only kpe travels as bytes
+  auto client = Client(2 * wire_row);
+  const std::string kpe = Rows(5, kKpeRowBytes, 'A');
+  AppendRows append{.sequence = "s", .rows = 5,
+                    .layers = {{.layer = 1, .kpe = kpe,
+                                .ckv_region = RegionRows{.region = "r", .offset = 100, .row_stride_bytes = 2048}}}};
+  ASSERT_TRUE(client->Append(append).ok());
+  std::vector<v1::AppendRequest> got = service_.appends();
+  ASSERT_EQ(got.size(), 3u);  // 2 + 2 + 1 rows
+  for (size_t i = 0; i < got.size(); ++i) {
+    SCOPED_TRACE(i);
+    const v1::LayerRows& l = got[i].layers(0);
+    EXPECT_TRUE(l.ckv().empty());
+    ASSERT_TRUE(l.has_ckv_ref());
+    EXPECT_EQ(l.ckv_ref().region(), "r");
+    EXPECT_EQ(l.ckv_ref().offset(), 100 + i * 2 * 2048);
+    EXPECT_EQ(l.ckv_ref().row_stride_bytes(), 2048u);
+    EXPECT_EQ(l.kpe(), kpe.substr(i * 2 * kKpeRowBytes, got[i].row_count() * kKpeRowBytes));
+  }
+
+  // Packed rows (stride 0) advance by the row's own bytes; rows wholly in
+  // regions are one message whatever their number.
+  append.layers[0].kpe = {};
+  append.layers[0].kpe_region = RegionRows{.region = "r2"};
+  append.layers[0].ckv_region->row_stride_bytes = 0;
+  append.rows = 1000;
+  ASSERT_TRUE(client->Append(append).ok());
+  got = service_.appends();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].row_count(), 1000u);
+  EXPECT_EQ(got[0].layers(0).kpe_ref().offset(), 0u);
+  EXPECT_EQ(got[0].layers(0).ckv_ref().offset(), 100u);
+}
+
+TEST_F(KvCacheClientTest, MalformedAppendsAreRefusedBeforeAnythingIsSent) {
+  auto client = Client();
+  const std::string ckv = Rows(2, kCkvRowBytes, 'a'), kpe = Rows(2, kKpeRowBytes, 'A');
+  struct Case {
+    const char* what;
+    AppendRows append;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"no dtype", {.sequence = "s", .rows = 2, .dtype = v1::ROW_DTYPE_UNSPECIFIED,
+                    .layers = {{.ckv = ckv, .kpe = kpe}}}, "dtype is unspecified"},
+      {"no id", {.rows = 2, .layers = {{.ckv = ckv, .kpe = kpe}}}, "sequence id is empty"},
+      {"no layers", {.sequence = "s", .rows = 2}, "no layers given"},
+      {"short ckv", {.sequence = "s", .rows = 3, .layers = {{.layer = 4, .ckv = ckv, .kpe = kpe}}},
+       "append layer 4: ckv has 2048 bytes; rows(3) x 1024 bytes per row is 3072"},
+      {"bytes and region",
+       {.sequence = "s", .rows = 2, .layers = {{.ckv = ckv, .kpe = kpe, .kpe_region = RegionRows{.region = "r"}}}},
+       "kpe has both 256 bytes and a region reference"},
+      {"odd stride",
+       {.sequence = "s", .rows = 2, .layers = {{.kpe = kpe, .ckv_region = RegionRows{.region = "r",
+                                                                                .row_stride_bytes = 1025}}}},
+       "row stride 1025 bytes must be 0 (packed) or an even number of at least the 1024 bytes"},
+      {"unnamed region", {.sequence = "s", .rows = 2, .layers = {{.ckv = ckv, .kpe_region = RegionRows{}}}},
+       "kpe region name is empty"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    absl::StatusOr<v1::AppendResponse> r = client->Append(c.append);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(c.message), absl::string_view::npos) << r.status();
+  }
+  EXPECT_EQ(service_.calls(), 0);
+}
+
+TEST_F(KvCacheClientTest, ServerStatusesKeepTheirCodeAndMessage) {
+  auto client = Client();
+  for (grpc::StatusCode code : {grpc::StatusCode::FAILED_PRECONDITION, grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                grpc::StatusCode::NOT_FOUND, grpc::StatusCode::UNAUTHENTICATED}) {
+    SCOPED_TRACE(code);
+    service_.Answer(grpc::Status(code, "scripted: 'seq' \\x00 says no"));
+    absl::StatusOr<uint32_t> freed = client->Free("p", "seq");
+    ASSERT_FALSE(freed.ok());
+    EXPECT_EQ(static_cast<int>(freed.status().code()), static_cast<int>(code));
+    EXPECT_EQ(freed.status().message(), "scripted: 'seq' \\x00 says no");
+    const std::string ckv = Rows(1, kCkvRowBytes, 'a'), kpe = Rows(1, kKpeRowBytes, 'A');
+    absl::StatusOr<v1::AppendResponse> r =
+        client->Append({.sequence = "s", .rows = 1, .layers = {{.ckv = ckv, .kpe = kpe}}});
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(static_cast<int>(r.status().code()), static_cast<int>(code));
+  }
+  service_.Answer(grpc::Status::OK);
+  absl::StatusOr<uint32_t> freed = client->Free("p", "seq");
+  ASSERT_TRUE(freed.ok());
+  EXPECT_EQ(*freed, 3u);
+}
+
+TEST_F(KvCacheClientTest, EveryCallCarriesTheTimeoutAsItsDeadline) {
+  auto client = Client(4u << 20, absl::Seconds(7));
+  ASSERT_TRUE(client->Free("p", "s").ok());
+  ASSERT_TRUE(client->GetPool("p").ok());
+  ASSERT_TRUE(client->ReadLayer("p", "s", 0, 0, 0).ok());
+  const std::string ckv = Rows(1, kCkvRowBytes, 'a'), kpe = Rows(1, kKpeRowBytes, 'A');
+  ASSERT_TRUE(client->Append({.sequence = "s", .rows = 1, .layers = {{.ckv = ckv, .kpe = kpe}}}).ok());
+  const std::vector<double> deadlines = service_.deadlines();
+  ASSERT_GE(deadlines.size(), 4u);
+  for (double left : deadlines) {
+    EXPECT_GT(left, 5.0);
+    EXPECT_LE(left, 7.1);  // gRPC rounds the timeout it sends up
+  }
+}
+
+v1::ReadSequenceResponse Chunk(uint32_t layer, uint32_t start, uint32_t count, char seed) {
+  v1::ReadSequenceResponse c;
+  c.set_layer(layer);
+  c.set_start(start);
+  c.set_count(count);
+  c.set_ckv_packed(std::string(count * 256, seed));
+  c.set_ckv_sf(std::string(count * 32, seed + 1));
+  c.set_kpe(std::string(count * 64, seed + 2));
+  c.set_ckv_scale(0.5f);
+  c.set_kpe_scale(0.25f);
+  return c;
+}
+
+TEST_F(KvCacheClientTest, ReadLayerJoinsChunksInTokenOrder) {
+  auto client = Client();
+  service_.Chunks({Chunk(3, 10, 4, 'a'), Chunk(3, 14, 2, 'x')});
+  absl::StatusOr<StoredLayer> stored = client->ReadLayer("p", "s", 3, 10, 6);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->layer, 3u);
+  EXPECT_EQ(stored->start, 10u);
+  EXPECT_EQ(stored->count, 6u);
+  EXPECT_EQ(stored->ckv_packed, std::string(4 * 256, 'a') + std::string(2 * 256, 'x'));
+  EXPECT_EQ(stored->ckv_sf, std::string(4 * 32, 'b') + std::string(2 * 32, 'y'));
+  EXPECT_EQ(stored->kpe, std::string(4 * 64, 'c') + std::string(2 * 64, 'z'));
+  EXPECT_FLOAT_EQ(stored->ckv_scale, 0.5f);
+  EXPECT_FLOAT_EQ(stored->kpe_scale, 0.25f);
+  const v1::ReadSequenceRequest sent = service_.read_request();
+  EXPECT_EQ(sent.pool(), "p");
+  EXPECT_EQ(sent.sequence(), "s");
+  ASSERT_EQ(sent.layers_size(), 1);
+  EXPECT_EQ(sent.layers(0), 3u);
+  EXPECT_EQ(sent.start(), 10u);
+  EXPECT_EQ(sent.count(), 6u);
+  EXPECT_EQ(sent.format(), v1::READ_FORMAT_RAW);
+}
+
+TEST_F(KvCacheClientTest, ReadLayerRefusesChunksThatDoNotFollowEachOther) {
+  auto client = Client();
+  v1::ReadSequenceResponse short_bytes = Chunk(0, 4, 2, 'b');
+  short_bytes.mutable_kpe()->pop_back();
+  const std::vector<std::pair<const char*, std::vector<v1::ReadSequenceResponse>>> cases = {
+      {"a gap", {Chunk(0, 0, 4, 'a'), Chunk(0, 5, 2, 'b')}},
+      {"another layer", {Chunk(0, 0, 4, 'a'), Chunk(1, 4, 2, 'b')}},
+      {"short bytes", {Chunk(0, 0, 4, 'a'), short_bytes}},
+  };
+  for (const auto& [what, chunks] : cases) {
+    SCOPED_TRACE(what);
+    service_.Chunks(chunks);
+    absl::StatusOr<StoredLayer> stored = client->ReadLayer("p", "s", 0, 0, 6);
+    ASSERT_FALSE(stored.ok());
+    EXPECT_EQ(stored.status().code(), absl::StatusCode::kInternal);
+    EXPECT_NE(stored.status().message().find("does not follow layer 0 token 4"), absl::string_view::npos)
+        << stored.status();
+  }
+  // The stream's own error wins over what the chunks said.
+  service_.Chunks({Chunk(0, 0, 4, 'a'), Chunk(0, 9, 1, 'b')});
+  service_.Answer(grpc::Status(grpc::StatusCode::ABORTED, "scripted abort"));
+  absl::StatusOr<StoredLayer> stored = client->ReadLayer("p", "s", 0, 0, 6);
+  ASSERT_FALSE(stored.ok());
+  EXPECT_EQ(stored.status().code(), absl::StatusCode::kAborted);
+}
+
+TEST_F(KvCacheClientTest, AnEmptyReadTakesTheScalesFromThePool) {
+  auto client = Client();
+  v1::Pool pool;
+  pool.add_layers()->set_ckv_scale(1.0f);
+  v1::LayerScales* l1 = pool.add_layers();
+  l1->set_ckv_scale(3.0f);
+  l1->set_kpe_scale(4.0f);
+  service_.PoolInfo(pool);
+  absl::StatusOr<StoredLayer> stored = client->ReadLayer("p", "s", 1, 0, 0);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->count, 0u);
+  EXPECT_FLOAT_EQ(stored->ckv_scale, 3.0f);
+  EXPECT_FLOAT_EQ(stored->kpe_scale, 4.0f);
+}
+
+TEST_F(KvCacheClientTest, ListSequencesFollowsPageTokensAndStopsOnALoop) {
+  auto client = Client();
+  v1::ListSequencesResponse a, b, c;
+  a.add_sequences()->set_id("s1");
+  a.set_next_page_token("t1");
+  b.add_sequences()->set_id("s2");
+  b.add_sequences()->set_id("s3");
+  b.set_next_page_token("t2");
+  c.add_sequences()->set_id("s4");
+  service_.ListPages({a, b, c});
+  absl::StatusOr<std::vector<v1::SequenceSummary>> all = client->ListSequences("p");
+  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_EQ(all->size(), 4u);
+  EXPECT_EQ((*all)[3].id(), "s4");
+  EXPECT_EQ(service_.list_tokens(), (std::vector<std::string>{"", "t1", "t2"}));
+
+  // A server that hands back the token it was given would loop forever.
+  v1::ListSequencesResponse again;
+  again.set_next_page_token("t1");
+  service_.ListPages({a, again, again, again});
+  absl::StatusOr<std::vector<v1::SequenceSummary>> looped = Client()->ListSequences("p");
+  ASSERT_FALSE(looped.ok());
+  EXPECT_EQ(looped.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(looped.status().message().find("same page token twice"), absl::string_view::npos);
+}
+
+TEST(KvCacheClientCreate, RefusesOptionsThatCannotWork) {
+  struct Case {
+    const char* what;
+    KvCacheClient::Options options;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"no target", {.target = ""}, "target (host:port) is empty"},
+      {"zero timeout", {.timeout = absl::ZeroDuration()}, "timeout must be positive"},
+      {"zero message bytes", {.append_message_bytes = 0}, "append_message_bytes must be positive"},
+      {"token in plaintext", {.token = "secret"}, "a bearer token needs TLS"},
+      {"cert without key", {.tls_ca_file = "/ca.pem", .tls_cert_file = "/c.pem"}, "certificate and its key go together"},
+      {"cert without ca", {.tls_cert_file = "/c.pem", .tls_key_file = "/k.pem"}, "a client certificate needs a TLS CA"},
+      {"missing ca file", {.tls_ca_file = "/nonexistent/ca.pem"}, "TLS CA /nonexistent/ca.pem: cannot open"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    absl::StatusOr<std::unique_ptr<KvCacheClient>> client = KvCacheClient::Create(c.options);
+    ASSERT_FALSE(client.ok());
+    EXPECT_NE(client.status().message().find(c.message), absl::string_view::npos) << client.status();
+  }
+}
+
+}  // namespace
+}  // namespace mlakv
