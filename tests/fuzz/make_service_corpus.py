@@ -3,7 +3,7 @@
 
   PYTHONPATH=client/python MLAKV_PY_GEN=build/client/python/gen tests/fuzz/make_service_corpus.py
 
-pool_transactions_fuzzer/: transaction scripts (tests/server/pool_model.h
+pool_transactions_fuzzer/: transaction scripts (tests/server/core/pool_model.h
 decodes them): begin / stage / commit cycles, rewrites, a full pool,
 truncates and frees, two transactions staged in one call.
 request_validation_fuzzer/: a selector byte (0 AppendBatch, 1 Append
