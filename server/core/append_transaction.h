@@ -12,12 +12,18 @@
 //    off again (returned to the allocator) by Abort; a sequence created by
 //    the append is erased by Abort;
 //  * scales the append set on an empty layer are unset again by Abort if the
-//    layer still stores nothing.
+//    layer still stores nothing;
+//  * a page the append writes that has another reference (a fork, a page
+//    lease) is copied first to a new page, which takes its place in the page
+//    table; the append keeps the old page's reference until Commit drops it,
+//    and Abort puts the old page back (copy-on-write).
 // The sequence is held exclusively (Sequence::busy) for the whole append.
 // Only Pool touches the fields.
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -73,6 +79,15 @@ class AppendTransaction {
   std::vector<std::vector<bool>> saved_;  // [num_layers][committed_] position's old bytes are in undo_
   std::vector<Undo> undo_;
   std::vector<LayerScalesBefore> scales_before_;  // layers whose scales this append set
+  struct CopyOnWrite {
+    size_t index = 0;   // page-table entry
+    int32_t from = 0;   // the shared page (its reference held until Commit)
+    int32_t to = 0;     // the private copy now in the table
+  };
+  std::vector<CopyOnWrite> cows_;
+  std::set<uint32_t> written_pages_;          // page-table entries the rows write
+  std::map<uint32_t, std::string> hashes_;    // block hashes to record at Commit
+  bool pin_ = false;
   uint64_t rows_written_ = 0;
   uint32_t pages_allocated_ = 0;
   bool finished_ = false;

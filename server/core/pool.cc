@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "absl/container/flat_hash_set.h"
@@ -13,6 +14,7 @@
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_append.h"
 #include "server/backend/backend_factory.h"
+#include "server/core/ids.h"
 #include "spdlog/spdlog.h"
 
 namespace mlakv::server {
@@ -30,8 +32,6 @@ bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-int64_t NowNs() { return absl::ToUnixNanos(absl::Now()); }
-
 // "sequence 'id'" for messages, with the id quoted safely (common/quote.h).
 std::string Who(const std::string& id) { return absl::StrCat("sequence ", Quote(id)); }
 
@@ -46,7 +46,11 @@ struct Pool::StagePlan {
   };
   std::map<int32_t, NewScales> new_scales;  // layer -> scales this call sets
   std::vector<int64_t> new_pages;           // [txns] pages each transaction needs beyond what it holds
-  int64_t total_new_pages = 0;
+  std::vector<std::set<uint32_t>> written;  // [txns] page-table entries its rows write (existing pages)
+  std::vector<std::set<uint32_t>> cows;     // [txns] of those, the shared ones to copy first
+  int64_t total_new_pages = 0;              // tail pages and copies
+  // The copies to make before the writes (from the shared page to the new one).
+  std::vector<AppendTransaction::CopyOnWrite> copies;
   // The writes: per layer its segments, against one page table for the call.
   std::map<int32_t, std::vector<AppendSegment>> segments;
   std::vector<int32_t> kv_indptr{0}, kv_indices;
@@ -65,6 +69,20 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(const Options& options) {
                                                    options.num_pages));
   }
   if (options.max_sequences < 1) return absl::InvalidArgumentError(absl::StrCat(where, "max_sequences must be >= 1"));
+  const Options::Eviction& ev = options.eviction;
+  if (ev.high_watermark != 0.0 &&
+      (!ev.lru || !(ev.high_watermark > 0.0 && ev.high_watermark <= 1.0) ||
+       !(ev.low_watermark >= 0.0 && ev.low_watermark < ev.high_watermark))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "eviction watermarks need the lru policy and 0 <= low < high <= 1, got high ", ev.high_watermark,
+        " low ", ev.low_watermark));
+  }
+  if (options.max_leases < 1 || options.max_leases_per_sequence < 1 ||
+      options.default_lease_duration <= absl::ZeroDuration() ||
+      options.max_lease_duration < options.default_lease_duration) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "max_leases and max_leases_per_sequence must be >= 1 and 0 < default lease duration <= max"));
+  }
   if (static_cast<int64_t>(options.num_pages) * options.page_size > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(absl::StrCat(where, "num_pages x page_size = ",
                                                    static_cast<int64_t>(options.num_pages) * options.page_size,
@@ -102,6 +120,8 @@ Pool::Pool(const Options& options, std::unique_ptr<CacheBackend> backend, std::u
       allocator_(std::move(allocator)),
       sequences_(options.num_layers, options.num_pages),
       layers_(options.num_layers),
+      prefix_(options.num_pages),
+      ended_(options.eviction.remember_ended),
       // The worker makes the pool's GPU current once, before its first task.
       worker_(std::make_unique<SerialExecutor>([device = device_] { device.BindThread(); })) {
   for (size_t l = 0; l < options.layer_scales.size(); ++l) {
@@ -121,10 +141,15 @@ int64_t Pool::EntryOf(const Sequence& seq, uint32_t position) const {
   return static_cast<int64_t>(page) * options_.page_size + position % options_.page_size;
 }
 
-void Pool::ReleasePages(std::span<const int32_t> pages) {
-  if (absl::Status s = allocator_->Free(pages); !s.ok()) {
+int64_t Pool::NowNs() const { return absl::ToUnixNanos(options_.clock ? options_.clock() : absl::Now()); }
+
+uint32_t Pool::ReleasePages(std::span<const int32_t> pages) {
+  std::vector<int32_t> freed;
+  if (absl::Status s = allocator_->Unref(pages, &freed); !s.ok()) {
     spdlog::error("pool {}: {}", Quote(name()), std::string(s.message()));  // a bug; the pages stay used rather than corrupt the list
   }
+  for (int32_t page : freed) prefix_.ErasePage(page);
+  return static_cast<uint32_t>(freed.size());
 }
 
 // ---- appends ---------------------------------------------------------------
@@ -144,7 +169,7 @@ absl::StatusOr<std::unique_ptr<AppendTransaction>> Pool::BeginAppend(const std::
           "pool ", Quote(name()), " holds ", sequences_.size(), " sequences, its max_sequences; ", Who(id),
           " cannot be created. Free sequences, or configure a larger max_sequences"));
     }
-    seq = sequences_.Add(std::string(id));
+    seq = sequences_.Add(std::string(id), NextId());
     created = true;
   } else if (seq->busy()) {
     return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
@@ -199,6 +224,20 @@ absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r
       }
     }
   }
+  if (r.block_hashes.size() > static_cast<size_t>(options_.num_pages) ||
+      static_cast<uint64_t>(r.block_hashes_first_page) + r.block_hashes.size() >
+          static_cast<uint64_t>(options_.num_pages)) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": block hashes for page-table entries [",
+                                                   r.block_hashes_first_page, ", ",
+                                                   static_cast<uint64_t>(r.block_hashes_first_page) + r.block_hashes.size(),
+                                                   ") pass the pool's ", options_.num_pages, " pages"));
+  }
+  for (size_t i = 0; i < r.block_hashes.size(); ++i) {
+    if (r.block_hashes[i].empty() || r.block_hashes[i].size() > kMaxBlockHashBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": block hash ", i, " is ", r.block_hashes[i].size(),
+                                                     " bytes; each must be 1..", kMaxBlockHashBytes));
+    }
+  }
   // Byte counts first (they say what the message is), then where it lands.
   if (static_cast<uint64_t>(r.start) + r.row_count > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
     return absl::OutOfRangeError(absl::StrCat(who, ": start ", r.start, " + row_count ", r.row_count,
@@ -210,6 +249,21 @@ absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r
 absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const SequenceRowsIn& r,
                               StagePlan& plan) const {
   const std::string who = Who(txn.id_);
+  if (r.expect_generation) {
+    if (txn.created_) {
+      return absl::NotFoundError(absl::StrCat(who, " not found in pool ", Quote(name()), "; expect_generation ",
+                                              *r.expect_generation, " names an incarnation that no longer exists",
+                                              " (nothing was written)"));
+    }
+    MLAKV_RETURN_IF_ERROR(CheckGeneration(*txn.sequence_, r.expect_generation));
+  }
+  if (const uint32_t protect = txn.sequence_->protected_tokens(); protect > 0 && r.row_count > 0 &&
+                                                                   !r.layers.empty() && r.start < protect) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": rows [", r.start, ", ", static_cast<uint64_t>(r.start) + r.row_count, ") would rewrite tokens below ",
+        protect, ", which ", txn.sequence_->lease_tokens().size(),
+        " lease(s) protect; append at or after position ", protect, " or end the leases first (ListLeases)"));
+  }
   if (r.expect_length) {
     // The layers these rows write, or the sequence as a whole.
     auto mismatch = [&](uint32_t have, const std::string& what) {
@@ -284,25 +338,43 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
   const int64_t pages_needed = CeilDiv(static_cast<int64_t>(needed_tokens), options_.page_size);
   plan.new_pages[index] = std::max<int64_t>(0, pages_needed - static_cast<int64_t>(txn.sequence_->pages().size()));
   plan.total_new_pages += plan.new_pages[index];
+  // Existing pages the rows write; the shared ones are copied first.
+  if (r.row_count > 0 && !r.layers.empty()) {
+    const std::vector<int32_t>& pages = txn.sequence_->pages();
+    const uint64_t first = r.start / options_.page_size;
+    const uint64_t last = std::min<uint64_t>((end - 1) / options_.page_size + 1, pages.size());
+    for (uint64_t i = first; i < last; ++i) {
+      plan.written[index].insert(static_cast<uint32_t>(i));
+      if (allocator_->refs(pages[i]) > 1) plan.cows[index].insert(static_cast<uint32_t>(i));
+    }
+    plan.total_new_pages += static_cast<int64_t>(plan.cows[index].size());
+  }
   return absl::OkStatus();
 }
 
-absl::Status Pool::CheckCapacity(const StagePlan& plan) const {
-  if (plan.total_new_pages <= allocator_->free_count()) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "pool ", Quote(name()), " is full: this append needs ", plan.total_new_pages, " more pages but ",
-      allocator_->free_count(), " of ", allocator_->total(), " are free (page_size ", options_.page_size,
-      "); nothing was written. Free or truncate sequences, or configure a larger pool"));
-}
-
 void Pool::Reserve(std::span<AppendTransaction* const> txns, StagePlan& plan) {
-  std::vector<int32_t> pages = *allocator_->Allocate(plan.total_new_pages);  // CheckCapacity passed under this lock
+  std::vector<int32_t> pages = *allocator_->Allocate(plan.total_new_pages);  // MakeRoom passed under this lock
   size_t next = 0;
   for (size_t i = 0; i < txns.size(); ++i) {
     AppendTransaction& txn = *txns[i];
-    sequences_.AttachPages(txn.sequence_, std::span<const int32_t>(pages.data() + next, plan.new_pages[i]));
+    Sequence* seq = txn.sequence_;
+    // Copy-on-write: a new page takes the shared one's place; the append
+    // keeps the shared page's reference until Commit.
+    for (uint32_t index : plan.cows[i]) {
+      const int32_t to = pages[next++];
+      const int32_t from = sequences_.ReplacePage(seq, index, to);
+      ++cow_held_[from];
+      txn.cows_.push_back({.index = index, .from = from, .to = to});
+      plan.copies.push_back(txn.cows_.back());
+    }
+    // A private page being rewritten no longer holds what its hash says.
+    for (uint32_t index : plan.written[i]) {
+      if (!plan.cows[i].contains(index)) prefix_.ErasePage(seq->pages()[index]);
+      txn.written_pages_.insert(index);
+    }
+    sequences_.AttachPages(seq, std::span<const int32_t>(pages.data() + next, plan.new_pages[i]));
     next += plan.new_pages[i];
-    txn.pages_allocated_ += static_cast<uint32_t>(plan.new_pages[i]);
+    txn.pages_allocated_ += static_cast<uint32_t>(plan.new_pages[i] + plan.cows[i].size());
   }
   for (const auto& [layer, scales] : plan.new_scales) {
     LayerState& st = layers_[layer];
@@ -336,6 +408,8 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
       // Committed positions these rows rewrite whose old bytes are not saved yet.
       const uint32_t rewrite_end = std::min<uint64_t>(static_cast<uint64_t>(r.start) + r.row_count, txn.committed_[l]);
       if (r.start < rewrite_end) {
+        // Before the write: a lease taken meanwhile must not cover it.
+        txn.sequence_->set_rewrite_floor(std::min(txn.sequence_->rewrite_floor(), r.start));
         std::vector<bool>& saved = txn.saved_[l];
         if (saved.empty()) saved.assign(txn.committed_[l], false);
         AppendTransaction::Undo undo;
@@ -369,6 +443,11 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
 }
 
 absl::Status Pool::CaptureUndo(const StagePlan& plan) {
+  // Copies first: the undo of a rewritten position in a copied page reads
+  // the copy.
+  for (const AppendTransaction::CopyOnWrite& c : plan.copies) {
+    MLAKV_RETURN_IF_ERROR(CopyPage(c.from, c.to, static_cast<uint32_t>(options_.page_size)));
+  }
   for (AppendTransaction::Undo* u : plan.undo_to_capture) {
     const size_t n = u->entries.size();
     u->ckv_packed.resize(n * kCkvPackedBytes);
@@ -388,6 +467,10 @@ void Pool::RecordStaged(std::span<AppendTransaction* const> txns, std::span<cons
   for (size_t i = 0; i < txns.size(); ++i) {
     AppendTransaction& txn = *txns[i];
     const SequenceRowsIn& r = *rows[i];
+    for (size_t h = 0; h < r.block_hashes.size(); ++h) {
+      txn.hashes_[r.block_hashes_first_page + static_cast<uint32_t>(h)] = r.block_hashes[h];
+    }
+    if (r.pin) txn.pin_ = true;
     if (r.row_count == 0) continue;
     for (const LayerRows& lr : r.layers) {
       txn.staged_end_[lr.layer] = std::max(txn.staged_end_[lr.layer], r.start + r.row_count);
@@ -405,12 +488,15 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
   }
   StagePlan plan;
   plan.new_pages.assign(txns.size(), 0);
+  plan.written.resize(txns.size());
+  plan.cows.resize(txns.size());
   {
     absl::MutexLock lock(&mu_);
+    ReapExpiredLeases();  // a lease past its expiry protects nothing
     for (size_t i = 0; i < txns.size(); ++i) {
       MLAKV_RETURN_IF_ERROR(CheckState(i, *txns[i], *rows[i], plan));
     }
-    MLAKV_RETURN_IF_ERROR(CheckCapacity(plan));
+    MLAKV_RETURN_IF_ERROR(MakeRoom(plan.total_new_pages, "this append"));
     Reserve(txns, plan);
     PlanWrites(txns, rows, dtype, plan);
   }
@@ -436,11 +522,28 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
   }
   txn.undo_.clear();
   txn.finished_ = true;
+  seq.set_rewrite_floor(UINT32_MAX);
+  // The copies are in place: the shared pages lose this sequence's reference.
+  for (const AppendTransaction::CopyOnWrite& c : txn.cows_) {
+    if (--cow_held_[c.from] == 0) cow_held_.erase(c.from);
+    ReleasePages(std::span<const int32_t>(&c.from, 1));
+  }
+  counters_.pages_copied += txn.cows_.size();
+  // Hashes: rewritten pages lose their pending ones; the new ones wait until
+  // their page is complete in every layer.
+  for (uint32_t index : txn.written_pages_) seq.pending_hashes().erase(index);
+  for (auto& [index, hash] : txn.hashes_) seq.pending_hashes()[index] = std::move(hash);
+  IndexCompletePages(&seq);
+  if (txn.created_) {
+    ended_.Forget(seq.id());
+    if (txn.pin_) sequences_.SetPinned(&seq);
+  }
   SequenceSnapshot snapshot = SnapshotOf(seq);
   if (txn.created_ && seq.empty()) {
     // Nothing written and nothing reserved: a new id is not kept (an append
-    // of zero rows must not leave a sequence behind).
+    // of zero rows must not leave a sequence behind), and has no generation.
     sequences_.Erase(&seq);
+    snapshot.generation = 0;
     return snapshot;
   }
   sequences_.SetCommitted(&seq);
@@ -469,6 +572,14 @@ void Pool::Abort(AppendTransaction& txn) {
   for (int32_t l = 0; l < options_.num_layers; ++l) {
     if (txn.touched_[l]) --layers_[l].staged_users;
   }
+  // The shared pages go back where the copies were.
+  for (auto it = txn.cows_.rbegin(); it != txn.cows_.rend(); ++it) {
+    sequences_.ReplacePage(seq, it->index, it->from);
+    if (--cow_held_[it->from] == 0) cow_held_.erase(it->from);
+    ReleasePages(std::span<const int32_t>(&it->to, 1));
+  }
+  txn.cows_.clear();
+  seq->set_rewrite_floor(UINT32_MAX);
   std::vector<int32_t> cut = sequences_.DetachTail(seq, txn.original_pages_);
   ReleasePages(cut);
   for (auto it = txn.scales_before_.rbegin(); it != txn.scales_before_.rend(); ++it) {
@@ -498,14 +609,47 @@ SequenceSnapshot Pool::SnapshotOf(const Sequence& seq) const {
   s.page_size = static_cast<uint32_t>(options_.page_size);
   s.last_page_len = s.length == 0 ? 0 : (s.length - 1) % s.page_size + 1;
   s.capacity_tokens = static_cast<uint32_t>(seq.pages().size()) * s.page_size;
+  s.generation = seq.generation();
+  s.leases = static_cast<uint32_t>(seq.lease_tokens().size());
+  s.pinned = seq.pinned();
+  for (int32_t page : seq.pages()) s.shared_pages += allocator_->refs(page) > 1 ? 1 : 0;
   return s;
 }
 
 absl::StatusOr<Sequence*> Pool::FindCommitted(const std::string& id) const {
   Sequence* seq = sequences_.Find(id);
   if (seq == nullptr || !seq->committed()) {
-    return absl::NotFoundError(absl::StrCat(Who(id), " not found in pool ", Quote(name())));
+    const EndedSequences::Entry* ended = ended_.Find(id);
+    return absl::NotFoundError(absl::StrCat(Who(id), " not found in pool ", Quote(name()),
+                                            ended != nullptr ? absl::StrCat(": ", EndedSequences::Describe(*ended)) : ""));
   }
+  return seq;
+}
+
+absl::Status Pool::CheckGeneration(const Sequence& seq, std::optional<uint64_t> expected) const {
+  if (!expected || *expected == seq.generation()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      Who(seq.id()), " of pool ", Quote(name()), " has generation ", seq.generation(), ", not the ", *expected,
+      " the call expects: the id was freed and created again since (nothing was changed)"));
+}
+
+absl::StatusOr<Sequence*> Pool::Resolve(const SequenceRef& ref) const {
+  if (ref.lease_id != 0) {
+    const Lease* lease = leases_.Find(ref.lease_id);
+    if (lease == nullptr || lease->sequence == nullptr) {
+      return absl::NotFoundError(absl::StrCat("lease ", ref.lease_id, " of pool ", Quote(name()),
+                                              lease == nullptr ? " is not held: it expired or was released"
+                                                               : " is a page lease, not a sequence lease"));
+    }
+    if (!ref.id.empty() && ref.id != lease->sequence->id()) {
+      return absl::InvalidArgumentError(absl::StrCat("lease ", ref.lease_id, " holds ", Who(lease->sequence->id()),
+                                                     ", not ", Who(ref.id)));
+    }
+    MLAKV_RETURN_IF_ERROR(CheckGeneration(*lease->sequence, ref.expect_generation));
+    return lease->sequence;
+  }
+  MLAKV_ASSIGN_OR_RETURN(Sequence * seq, FindCommitted(ref.id));
+  MLAKV_RETURN_IF_ERROR(CheckGeneration(*seq, ref.expect_generation));
   return seq;
 }
 
@@ -523,14 +667,27 @@ PoolSnapshot Pool::Snapshot() const {
   p.max_sequences = options_.max_sequences;
   p.cache_bytes = backend_->cache_bytes();
   for (const LayerState& st : layers_) p.layers.push_back(st);  // the LayerSnapshot part
+  p.pages_shared = allocator_->shared_count();
+  p.leases = static_cast<uint32_t>(leases_.size());
+  p.sequences_retained = static_cast<uint32_t>(retained_.size());
+  p.pages_indexed = static_cast<uint32_t>(prefix_.size());
+  p.eviction_lru = options_.eviction.lru;
+  p.counters = counters_;
   return p;
 }
 
-absl::StatusOr<SequenceSnapshot> Pool::GetSequence(const std::string& id) {
+absl::StatusOr<SequenceSnapshot> Pool::GetSequence(const SequenceRef& ref, const std::optional<LeaseRequest>& lease) {
   absl::MutexLock lock(&mu_);  // exclusive: a query by id is a use (it moves in the use order)
-  MLAKV_ASSIGN_OR_RETURN(Sequence* seq, FindCommitted(id));
+  ReapExpiredLeases();
+  MLAKV_ASSIGN_OR_RETURN(Sequence * seq, Resolve(ref.ById()));
+  std::optional<LeaseSnapshot> taken;
+  if (lease) {
+    MLAKV_ASSIGN_OR_RETURN(taken, AddLease(seq, *lease, seq->length(), {}));
+  }
   sequences_.Touch(seq, NowNs());
-  return SnapshotOf(*seq);
+  SequenceSnapshot snapshot = SnapshotOf(*seq);
+  snapshot.lease = std::move(taken);
+  return snapshot;
 }
 
 SequenceListing Pool::ListSequences(size_t limit, const std::string& page_token) const {
@@ -556,10 +713,13 @@ absl::StatusOr<PageSnapshot> Pool::GetPage(int64_t page) const {
   PageSnapshot p;
   p.page = static_cast<int32_t>(page);
   p.used = allocator_->IsUsed(p.page);
-  const SequenceTable::Owner& owner = sequences_.OwnerOf(p.page);
+  const SequenceTable::Owner owner = sequences_.OwnerOf(p.page);
   p.filled_per_layer.assign(options_.num_layers, 0);
+  p.references = allocator_->refs(p.page);
+  if (const std::string* hash = prefix_.HashOf(p.page)) p.block_hash = *hash;
   if (owner.sequence != nullptr) {
     p.sequence = owner.sequence->id();
+    p.sequence_freed = owner.sequence->retained();
     p.page_index = owner.page_index;
     p.first_position = owner.page_index * static_cast<uint32_t>(options_.page_size);
     for (int32_t l = 0; l < options_.num_layers; ++l) {
@@ -569,23 +729,25 @@ absl::StatusOr<PageSnapshot> Pool::GetPage(int64_t page) const {
   return p;
 }
 
-absl::StatusOr<uint32_t> Pool::FreeSequence(const std::string& id) {
+absl::StatusOr<FreeResult> Pool::FreeSequence(const SequenceRef& ref) {
   absl::MutexLock lock(&mu_);
-  MLAKV_ASSIGN_OR_RETURN(Sequence* seq, FindCommitted(id));
+  ReapExpiredLeases();
+  MLAKV_ASSIGN_OR_RETURN(Sequence * seq, Resolve(ref.ById()));
   if (seq->busy()) {
-    return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
+    return absl::AbortedError(absl::StrCat(Who(ref.id), " of pool ", Quote(name()),
                                            " has an append in progress; free it when the append has finished"));
   }
-  return EraseSequence(seq);
+  if (!seq->lease_tokens().empty()) return RetainForLeases(seq);
+  return FreeResult{.pages_freed = EraseSequence(seq)};
 }
 
 uint32_t Pool::EraseSequence(Sequence* seq, SequencesById::node_type* storage) {
   for (int32_t l = 0; l < options_.num_layers; ++l) layers_[l].tokens -= seq->layer_length(l);
   std::vector<int32_t> cut = sequences_.DetachTail(seq, 0);
-  ReleasePages(cut);
+  const uint32_t freed = ReleasePages(cut);
   SequencesById::node_type node = sequences_.Extract(seq);
   if (storage != nullptr) *storage = std::move(node);
-  return static_cast<uint32_t>(cut.size());
+  return freed;
 }
 
 int Pool::FreeIdle(absl::Time now, int max_batch) {
@@ -603,6 +765,8 @@ int Pool::FreeIdle(absl::Time now, int max_batch) {
       while (static_cast<int>(storage.size()) < max_batch) {
         Sequence* oldest = sequences_.LeastRecentlyUsed();
         if (oldest == nullptr || oldest->last_used_ns() >= cutoff) break;
+        ended_.Record(oldest->id(), oldest->generation(), now, EndedSequences::Reason::kIdle);
+        ++counters_.idle_freed;
         storage.emplace_back();
         pages += EraseSequence(oldest, &storage.back());
       }
@@ -620,9 +784,11 @@ int Pool::FreeIdle(absl::Time now, int max_batch) {
   return freed;
 }
 
-absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, uint32_t length) {
+absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const SequenceRef& ref, uint32_t length) {
+  const std::string& id = ref.id;
   absl::MutexLock lock(&mu_);
-  MLAKV_ASSIGN_OR_RETURN(Sequence* seq, FindCommitted(id));
+  ReapExpiredLeases();
+  MLAKV_ASSIGN_OR_RETURN(Sequence * seq, Resolve(ref.ById()));
   if (seq->busy()) {
     return absl::AbortedError(absl::StrCat(Who(id), " of pool ", Quote(name()),
                                            " has an append in progress; truncate it when the append has finished"));
@@ -631,6 +797,19 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, u
     return absl::OutOfRangeError(absl::StrCat("cannot truncate ", Who(id), " to ", length,
                                               " tokens: its longest layer holds ", seq->max_length()));
   }
+  if (length < seq->protected_tokens()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot truncate ", Who(id), " to ", length, " tokens: ", seq->lease_tokens().size(),
+        " lease(s) protect its first ", seq->protected_tokens(), " tokens (ListLeases shows them)"));
+  }
+  // Pages from the one that stops being complete on: their content will
+  // change, so their hashes go (a page another holder shares is unchanged
+  // and keeps its hash; the next write to it copies it first).
+  const uint32_t complete = length / static_cast<uint32_t>(options_.page_size);
+  for (size_t i = complete; i < seq->pages().size(); ++i) {
+    if (allocator_->refs(seq->pages()[i]) == 1) prefix_.ErasePage(seq->pages()[i]);
+  }
+  seq->pending_hashes().erase(seq->pending_hashes().lower_bound(complete), seq->pending_hashes().end());
   for (int32_t l = 0; l < options_.num_layers; ++l) {
     const uint32_t before = seq->layer_length(l);
     if (before > length) {
@@ -650,10 +829,12 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const std::string& id, u
 
 // ---- reads ---------------------------------------------------------------------
 
-absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const std::string& id, std::span<const uint32_t> layers,
+absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const SequenceRef& ref, std::span<const uint32_t> layers,
                                                     uint32_t start, uint32_t* count) {
+  const std::string& id = ref.id;
   absl::MutexLock lock(&mu_);
-  MLAKV_ASSIGN_OR_RETURN(Sequence* found, FindCommitted(id));
+  ReapExpiredLeases();
+  MLAKV_ASSIGN_OR_RETURN(Sequence * found, Resolve(ref));
   const Sequence& seq = *found;
   std::vector<int32_t> out;
   if (layers.empty()) {
@@ -690,16 +871,17 @@ absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const std::string& id, std::
       }
     }
   }
-  sequences_.Touch(found, NowNs());
+  if (!found->retained()) sequences_.Touch(found, NowNs());
   return out;
 }
 
-absl::Status Pool::ReadRows(const std::string& id, int32_t layer, uint32_t start, uint32_t count, const EntryRows& out,
-                            LayerSnapshot* layer_state) const {
+absl::Status Pool::ReadRows(const SequenceRef& ref, int32_t layer, uint32_t start, uint32_t count,
+                            const EntryRows& out, LayerSnapshot* layer_state) const {
+  const std::string& id = ref.id;
   std::vector<int64_t> entries;
   {
     absl::ReaderMutexLock lock(&mu_);
-    MLAKV_ASSIGN_OR_RETURN(Sequence* found, FindCommitted(id));
+    MLAKV_ASSIGN_OR_RETURN(Sequence * found, Resolve(ref));
     const Sequence& seq = *found;
     if (layer < 0 || layer >= options_.num_layers) return absl::OutOfRangeError(absl::StrCat("layer ", layer));
     if (static_cast<uint64_t>(start) + count > seq.layer_length(layer)) {
@@ -721,39 +903,81 @@ absl::Status Pool::CheckInvariants() const {
     return absl::InternalError(absl::StrCat("free ", allocator_->free_count(), " + used ", allocator_->used_count(),
                                             " != total ", allocator_->total()));
   }
-  int64_t owned = 0;
-  for (int32_t p = 0; p < allocator_->total(); ++p) {
-    const SequenceTable::Owner& owner = sequences_.OwnerOf(p);
-    if (allocator_->IsUsed(p) != (owner.sequence != nullptr)) {
-      return absl::InternalError(absl::StrCat("page ", p, (allocator_->IsUsed(p) ? " is used but has no owner"
-                                                                                   : " is free but has an owner")));
-    }
-    if (owner.sequence != nullptr) {
-      ++owned;
-      const auto& pages = owner.sequence->pages();
-      if (owner.page_index >= pages.size() || pages[owner.page_index] != p) {
-        return absl::InternalError(
-            absl::StrCat("page ", p, " owner index disagrees with the page table of ", Who(owner.sequence->id())));
+  // References: page tables (live and retained sequences), page leases,
+  // in-flight copies.
+  std::vector<int32_t> expected(allocator_->total(), 0);
+  const std::vector<const Lease*> leases = leases_.ListAfter(0, std::numeric_limits<size_t>::max());
+  size_t sequence_leases = 0;
+  for (const Lease* lease : leases) {
+    for (int32_t page : lease->pages) ++expected[page];
+    if (lease->sequence != nullptr) {
+      ++sequence_leases;
+      if (lease->sequence->lease_tokens().count(lease->tokens) == 0) {
+        return absl::InternalError(absl::StrCat("lease ", lease->id, " is not recorded on its sequence"));
       }
     }
   }
-  if (owned != allocator_->used_count()) return absl::InternalError("owned pages != used pages");
+  for (const auto& [page, count] : cow_held_) expected[page] += count;
+  int32_t shared = 0;
+  for (int32_t p = 0; p < allocator_->total(); ++p) {
+    const SequenceTable::Holders& holders = sequences_.HoldersOf(p);
+    expected[p] += static_cast<int32_t>(holders.size());
+    if (allocator_->refs(p) != expected[p]) {
+      return absl::InternalError(absl::StrCat("page ", p, " has ", allocator_->refs(p), " references but ",
+                                              expected[p], " holders (page tables, page leases, copies)"));
+    }
+    if (expected[p] > 1) ++shared;
+    for (const SequenceTable::Owner& owner : holders) {
+      const auto& pages = owner.sequence->pages();
+      if (owner.page_index >= pages.size() || pages[owner.page_index] != p) {
+        return absl::InternalError(
+            absl::StrCat("page ", p, " holder index disagrees with the page table of ", Who(owner.sequence->id())));
+      }
+    }
+    if (prefix_.HashOf(p) != nullptr && !allocator_->IsUsed(p)) {
+      return absl::InternalError(absl::StrCat("page ", p, " is free but indexed by block hash"));
+    }
+  }
+  if (shared != allocator_->shared_count()) {
+    return absl::InternalError(absl::StrCat("shared_count ", allocator_->shared_count(), " != ", shared));
+  }
   std::vector<uint64_t> tokens(options_.num_layers, 0);
   const std::vector<const Sequence*> all = sequences_.ListAfter("", std::numeric_limits<size_t>::max());
   if (all.size() != sequences_.committed_count()) {
     return absl::InternalError(
         absl::StrCat("committed_count ", sequences_.committed_count(), " != ", all.size(), " committed sequences"));
   }
-  size_t idle = 0;
-  for (const Sequence* seq : all) {
-    if (seq->empty()) return absl::InternalError(absl::StrCat(Who(seq->id()), " is committed but holds nothing"));
-    if (!seq->busy()) ++idle;
+  size_t reapable = 0, leases_on_sequences = 0;
+  auto check_pages = [&](const Sequence* seq) -> absl::Status {
+    for (size_t i = 0; i < seq->pages().size(); ++i) {
+      bool found = false;
+      for (const SequenceTable::Owner& o : sequences_.HoldersOf(seq->pages()[i])) found |= o.sequence == seq && o.page_index == i;
+      if (!found) return absl::InternalError(absl::StrCat(Who(seq->id()), " page ", i, " is missing from its holders"));
+    }
     for (int32_t l = 0; l < options_.num_layers; ++l) {
-      tokens[l] += seq->layer_length(l);
       if (seq->layer_length(l) > seq->pages().size() * static_cast<uint64_t>(options_.page_size)) {
         return absl::InternalError(absl::StrCat(Who(seq->id()), " layer ", l, " holds more tokens than its pages"));
       }
     }
+    leases_on_sequences += seq->lease_tokens().size();
+    return absl::OkStatus();
+  };
+  for (const Sequence* seq : all) {
+    if (seq->empty()) return absl::InternalError(absl::StrCat(Who(seq->id()), " is committed but holds nothing"));
+    if (seq->retained()) return absl::InternalError(absl::StrCat(Who(seq->id()), " is in the table but retained"));
+    if (SequenceTable::Reapable(*seq)) ++reapable;
+    for (int32_t l = 0; l < options_.num_layers; ++l) tokens[l] += seq->layer_length(l);
+    MLAKV_RETURN_IF_ERROR(check_pages(seq));
+  }
+  for (const auto& [seq, node] : retained_) {
+    if (!seq->retained() || seq->lease_tokens().empty() || node.mapped().get() != seq) {
+      return absl::InternalError(absl::StrCat(Who(seq->id()), " is retained without a lease"));
+    }
+    MLAKV_RETURN_IF_ERROR(check_pages(seq));
+  }
+  if (leases_on_sequences != sequence_leases) {
+    return absl::InternalError(absl::StrCat(sequence_leases, " sequence leases but ", leases_on_sequences,
+                                            " recorded on sequences"));
   }
   for (int32_t l = 0; l < options_.num_layers; ++l) {
     if (tokens[l] != layers_[l].tokens) {
@@ -764,8 +988,8 @@ absl::Status Pool::CheckInvariants() const {
   size_t linked = 0;
   int64_t previous = std::numeric_limits<int64_t>::min();
   for (const Sequence* s = sequences_.LeastRecentlyUsed(); s != nullptr; s = SequenceTable::MoreRecent(s)) {
-    if (!s->committed() || s->busy()) {
-      return absl::InternalError(absl::StrCat(Who(s->id()), " is in the use-order list but busy or uncommitted"));
+    if (!SequenceTable::Reapable(*s)) {
+      return absl::InternalError(absl::StrCat(Who(s->id()), " is in the use-order list but not reapable"));
     }
     if (s->last_used_ns() < previous) {
       return absl::InternalError(absl::StrCat("use-order list out of order at ", Who(s->id())));
@@ -773,8 +997,9 @@ absl::Status Pool::CheckInvariants() const {
     previous = s->last_used_ns();
     if (++linked > all.size()) return absl::InternalError("use-order list has a cycle");
   }
-  if (linked != idle) {
-    return absl::InternalError(absl::StrCat("use-order list has ", linked, " sequences but ", idle, " are idle"));
+  if (linked != reapable) {
+    return absl::InternalError(absl::StrCat("use-order list has ", linked, " sequences but ", reapable,
+                                            " are reapable"));
   }
   return absl::OkStatus();
 }

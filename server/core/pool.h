@@ -6,10 +6,21 @@
 //    held only for short, non-blocking sections, never across backend work,
 //    and no section scans every sequence (docs/reliability.md).
 //  * Cache memory is touched only from the pool's SerialExecutor (`worker()`):
-//    Stage / Commit / Abort / ReadRows must be called there. Queries, Free and
-//    Truncate take `mu_` only and may run on any thread: Free and Truncate
-//    refuse a sequence with an append in flight, and freed pages can only be
-//    rewritten by a later task of the same worker.
+//    Stage / Commit / Abort / ReadRows / Fork must be called there. Queries,
+//    Free, Truncate, leases and MatchPrefix take `mu_` only and may run on any
+//    thread: Free and Truncate refuse a sequence with an append in flight,
+//    and freed pages can only be rewritten by a later task of the same worker.
+//
+// Cache management (docs/server.md "Leases", "Eviction", "Shared pages"):
+//  * every sequence has a generation (server/core/ids.h) that calls may pin;
+//  * a lease protects tokens [0, tokens) of one incarnation: a free retains
+//    the sequence (out of the table, pages kept) until the last lease ends;
+//    truncates and rewrites below `tokens` are refused; reaper and eviction
+//    pass leased sequences by;
+//  * pages are reference counted (PageAllocator): forks share full pages,
+//    copy a partial last one; a write to a shared page copies it first
+//    (copy-on-write, undone by Abort like any other write);
+//  * complete pages may be indexed by a client's block hash (PrefixIndex).
 #pragma once
 
 #include <cstdint>
@@ -27,11 +38,14 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/tensor_view.h"
-#include "server/core/append_transaction.h"
 #include "server/backend/cache_backend.h"
 #include "server/backend/device.h"
 #include "server/backend/rows.h"
+#include "server/core/append_transaction.h"
+#include "server/core/ended_sequences.h"
+#include "server/core/lease_table.h"
 #include "server/core/page_allocator.h"
+#include "server/core/prefix_index.h"
 #include "server/core/sequence_table.h"
 #include "server/core/serial_executor.h"
 
@@ -39,6 +53,46 @@ namespace mlakv::server {
 
 // Longest sequence id, in bytes, any call accepts.
 inline constexpr size_t kMaxSequenceIdBytes = 1024;
+// Longest lease holder name, in bytes.
+inline constexpr size_t kMaxLeaseHolderBytes = 256;
+// Most block hashes one call may carry.
+inline constexpr size_t kMaxBlockHashesPerCall = 65536;
+
+// Which incarnation of a sequence a call means: an id, optionally pinned to
+// a generation (else FAILED_PRECONDITION naming both), or (reads) the
+// incarnation a lease holds, which outlives a free.
+struct SequenceRef {
+  SequenceRef() = default;
+  SequenceRef(std::string sequence_id) : id(std::move(sequence_id)) {}  // NOLINT: a bare id is the common case
+  SequenceRef(const char* sequence_id) : id(sequence_id) {}             // NOLINT
+  std::string id;
+  std::optional<uint64_t> expect_generation;
+  uint64_t lease_id = 0;  // reads only; 0: none
+  // The same without the lease (calls that act on the live sequence only).
+  SequenceRef ById() const {
+    SequenceRef r = *this;
+    r.lease_id = 0;
+    return r;
+  }
+};
+
+// Who takes a lease and for how long (zero: the pool's default).
+struct LeaseRequest {
+  std::string holder;  // 1..kMaxLeaseHolderBytes
+  absl::Duration duration = absl::ZeroDuration();
+};
+
+struct LeaseSnapshot {
+  uint64_t id = 0;
+  std::string sequence;  // empty: a page lease
+  uint64_t generation = 0;
+  std::string holder;
+  uint32_t tokens = 0;
+  std::vector<int32_t> pages;  // page lease only
+  int64_t expire_unix_ms = 0;
+  int64_t duration_ms = 0;
+  bool sequence_freed = false;
+};
 
 // Rows of one sequence inside an append (one Append message, or one entry of
 // an AppendBatch).
@@ -50,6 +104,15 @@ struct SequenceRowsIn {
   // Apply only if every layer these rows write (none: the sequence's length)
   // holds exactly this many committed tokens; else FAILED_PRECONDITION.
   std::optional<uint32_t> expect_length;
+  // Apply only to this incarnation (NOT_FOUND when the append would create
+  // the sequence, FAILED_PRECONDITION when it has another generation).
+  std::optional<uint64_t> expect_generation;
+  // Block hashes of page-table entries block_hashes_first_page + i
+  // (server/core/prefix_index.h), indexed once complete in every layer.
+  std::vector<std::string> block_hashes;
+  uint32_t block_hashes_first_page = 0;
+  // Create the sequence pinned (no effect on an existing one).
+  bool pin = false;
 };
 
 struct SequenceSnapshot {
@@ -60,6 +123,11 @@ struct SequenceSnapshot {
   uint32_t last_page_len = 0;          // entries of page (length-1)/page_size filled; 0 when length is 0
   uint32_t page_size = 0;
   uint32_t capacity_tokens = 0;        // pages x page_size
+  uint64_t generation = 0;
+  uint32_t leases = 0;
+  bool pinned = false;
+  uint32_t shared_pages = 0;           // entries of kv_indices with more than one reference
+  std::optional<LeaseSnapshot> lease;  // the lease the call took, if any
 };
 
 struct LayerSnapshot {
@@ -82,6 +150,57 @@ struct PoolSnapshot {
   uint32_t max_sequences = 0;
   uint64_t cache_bytes = 0;
   std::vector<LayerSnapshot> layers;
+  int32_t pages_shared = 0;
+  uint32_t leases = 0;
+  uint32_t sequences_retained = 0;
+  uint32_t pages_indexed = 0;
+  bool eviction_lru = false;
+  // Since the pool was created.
+  struct Counters {
+    uint64_t evictions = 0;
+    uint64_t evicted_pages = 0;
+    uint64_t idle_freed = 0;
+    uint64_t leases_acquired = 0;
+    uint64_t leases_released = 0;
+    uint64_t leases_expired = 0;
+    uint64_t forks = 0;
+    uint64_t fork_pages_shared = 0;
+    uint64_t pages_copied = 0;  // partial pages of forks and copy-on-write
+    uint64_t prefix_queries = 0;
+    uint64_t prefix_hit_pages = 0;
+  } counters;
+};
+
+struct FreeResult {
+  uint32_t pages_freed = 0;     // returned to the free list now
+  uint32_t leases = 0;          // leases that retain the sequence
+  uint32_t pages_retained = 0;  // pages kept for them
+};
+
+struct LeaseListing {
+  std::vector<LeaseSnapshot> leases;
+  uint64_t next_after = 0;  // 0 when complete
+  uint32_t total = 0;
+};
+
+struct ForkRequest {
+  std::string target;
+  SequenceRef source;                     // or, with source.id empty:
+  std::vector<std::string> block_hashes;  // a block-hash chain
+  uint32_t length = 0;                    // source fork: tokens (0: the source's length)
+  bool pin = false;
+};
+
+struct ForkResult {
+  std::optional<SequenceSnapshot> sequence;  // unset: a hash fork that matched nothing
+  uint32_t pages_shared = 0;
+  uint32_t pages_copied = 0;
+};
+
+struct PrefixMatch {
+  uint32_t matched_pages = 0;
+  std::vector<int32_t> kv_indices;
+  std::optional<LeaseSnapshot> lease;
 };
 
 struct PageSnapshot {
@@ -91,6 +210,9 @@ struct PageSnapshot {
   uint32_t page_index = 0;
   uint32_t first_position = 0;
   std::vector<uint32_t> filled_per_layer;
+  int32_t references = 0;
+  std::string block_hash;  // empty: not indexed
+  bool sequence_freed = false;  // the owner is retained for a lease
 };
 
 struct SequenceListing {
@@ -125,6 +247,21 @@ class Pool {
     // Most sequences the pool holds at once, appends in flight that create
     // one included; a new id beyond it is RESOURCE_EXHAUSTED. >= 1.
     uint32_t max_sequences = 1u << 20;
+    // What an append that needs more pages than are free does.
+    struct Eviction {
+      bool lru = false;  // false: RESOURCE_EXHAUSTED
+      // Background eviction from high to low (fractions of pages_total; high 0: off).
+      double high_watermark = 0.0;
+      double low_watermark = 0.0;
+      uint32_t remember_ended = 4096;  // ids remembered as evicted / idle-freed
+    } eviction;
+    // Leases: in the pool, per sequence, longest and default duration.
+    uint32_t max_leases = 65536;
+    uint32_t max_leases_per_sequence = 64;
+    absl::Duration max_lease_duration = absl::Hours(1);
+    absl::Duration default_lease_duration = absl::Seconds(30);
+    // The clock of TTLs, leases and eviction records (tests set it); null: absl::Now.
+    std::function<absl::Time()> clock;
     // ---- operations: wraps the backend once created (metrics' kernel timing,
     // InstrumentedBackend); null leaves it as is.
     std::function<std::unique_ptr<CacheBackend>(std::unique_ptr<CacheBackend>)> wrap_backend;
@@ -169,26 +306,51 @@ class Pool {
   // ---- queries and releases (any thread) ----------------------------------
 
   PoolSnapshot Snapshot() const;
-  absl::StatusOr<SequenceSnapshot> GetSequence(const std::string& id);
+  // With `lease`: also takes a lease on the sequence's length, atomically.
+  absl::StatusOr<SequenceSnapshot> GetSequence(const SequenceRef& ref,
+                                               const std::optional<LeaseRequest>& lease = std::nullopt);
   // `limit` in [1, 1000]; `page_token` is the last id of the previous page.
   SequenceListing ListSequences(size_t limit, const std::string& page_token) const;
   absl::StatusOr<PageSnapshot> GetPage(int64_t page) const;
-  // Returns the number of pages freed.
-  absl::StatusOr<uint32_t> FreeSequence(const std::string& id);
-  // A sequence cut to 0 tokens holds nothing and is removed, as by FreeSequence.
-  absl::StatusOr<SequenceSnapshot> TruncateSequence(const std::string& id, uint32_t length);
+  // The id is gone at once; a leased sequence's pages stay until its last
+  // lease ends (FreeResult says how many).
+  absl::StatusOr<FreeResult> FreeSequence(const SequenceRef& ref);
+  // A sequence cut to 0 tokens holds nothing and is removed, as by
+  // FreeSequence. Below what a lease protects: FAILED_PRECONDITION.
+  absl::StatusOr<SequenceSnapshot> TruncateSequence(const SequenceRef& ref, uint32_t length);
+
+  // ---- leases and shared prefixes (any thread; Fork on worker()) -----------
+
+  // A lease on tokens [0, tokens) (0: the length) of the sequence.
+  absl::StatusOr<LeaseSnapshot> AcquireLease(const SequenceRef& ref, const LeaseRequest& lease, uint32_t tokens = 0);
+  absl::StatusOr<LeaseSnapshot> RenewLease(uint64_t lease_id, absl::Duration duration);
+  // Returns the pages freed (a retained sequence's last lease, a page lease).
+  absl::StatusOr<uint32_t> ReleaseLease(uint64_t lease_id);
+  // Leases with id > after, at most `limit`.
+  LeaseListing ListLeases(size_t limit, uint64_t after);
+  // Leading pages of the chain the index holds; with `lease`, a page lease on them.
+  absl::StatusOr<PrefixMatch> MatchPrefix(std::span<const std::string> block_hashes,
+                                          const std::optional<LeaseRequest>& lease = std::nullopt);
+  // Creates request.target sharing full pages of the source (or the chain),
+  // copying a partial last page. On worker().
+  absl::StatusOr<ForkResult> Fork(const ForkRequest& request);
+  // Ends expired leases (and, through them, retained sequences); returns how many.
+  int ExpireLeases();
+  // The periodic upkeep: ExpireLeases, FreeIdle, and eviction above the high
+  // watermark. KvCacheServer calls it about once a second.
+  void Maintain();
 
   // ---- reads (ReadRows on worker()) ---------------------------------------
 
   // Checks a read of [start, start + count) of `layers` (empty: all; a layer
   // named twice is INVALID_ARGUMENT) and resolves count 0 to "up to the
   // shortest requested layer". Returns the layers to read and sets *count.
-  absl::StatusOr<std::vector<int32_t>> PlanRead(const std::string& id, std::span<const uint32_t> layers, uint32_t start,
-                                                uint32_t* count);
+  absl::StatusOr<std::vector<int32_t>> PlanRead(const SequenceRef& ref, std::span<const uint32_t> layers,
+                                                uint32_t start, uint32_t* count);
   // Copies the stored bytes of [start, start + count) of one layer into
   // `out` ([count, 256] / [count, 32] / [count, 64]) and reports the layer's
   // scales. Fails if the sequence was freed or cut below the range meanwhile.
-  absl::Status ReadRows(const std::string& id, int32_t layer, uint32_t start, uint32_t count, const EntryRows& out,
+  absl::Status ReadRows(const SequenceRef& ref, int32_t layer, uint32_t start, uint32_t count, const EntryRows& out,
                         LayerSnapshot* layer_state) const;
 
   // Frees committed sequences without an append in flight that were last
@@ -199,16 +361,20 @@ class Pool {
   // how many were freed and logs one line per call. KvCacheServer calls it
   // periodically.
   int FreeIdle(absl::Time now, int max_batch = 128);
+  // Evicts least recently used sequences until at most `target_used` pages
+  // are used (LRU policy only); returns how many were evicted.
+  int EvictDownTo(int32_t target_used, int max_batch = 128);
   absl::Duration idle_ttl() const { return options_.idle_ttl; }
 
   // ExportPool: the caches' CUDA IPC handles (FAILED_PRECONDITION on cpu). Any thread.
   absl::StatusOr<std::vector<CacheBackend::LayerHandles>> ExportHandles() const { return backend_->ExportHandles(); }
 
-  // Checks free + used == total, that every used page has exactly one owner
-  // whose page table names it, the per-layer token counts, the sequence
-  // count, that no committed sequence is empty, and that the use-order list
-  // holds exactly the idle committed sequences, oldest first (tests call
-  // this after every step; it scans everything).
+  // Checks free + used == total, that every page's references are exactly
+  // the page tables naming it plus page leases plus in-flight copies, the
+  // holder index, the per-layer token counts, the sequence count, that no
+  // committed sequence is empty, lease bookkeeping, the prefix index, and
+  // that the use-order list holds exactly the reapable sequences, oldest
+  // first (tests call this after every step; it scans everything).
   absl::Status CheckInvariants() const;
 
  private:
@@ -243,14 +409,39 @@ class Pool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   SequenceSnapshot SnapshotOf(const Sequence& seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // The committed sequence `id`, or NOT_FOUND naming the pool.
+  LeaseSnapshot SnapshotOf(const Lease& lease) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The committed sequence `id`, or NOT_FOUND naming the pool (and saying
+  // when the server evicted or reaped it, if it remembers).
   absl::StatusOr<Sequence*> FindCommitted(const std::string& id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // FindCommitted, then the generation check; or the lease's incarnation.
+  absl::StatusOr<Sequence*> Resolve(const SequenceRef& ref) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status CheckGeneration(const Sequence& seq, std::optional<uint64_t> expected) const;
   int64_t EntryOf(const Sequence& seq, uint32_t position) const;
-  void ReleasePages(std::span<const int32_t> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t NowNs() const;
+  // Drops one reference from each page; pages left with none are free and
+  // leave the prefix index. Returns how many became free.
+  uint32_t ReleasePages(std::span<const int32_t> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases a committed, idle sequence's pages and tokens and erases it;
   // `storage` (if given) receives the sequence's node to destroy later.
+  // Returns the pages that became free.
   uint32_t EraseSequence(Sequence* seq, SequencesById::node_type* storage = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ---- cache management steps (pool_leases.cc, pool_sharing.cc, pool_eviction.cc)
+  absl::StatusOr<LeaseSnapshot> AddLease(Sequence* seq, const LeaseRequest& lease, uint32_t tokens,
+                                         std::vector<int32_t> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<int64_t> LeaseDurationMs(absl::Duration asked) const;
+  // Ends one lease; returns the pages that became free.
+  uint32_t EndLease(uint64_t lease_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int ReapExpiredLeases() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Retains a freed, leased sequence for its leases.
+  FreeResult RetainForLeases(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Free pages for `needed`: enough already, or (LRU) evict; else RESOURCE_EXHAUSTED.
+  absl::Status MakeRoom(int64_t needed, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Evict(Sequence* seq, SequencesById::node_type* storage = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Indexes the pages of `seq` with a pending hash that are complete in every layer.
+  void IndexCompletePages(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies the first `entries` entries of page `from` to page `to` in every layer.
+  absl::Status CopyPage(int32_t from, int32_t to, uint32_t entries);
 
   const Options options_;
   const Device device_;
@@ -261,6 +452,15 @@ class Pool {
   std::unique_ptr<PageAllocator> allocator_ ABSL_GUARDED_BY(mu_);
   SequenceTable sequences_ ABSL_GUARDED_BY(mu_);
   std::vector<LayerState> layers_ ABSL_GUARDED_BY(mu_);
+  LeaseTable leases_ ABSL_GUARDED_BY(mu_);
+  // Freed sequences kept for their leases (Sequence::retained).
+  std::map<const Sequence*, SequencesById::node_type> retained_ ABSL_GUARDED_BY(mu_);
+  PrefixIndex prefix_ ABSL_GUARDED_BY(mu_);
+  EndedSequences ended_ ABSL_GUARDED_BY(mu_);
+  // References held by in-flight copy-on-writes on the page they copy from
+  // (page -> count), released at Commit / restored at Abort.
+  std::map<int32_t, int32_t> cow_held_ ABSL_GUARDED_BY(mu_);
+  PoolSnapshot::Counters counters_ ABSL_GUARDED_BY(mu_);
 
   // Last member: destroyed first, so queued tasks finish while the rest lives.
   std::unique_ptr<SerialExecutor> worker_;

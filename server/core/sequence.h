@@ -1,10 +1,11 @@
-// Sequence: one client-chosen id's page table and per-layer lengths.
+// Sequence: one client-chosen id's page table, per-layer lengths and the
+// cache-management state that goes with one incarnation of the id.
 //
 // A page id names the same slot in every layer, so one page list serves all
 // layers: page i holds positions [i * page_size, (i + 1) * page_size).
 // Plain state; the owning Pool serializes access under its mutex, and the
-// SequenceTable links idle committed sequences into its use-order list
-// (lru_prev_ / lru_next_, touched only by SequenceTable).
+// SequenceTable links the sequences that may be reaped or evicted into its
+// use-order list (lru_prev_ / lru_next_, touched only by SequenceTable).
 #pragma once
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -23,15 +25,18 @@ using SequencesById = std::map<std::string, std::unique_ptr<Sequence>, std::less
 
 class Sequence {
  public:
-  Sequence(std::string id, int32_t num_layers) : id_(std::move(id)), layer_lengths_(num_layers, 0) {}
+  Sequence(std::string id, int32_t num_layers, uint64_t generation)
+      : id_(std::move(id)), generation_(generation), layer_lengths_(num_layers, 0) {}
   Sequence(const Sequence&) = delete;
   Sequence& operator=(const Sequence&) = delete;
 
   const std::string& id() const { return id_; }
+  // This incarnation of the id (server/core/ids.h): never reused.
+  uint64_t generation() const { return generation_; }
 
-  // Page ids in order (kv_indices).
+  // Page ids in order (kv_indices). Changed only through SequenceTable,
+  // which keeps the page -> holders index in step.
   const std::vector<int32_t>& pages() const { return pages_; }
-  std::vector<int32_t>& mutable_pages() { return pages_; }
 
   // Tokens written in each layer.
   const std::vector<uint32_t>& layer_lengths() const { return layer_lengths_; }
@@ -60,20 +65,49 @@ class Sequence {
   // False until the first append to a new id commits: until then the sequence
   // is invisible to queries and an aborted first append erases it.
   bool committed() const { return committed_; }
+  // Created pinned: never evicted, never freed by the idle TTL.
+  bool pinned() const { return pinned_; }
+  // Freed while leased: gone from the table, kept only for its leases.
+  bool retained() const { return retained_; }
+
+  // Leases alive on this incarnation, by the tokens each protects.
+  const std::multiset<uint32_t>& lease_tokens() const { return lease_tokens_; }
+  // Tokens [0, protected_tokens()) of every layer no call may change.
+  uint32_t protected_tokens() const { return lease_tokens_.empty() ? 0 : *lease_tokens_.rbegin(); }
+
+  // While an append is in flight: the lowest committed position it has
+  // rewritten so far (UINT32_MAX: none), so that a lease may still be taken
+  // on the tokens below it.
+  uint32_t rewrite_floor() const { return rewrite_floor_; }
+  void set_rewrite_floor(uint32_t position) { rewrite_floor_ = position; }
+
+  // Block hashes the client gave for pages not yet complete in every layer
+  // (page index -> hash); indexed by the pool once they are.
+  std::map<uint32_t, std::string>& pending_hashes() { return pending_hashes_; }
 
  private:
   friend class SequenceTable;
 
   std::string id_;
+  uint64_t generation_ = 0;
   std::vector<int32_t> pages_;
+  // owner_slot_[i]: where this sequence sits in the holder list of pages_[i]
+  // (SequenceTable), so that dropping one holder of a page shared by many
+  // is O(1).
+  std::vector<uint32_t> owner_slot_;
   std::vector<uint32_t> layer_lengths_;  // [num_layers]
   bool busy_ = false;
   bool committed_ = false;
+  bool pinned_ = false;
+  bool retained_ = false;
+  std::multiset<uint32_t> lease_tokens_;
+  std::map<uint32_t, std::string> pending_hashes_;
+  uint32_t rewrite_floor_ = UINT32_MAX;
   int64_t last_used_ns_ = 0;
   // Where the table holds this sequence, so that erasing it needs no lookup
   // in a map of a million cold nodes (bench/sequence_scale_bench: 4 us -> 1 us).
   SequencesById::iterator self_;
-  // Use-order list of SequenceTable: linked iff committed and not busy.
+  // Use-order list of SequenceTable: linked iff reapable (ReapableNow).
   Sequence* lru_prev_ = nullptr;
   Sequence* lru_next_ = nullptr;
   bool in_lru_ = false;

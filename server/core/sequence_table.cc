@@ -9,8 +9,8 @@ Sequence* SequenceTable::Find(std::string_view id) const {
   return it == by_id_.end() ? nullptr : it->second.get();
 }
 
-Sequence* SequenceTable::Add(std::string id) {
-  auto seq = std::make_unique<Sequence>(id, num_layers_);
+Sequence* SequenceTable::Add(std::string id, uint64_t generation) {
+  auto seq = std::make_unique<Sequence>(id, num_layers_, generation);
   Sequence* raw = seq.get();
   raw->busy_ = true;
   raw->self_ = by_id_.emplace(std::move(id), std::move(seq)).first;
@@ -20,27 +20,51 @@ Sequence* SequenceTable::Add(std::string id) {
 void SequenceTable::Erase(Sequence* sequence) { Extract(sequence); }
 
 SequencesById::node_type SequenceTable::Extract(Sequence* sequence) {
-  for (int32_t page : sequence->pages()) owners_[page] = Owner{};
+  DetachTail(sequence, 0);  // nothing left normally: the caller released the pages
+  return Retain(sequence);
+}
+
+SequencesById::node_type SequenceTable::Retain(Sequence* sequence) {
   Unlink(sequence);
   if (sequence->committed_) --committed_count_;
+  sequence->retained_ = true;
   return by_id_.extract(sequence->self_);
 }
 
 void SequenceTable::MarkBusy(Sequence* sequence) {
-  Unlink(sequence);
   sequence->busy_ = true;
+  Relink(sequence);
 }
 
 void SequenceTable::MarkIdle(Sequence* sequence, int64_t now_ns) {
   sequence->busy_ = false;
   sequence->last_used_ns_ = NotBeforeTail(now_ns);
-  if (sequence->committed_) Link(sequence);
+  Unlink(sequence);  // to the most recent end
+  Relink(sequence);
 }
 
 void SequenceTable::SetCommitted(Sequence* sequence) {
   if (sequence->committed_) return;
   sequence->committed_ = true;
   ++committed_count_;
+  Relink(sequence);
+}
+
+void SequenceTable::SetPinned(Sequence* sequence) {
+  sequence->pinned_ = true;
+  Relink(sequence);
+}
+
+void SequenceTable::AddLease(Sequence* sequence, uint32_t tokens) {
+  sequence->lease_tokens_.insert(tokens);
+  Relink(sequence);
+}
+
+void SequenceTable::RemoveLease(Sequence* sequence, uint32_t tokens, int64_t now_ns) {
+  auto it = sequence->lease_tokens_.find(tokens);
+  if (it != sequence->lease_tokens_.end()) sequence->lease_tokens_.erase(it);
+  if (!sequence->retained_) Touch(sequence, now_ns);
+  Relink(sequence);
 }
 
 void SequenceTable::Touch(Sequence* sequence, int64_t now_ns) {
@@ -53,6 +77,18 @@ void SequenceTable::Touch(Sequence* sequence, int64_t now_ns) {
 int64_t SequenceTable::NotBeforeTail(int64_t now_ns) const {
   // The wall clock may step back; the list must stay ordered by time.
   return lru_tail_ != nullptr ? std::max(now_ns, lru_tail_->last_used_ns_) : now_ns;
+}
+
+void SequenceTable::Relink(Sequence* sequence) {
+  if (Reapable(*sequence)) {
+    if (!sequence->in_lru_) {
+      // Joins at the most recent end; its time must not precede the tail's.
+      sequence->last_used_ns_ = NotBeforeTail(sequence->last_used_ns_);
+      Link(sequence);
+    }
+  } else {
+    Unlink(sequence);
+  }
 }
 
 void SequenceTable::Link(Sequence* sequence) {
@@ -84,21 +120,46 @@ void SequenceTable::Unlink(Sequence* sequence) {
   sequence->in_lru_ = false;
 }
 
+void SequenceTable::AddHolder(Sequence* sequence, size_t index) {
+  Holders& h = holders_[sequence->pages_[index]];
+  sequence->owner_slot_[index] = static_cast<uint32_t>(h.size());
+  h.push_back(Owner{sequence, static_cast<uint32_t>(index)});
+}
+
+void SequenceTable::RemoveHolder(Sequence* sequence, size_t index) {
+  Holders& h = holders_[sequence->pages_[index]];
+  const uint32_t slot = sequence->owner_slot_[index];
+  if (slot + 1 != h.size()) {
+    h[slot] = h.back();
+    h[slot].sequence->owner_slot_[h[slot].page_index] = slot;
+  }
+  h.pop_back();
+}
+
 void SequenceTable::AttachPages(Sequence* sequence, std::span<const int32_t> pages) {
-  std::vector<int32_t>& table = sequence->mutable_pages();
   for (int32_t page : pages) {
-    owners_[page] = Owner{sequence, static_cast<uint32_t>(table.size())};
-    table.push_back(page);
+    sequence->pages_.push_back(page);
+    sequence->owner_slot_.push_back(0);
+    AddHolder(sequence, sequence->pages_.size() - 1);
   }
 }
 
 std::vector<int32_t> SequenceTable::DetachTail(Sequence* sequence, size_t keep) {
-  std::vector<int32_t>& table = sequence->mutable_pages();
+  std::vector<int32_t>& table = sequence->pages_;
   if (keep >= table.size()) return {};
+  for (size_t i = keep; i < table.size(); ++i) RemoveHolder(sequence, i);
   std::vector<int32_t> cut(table.begin() + static_cast<std::ptrdiff_t>(keep), table.end());
   table.resize(keep);
-  for (int32_t page : cut) owners_[page] = Owner{};
+  sequence->owner_slot_.resize(keep);
   return cut;
+}
+
+int32_t SequenceTable::ReplacePage(Sequence* sequence, size_t index, int32_t page) {
+  RemoveHolder(sequence, index);
+  const int32_t old = sequence->pages_[index];
+  sequence->pages_[index] = page;
+  AddHolder(sequence, index);
+  return old;
 }
 
 std::vector<const Sequence*> SequenceTable::ListAfter(std::string_view after, size_t limit) const {

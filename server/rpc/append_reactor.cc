@@ -120,7 +120,12 @@ void AppendReactor::OnStreamEnd() {
   std::optional<absl::Status> finish;
   {
     absl::MutexLock lock(&mu_);
-    if (!alive.ok()) {
+    if (finishing_ || doomed_) {
+      // A message failed on the worker while this read was ending: the stream
+      // is finishing (maybe finished), and nothing may be queued behind it.
+      // (Posting the commit here let it run after OnDone; found by
+      // request_validation_fuzzer under UBSan.)
+    } else if (!alive.ok()) {
       FailLocked(absl::Status(alive.code(),
                               absl::StrCat("the Append stream broke before a clean end (", alive.message(),
                                            "; a message over the size limit, a cancel or a lost connection end a "
@@ -235,6 +240,10 @@ absl::Status AppendReactor::ProcessMessage(const v1::AppendRequest& req, int ind
         return absl::InvalidArgumentError(absl::StrCat(
             "message ", index, " sets reserve_tokens; only the first message of a stream may reserve"));
       }
+      if (req.has_expect_generation() || req.pin()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "message ", index, " sets expect_generation or pin; only the first message of a stream may"));
+      }
       if (req.view() != v1::SEQUENCE_VIEW_UNSPECIFIED) {
         return absl::InvalidArgumentError(
             absl::StrCat("message ", index, " sets view; only the first message of a stream chooses the view"));
@@ -250,6 +259,13 @@ absl::Status AppendReactor::ProcessMessage(const v1::AppendRequest& req, int ind
     MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn rows, ToRows(sequence_, req.start(), req.row_count(), req.layers(),
                                                        req.reserve_tokens(), expect, *service_->options().regions,
                                                        *pool_, &regions_held_));
+    if (index == 1) {
+      AddCacheFields(req, &rows);
+      rows.pin = req.pin();
+    } else {
+      rows.block_hashes.assign(req.block_hashes().begin(), req.block_hashes().end());
+      rows.block_hashes_first_page = req.block_hashes_first_page();
+    }
     const SequenceRowsIn* rows_ptr = &rows;
     const absl::Status staged = append_->Stage({&rows_ptr, 1}, dtype);
     // The rows are in the cache now: packed copies of strided region rows

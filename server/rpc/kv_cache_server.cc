@@ -126,20 +126,20 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   // Shutdown turns both NOT_SERVING.
   server->server_->GetHealthCheckService()->SetServingStatus(v1::KvCache::service_full_name(), true);
   server->server_->GetHealthCheckService()->SetServingStatus(true);
-  // Idle-TTL reaper: checks every quarter of the shortest TTL (0.1 s .. 1 s).
-  absl::Duration period = absl::InfiniteDuration();
+  // The upkeep thread (Pool::Maintain: expired leases, the idle TTL, eviction
+  // above the high watermark): every quarter of the shortest TTL, between
+  // 0.1 s and 1 s (leases expire on every call that consults them as well).
+  absl::Duration period = absl::Seconds(1);
   for (const auto& pool : server->pools_) {
     if (pool->idle_ttl() > absl::ZeroDuration()) period = std::min(period, pool->idle_ttl() / 4);
   }
-  if (period != absl::InfiniteDuration()) {
-    period = std::clamp(period, absl::Milliseconds(100), absl::Seconds(1));
-    KvCacheServer* self = server.get();
-    server->reaper_ = std::thread([self, period] {
-      while (!self->stop_reaper_.WaitForNotificationWithTimeout(period)) {
-        for (const auto& pool : self->pools_) pool->FreeIdle(absl::Now());
-      }
-    });
-  }
+  period = std::clamp(period, absl::Milliseconds(100), absl::Seconds(1));
+  KvCacheServer* self = server.get();
+  server->reaper_ = std::thread([self, period] {
+    while (!self->stop_reaper_.WaitForNotificationWithTimeout(period)) {
+      for (const auto& pool : self->pools_) pool->Maintain();
+    }
+  });
   return server;
 }
 

@@ -6,6 +6,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
@@ -96,7 +97,12 @@ grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContex
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
-    MLAKV_ASSIGN_OR_RETURN(SequenceSnapshot seq, pool->GetSequence(req->sequence()));
+    std::optional<LeaseRequest> lease;
+    if (req->has_lease()) {
+      MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "no lease was taken"));
+      lease = ToLeaseRequest(req->lease());
+    }
+    MLAKV_ASSIGN_OR_RETURN(SequenceSnapshot seq, pool->GetSequence(RefOf(*req), lease));
     ToProto(pool->name(), seq, resp);
     return absl::OkStatus();
   }();
@@ -140,6 +146,10 @@ grpc::ServerUnaryReactor* KvCacheService::GetPage(grpc::CallbackServerContext* c
       resp->add_filled_per_layer(page.filled_per_layer[l]);
       if (page.filled_per_layer[l] > 0) resp->add_layers_written(static_cast<uint32_t>(l));
     }
+    resp->set_references(static_cast<uint32_t>(page.references));
+    resp->set_indexed(!page.block_hash.empty());
+    resp->set_block_hash_hex(absl::BytesToHexString(page.block_hash));
+    resp->set_sequence_freed(page.sequence_freed);
     return absl::OkStatus();
   }();
   return FinishUnary(ctx, "GetPage", absl::StrCat(PoolDetail(req->pool()), " page=", req->page()), status);
@@ -152,8 +162,10 @@ grpc::ServerUnaryReactor* KvCacheService::FreeSequence(grpc::CallbackServerConte
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
     MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was freed"));
-    MLAKV_ASSIGN_OR_RETURN(uint32_t freed, pool->FreeSequence(req->sequence()));
-    resp->set_pages_freed(freed);
+    MLAKV_ASSIGN_OR_RETURN(FreeResult freed, pool->FreeSequence(RefOf(*req)));
+    resp->set_pages_freed(freed.pages_freed);
+    resp->set_leases(freed.leases);
+    resp->set_pages_retained(freed.pages_retained);
     return absl::OkStatus();
   }();
   return FinishUnary(ctx, "FreeSequence", SequenceDetail(req->pool(), req->sequence()), status);
@@ -166,7 +178,7 @@ grpc::ServerUnaryReactor* KvCacheService::TruncateSequence(grpc::CallbackServerC
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
     MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was truncated"));
-    MLAKV_ASSIGN_OR_RETURN(SequenceSnapshot seq, pool->TruncateSequence(req->sequence(), req->length()));
+    MLAKV_ASSIGN_OR_RETURN(SequenceSnapshot seq, pool->TruncateSequence(RefOf(*req), req->length()));
     ToProto(pool->name(), seq, resp);
     return absl::OkStatus();
   }();
@@ -225,6 +237,7 @@ grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContex
             s.has_expect_length() ? std::optional<uint32_t>(s.expect_length()) : std::nullopt;
         MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn r, ToRows(s.sequence(), s.start(), s.row_count(), s.layers(), 0, expect,
                                                         *options_.regions, *p, &hold));
+        AddCacheFields(s, &r);
         row_bytes += static_cast<uint64_t>(r.row_count) * kRowBytes * r.layers.size();
         rows.push_back(std::move(r));
       }

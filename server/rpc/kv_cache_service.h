@@ -111,6 +111,21 @@ class KvCacheService final : public mlakv::v1::KvCache::WithRawCallbackMethod_Ap
                                         v1::ListRegionsResponse* resp) override;
   grpc::ServerUnaryReactor* ExportPool(grpc::CallbackServerContext* ctx, const v1::ExportPoolRequest* req,
                                        v1::ExportPoolResponse* resp) override;
+  // Cache management (cache_management_calls.cc): leases and MatchPrefix
+  // under the pool's mutex, inline; ForkSequence on the pool's worker (it
+  // may copy a partial page).
+  grpc::ServerUnaryReactor* AcquireLease(grpc::CallbackServerContext* ctx, const v1::AcquireLeaseRequest* req,
+                                         v1::Lease* resp) override;
+  grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx, const v1::RenewLeaseRequest* req,
+                                       v1::Lease* resp) override;
+  grpc::ServerUnaryReactor* ReleaseLease(grpc::CallbackServerContext* ctx, const v1::ReleaseLeaseRequest* req,
+                                         v1::ReleaseLeaseResponse* resp) override;
+  grpc::ServerUnaryReactor* ListLeases(grpc::CallbackServerContext* ctx, const v1::ListLeasesRequest* req,
+                                       v1::ListLeasesResponse* resp) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest* req,
+                                         v1::ForkSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* MatchPrefix(grpc::CallbackServerContext* ctx, const v1::MatchPrefixRequest* req,
+                                        v1::MatchPrefixResponse* resp) override;
 
  private:
   // The unary prelude: UNAVAILABLE while draining, INVALID_ARGUMENT for an

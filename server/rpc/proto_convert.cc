@@ -61,6 +61,30 @@ void ToProto(const PoolSnapshot& p, v1::Pool* out) {
     ls->set_kpe_scale(p.layers[l].scales_set ? p.layers[l].kpe_scale : 0.0f);
     ls->set_tokens(p.layers[l].tokens);
   }
+  out->set_pages_shared(static_cast<uint32_t>(p.pages_shared));
+  out->set_leases(p.leases);
+  out->set_sequences_retained(p.sequences_retained);
+  out->set_pages_indexed(p.pages_indexed);
+  out->set_eviction(p.eviction_lru ? v1::EVICTION_POLICY_LRU : v1::EVICTION_POLICY_NONE);
+  out->set_evictions(p.counters.evictions);
+  out->set_evicted_pages(p.counters.evicted_pages);
+}
+
+void ToProto(const std::string& pool, const LeaseSnapshot& lease, v1::Lease* out) {
+  out->set_pool(pool);
+  out->set_lease_id(lease.id);
+  out->set_sequence(lease.sequence);
+  out->set_generation(lease.generation);
+  out->set_holder(lease.holder);
+  out->set_tokens(lease.tokens);
+  for (int32_t page : lease.pages) out->add_pages(static_cast<uint32_t>(page));
+  out->set_expire_time_unix_ms(lease.expire_unix_ms);
+  out->set_duration_ms(static_cast<uint32_t>(lease.duration_ms));
+  out->set_sequence_freed(lease.sequence_freed);
+}
+
+LeaseRequest ToLeaseRequest(const v1::LeaseOptions& options) {
+  return LeaseRequest{.holder = options.holder(), .duration = absl::Milliseconds(options.duration_ms())};
 }
 
 void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* out, v1::SequenceView view,
@@ -77,6 +101,11 @@ void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* o
   }
   out->set_page_size(s.page_size);
   out->set_capacity_tokens(s.capacity_tokens);
+  out->set_generation(s.generation);
+  out->set_leases(s.leases);
+  out->set_pinned(s.pinned);
+  out->set_shared_pages(s.shared_pages);
+  if (s.lease) ToProto(pool, *s.lease, out->mutable_lease());
 }
 
 namespace {
@@ -94,13 +123,14 @@ uint64_t VarintBytes(uint64_t v) {
 }  // namespace
 
 uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, uint32_t num_pages, size_t layers) {
-  // Strings and packed fields: a tag, a length varint and the bytes; the six
-  // scalar fields at most a tag and 5 bytes each; the enclosing message's
-  // own tag and length 6 more. Page ids are below num_pages, lengths below 2^31.
+  // Strings and packed fields: a tag, a length varint and the bytes; the
+  // scalar fields at most a tag and 5 bytes each (the 64-bit generation
+  // 11); the enclosing message's own tag and length 6 more. (No lease: an
+  // append's response carries none.) Page ids are below num_pages, lengths below 2^31.
   const uint64_t page_id = VarintBytes(num_pages == 0 ? 0 : num_pages - 1);
   const uint64_t page_ids = page_id * pages, lengths = 5 * static_cast<uint64_t>(layers);
   return (1 + VarintBytes(pool_bytes) + pool_bytes) + (1 + VarintBytes(id_bytes) + id_bytes) +
-         (1 + VarintBytes(page_ids) + page_ids) + (1 + VarintBytes(lengths) + lengths) + 6 * 6 + 6;
+         (1 + VarintBytes(page_ids) + page_ids) + (1 + VarintBytes(lengths) + lengths) + 6 * 6 + 11 + 6 + 2 + 6 + 6;
 }
 
 absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t start, uint32_t row_count,

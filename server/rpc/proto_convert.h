@@ -33,6 +33,28 @@ void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* o
 // response over the send limit).
 uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, uint32_t num_pages, size_t layers);
 
+void ToProto(const std::string& pool, const LeaseSnapshot& lease, v1::Lease* out);
+
+// A LeaseOptions message as the pool takes it.
+LeaseRequest ToLeaseRequest(const v1::LeaseOptions& options);
+
+// The cache-management fields an AppendRequest or SequenceRows carries
+// (expect_generation, block hashes).
+template <typename Message>
+void AddCacheFields(const Message& m, SequenceRowsIn* rows) {
+  if (m.has_expect_generation()) rows->expect_generation = m.expect_generation();
+  rows->block_hashes.assign(m.block_hashes().begin(), m.block_hashes().end());
+  rows->block_hashes_first_page = m.block_hashes_first_page();
+}
+
+// The sequence a request names: `sequence`, pinned to `expect_generation` if set.
+template <typename Request>
+SequenceRef RefOf(const Request& req) {
+  SequenceRef ref(req.sequence());
+  if (req.has_expect_generation()) ref.expect_generation = req.expect_generation();
+  return ref;
+}
+
 // A registered region as the wire describes it.
 v1::Region ToProto(const RegionInfo& region);
 

@@ -57,6 +57,8 @@ absl::Status ReadReactor::Plan(KvCacheService* service, const v1::ReadSequenceRe
   }
   uint32_t count = req->count();
   std::vector<uint32_t> layers(req->layers().begin(), req->layers().end());
+  if (req->has_expect_generation()) sequence_.expect_generation = req->expect_generation();
+  sequence_.lease_id = req->lease_id();
   MLAKV_ASSIGN_OR_RETURN(layers_, pool_->PlanRead(sequence_, layers, req->start(), &count));
   const uint64_t per_token =
       dequantize_ ? (kCkvDim + kKpeDim) * sizeof(float) : format::kEntryBytes;

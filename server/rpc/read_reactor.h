@@ -42,7 +42,7 @@ class ReadReactor final : public grpc::ServerWriteReactor<v1::ReadSequenceRespon
   absl::Status Produce(const Chunk& c);
   void Done(const absl::Status& status);
 
-  std::string sequence_;
+  SequenceRef sequence_;  // the id, its expected generation, or the lease to read through
   std::string detail_;
   Pool* pool_ = nullptr;
   bool dequantize_ = false;

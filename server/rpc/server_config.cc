@@ -65,6 +65,52 @@ absl::StatusOr<v1::ServerConfig> ParseServerConfig(std::string_view text, std::s
   return config;
 }
 
+namespace {
+
+// Eviction and leases of one pool (docs/server.md "Eviction", "Leases").
+absl::Status CacheManagementFromConfig(const v1::PoolConfig& pc, const std::string& where, Pool::Options* o) {
+  const v1::EvictionConfig& ev = pc.eviction();
+  if (ev.policy().empty() || ev.policy() == "none") {
+    o->eviction.lru = false;
+  } else if (ev.policy() == "lru") {
+    o->eviction.lru = true;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "eviction.policy ", Quote(ev.policy()), " is not \"none\" or \"lru\""));
+  }
+  if (ev.high_watermark() != 0.0f || ev.low_watermark() != 0.0f) {
+    if (!o->eviction.lru) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "eviction watermarks need eviction.policy \"lru\""));
+    }
+    if (!(ev.high_watermark() > 0.0f && ev.high_watermark() <= 1.0f && ev.low_watermark() >= 0.0f &&
+          ev.low_watermark() < ev.high_watermark())) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "eviction watermarks must satisfy 0 <= low (",
+                                                     ev.low_watermark(), ") < high (", ev.high_watermark(),
+                                                     ") <= 1"));
+    }
+  }
+  o->eviction.high_watermark = ev.high_watermark();
+  o->eviction.low_watermark = ev.low_watermark();
+  if (ev.remember_evicted() > (1u << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "eviction.remember_evicted ", ev.remember_evicted(), " exceeds 1048576"));
+  }
+  o->eviction.remember_ended = ev.remember_evicted() == 0 ? 4096 : ev.remember_evicted();
+  o->max_leases = pc.max_leases() == 0 ? 65536 : pc.max_leases();
+  o->max_leases_per_sequence = pc.max_leases_per_sequence() == 0 ? 64 : pc.max_leases_per_sequence();
+  const uint32_t max_s = pc.max_lease_seconds() == 0 ? 3600 : pc.max_lease_seconds();
+  const uint32_t default_s = pc.default_lease_seconds() == 0 ? 30 : pc.default_lease_seconds();
+  if (max_s > 7 * 24 * 3600 || default_s > max_s) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "default_lease_seconds ", default_s,
+                                                   " must be <= max_lease_seconds ", max_s, " <= 604800"));
+  }
+  o->max_lease_duration = absl::Seconds(max_s);
+  o->default_lease_duration = absl::Seconds(default_s);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<Pool::Options>> PoolOptionsFromConfig(const v1::ServerConfig& config,
                                                                  const std::string& default_device) {
   std::vector<Pool::Options> out;
@@ -153,6 +199,7 @@ absl::StatusOr<std::vector<Pool::Options>> PoolOptionsFromConfig(const v1::Serve
     }
     o.idle_ttl = absl::Seconds(pc.sequence_idle_ttl_seconds());
     o.max_sequences = pc.max_sequences() == 0 ? kDefaultMaxSequences : pc.max_sequences();
+    MLAKV_RETURN_IF_ERROR(CacheManagementFromConfig(pc, where, &o));
     out.push_back(std::move(o));
   }
   return out;

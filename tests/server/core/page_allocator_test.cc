@@ -39,12 +39,12 @@ TEST(PageAllocatorTest, DoubleFreeAndForeignIdsAreRejectedAtomically) {
   ASSERT_TRUE(a.ok());
   auto pages = (*a)->Allocate(2);
   ASSERT_TRUE(pages.ok());
-  EXPECT_EQ((*a)->Free(std::vector<int32_t>{0, 0}).code(), absl::StatusCode::kInternal);
-  EXPECT_EQ((*a)->Free(std::vector<int32_t>{0, 7}).code(), absl::StatusCode::kInternal);
-  EXPECT_EQ((*a)->Free(std::vector<int32_t>{0, 3}).code(), absl::StatusCode::kInternal);  // 3 is free
+  EXPECT_EQ((*a)->Unref(std::vector<int32_t>{0, 0}).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ((*a)->Unref(std::vector<int32_t>{0, 7}).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ((*a)->Unref(std::vector<int32_t>{0, 3}).code(), absl::StatusCode::kInternal);  // 3 is free
   EXPECT_EQ((*a)->used_count(), 2) << "a rejected Free frees nothing";
   EXPECT_TRUE((*a)->IsUsed(0));
-  ASSERT_TRUE((*a)->Free(*pages).ok());
+  ASSERT_TRUE((*a)->Unref(*pages).ok());
   EXPECT_EQ((*a)->free_count(), 4);
 }
 
@@ -68,7 +68,7 @@ TEST(PageAllocatorTest, RandomWorkloadKeepsFreePlusUsedEqualTotal) {
       const size_t n = gen() % (held.size() + 1);
       std::vector<int32_t> out(held.end() - n, held.end());
       held.resize(held.size() - n);
-      ASSERT_TRUE((*a)->Free(out).ok());
+      ASSERT_TRUE((*a)->Unref(out).ok());
     }
     ASSERT_EQ((*a)->free_count() + (*a)->used_count(), (*a)->total());
     ASSERT_EQ((*a)->used_count(), static_cast<int32_t>(held.size()));

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_rows.h"
 #include "server/core/pool.h"
@@ -342,7 +343,10 @@ class Runner {
   }
 
   absl::Status Free(int s) {
-    absl::StatusOr<uint32_t> freed = pool_->FreeSequence(Id(s));
+    absl::StatusOr<uint32_t> freed = [&]() -> absl::StatusOr<uint32_t> {
+      MLAKV_ASSIGN_OR_RETURN(FreeResult r, pool_->FreeSequence(Id(s)));
+      return r.pages_freed;
+    }();
     SequenceModel& seq = seqs_[s];
     if (!seq.exists) return Expect(freed.status(), absl::StatusCode::kNotFound, "free of a missing sequence");
     if (txns_[s]) return Expect(freed.status(), absl::StatusCode::kAborted, "free of a busy sequence");

@@ -17,7 +17,7 @@ std::vector<std::string> UseOrder(const SequenceTable& t) {
 
 // Adds `id` and commits it, idle, used at `when`.
 Sequence* Committed(SequenceTable& t, const std::string& id, int64_t when) {
-  Sequence* s = t.Add(id);
+  Sequence* s = t.Add(id, 1);
   t.SetCommitted(s);
   t.MarkIdle(s, when);
   return s;
@@ -25,7 +25,7 @@ Sequence* Committed(SequenceTable& t, const std::string& id, int64_t when) {
 
 TEST(SequenceTable, NewSequencesAreBusyUncommittedAndUnlisted) {
   SequenceTable t(2, 8);
-  Sequence* s = t.Add("a");
+  Sequence* s = t.Add("a", 1);
   EXPECT_TRUE(s->busy());
   EXPECT_FALSE(s->committed());
   EXPECT_EQ(t.committed_count(), 0u);
@@ -68,7 +68,7 @@ TEST(SequenceTable, EraseUnlinksAndUncounts) {
   EXPECT_EQ(UseOrder(t), (std::vector<std::string>{"a", "c"}));
   EXPECT_EQ(t.committed_count(), 2u);
   EXPECT_EQ(t.Find("b"), nullptr);
-  Sequence* pending = t.Add("d");  // uncommitted: erasing it does not touch the count
+  Sequence* pending = t.Add("d", 1);  // uncommitted: erasing it does not touch the count
   t.Erase(pending);
   EXPECT_EQ(t.committed_count(), 2u);
   EXPECT_EQ(t.size(), 2u);
@@ -89,7 +89,7 @@ TEST(SequenceTable, PagesRecordTheirOwnerAndAreReleasedOnDetach) {
 TEST(SequenceTable, ListAfterPaginatesCommittedIdsInOrder) {
   SequenceTable t(1, 8);
   for (const char* id : {"d", "b", "a", "c"}) Committed(t, id, 1);
-  t.Add("bb");  // uncommitted: never listed
+  t.Add("bb", 1);  // uncommitted: never listed
   std::vector<std::string> ids;
   for (const Sequence* s : t.ListAfter("a", 2)) ids.push_back(s->id());
   EXPECT_EQ(ids, (std::vector<std::string>{"b", "c"}));
