@@ -85,7 +85,7 @@ class AppendTransaction {
     int32_t to = 0;     // the private copy now in the table
   };
   std::vector<CopyOnWrite> cows_;
-  std::set<uint32_t> written_pages_;          // page-table entries the rows write
+  std::set<uint32_t> rewritten_pages_;        // page-table entries holding rewritten committed positions
   std::map<uint32_t, std::string> hashes_;    // block hashes to record at Commit
   bool pin_ = false;
   uint64_t rows_written_ = 0;

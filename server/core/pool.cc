@@ -48,6 +48,7 @@ struct Pool::StagePlan {
   std::vector<int64_t> new_pages;           // [txns] pages each transaction needs beyond what it holds
   std::vector<std::set<uint32_t>> written;  // [txns] page-table entries its rows write (existing pages)
   std::vector<std::set<uint32_t>> cows;     // [txns] of those, the shared ones to copy first
+  std::vector<std::set<uint32_t>> rewritten;  // [txns] of those, the ones holding rewritten committed positions
   int64_t total_new_pages = 0;              // tail pages and copies
   // The copies to make before the writes (from the shared page to the new one).
   std::vector<AppendTransaction::CopyOnWrite> copies;
@@ -347,6 +348,13 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
       plan.written[index].insert(static_cast<uint32_t>(i));
       if (allocator_->refs(pages[i]) > 1) plan.cows[index].insert(static_cast<uint32_t>(i));
     }
+    // Pages holding committed positions the rows rewrite: their hashes go.
+    for (const LayerRows& lr : r.layers) {
+      const uint64_t rewrite_end = std::min<uint64_t>(end, txn.committed_[lr.layer]);
+      for (uint64_t p = r.start; p < rewrite_end; p = (p / options_.page_size + 1) * options_.page_size) {
+        plan.rewritten[index].insert(static_cast<uint32_t>(p / options_.page_size));
+      }
+    }
     plan.total_new_pages += static_cast<int64_t>(plan.cows[index].size());
   }
   return absl::OkStatus();
@@ -368,9 +376,9 @@ void Pool::Reserve(std::span<AppendTransaction* const> txns, StagePlan& plan) {
       plan.copies.push_back(txn.cows_.back());
     }
     // A private page being rewritten no longer holds what its hash says.
-    for (uint32_t index : plan.written[i]) {
+    for (uint32_t index : plan.rewritten[i]) {
       if (!plan.cows[i].contains(index)) prefix_.ErasePage(seq->pages()[index]);
-      txn.written_pages_.insert(index);
+      txn.rewritten_pages_.insert(index);
     }
     sequences_.AttachPages(seq, std::span<const int32_t>(pages.data() + next, plan.new_pages[i]));
     next += plan.new_pages[i];
@@ -490,6 +498,7 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
   plan.new_pages.assign(txns.size(), 0);
   plan.written.resize(txns.size());
   plan.cows.resize(txns.size());
+  plan.rewritten.resize(txns.size());
   {
     absl::MutexLock lock(&mu_);
     ReapExpiredLeases();  // a lease past its expiry protects nothing
@@ -531,7 +540,7 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
   counters_.pages_copied += txn.cows_.size();
   // Hashes: rewritten pages lose their pending ones; the new ones wait until
   // their page is complete in every layer.
-  for (uint32_t index : txn.written_pages_) seq.pending_hashes().erase(index);
+  for (uint32_t index : txn.rewritten_pages_) seq.pending_hashes().erase(index);
   for (auto& [index, hash] : txn.hashes_) seq.pending_hashes()[index] = std::move(hash);
   IndexCompletePages(&seq);
   if (txn.created_) {
