@@ -639,7 +639,7 @@ absl::Status Pool::CheckGeneration(const Sequence& seq, std::optional<uint64_t> 
   if (!expected || *expected == seq.generation()) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       Who(seq.id()), " of pool ", Quote(name()), " has generation ", seq.generation(), ", not the ", *expected,
-      " the call expects: the id was freed and created again since (nothing was changed)"));
+      " the call expects: the id now names another incarnation (it was freed and created again, or the generation is not this id's); nothing was changed"));
 }
 
 absl::StatusOr<Sequence*> Pool::Resolve(const SequenceRef& ref) const {

@@ -57,6 +57,27 @@ TEST(ServerConfigTest, IdleTtl) {
   EXPECT_EQ(PoolOptionsFromConfig(Parse("pools { name: 'p' }"), "cpu")->front().idle_ttl, absl::ZeroDuration());
 }
 
+TEST(ServerConfigTest, EvictionAndLeases) {
+  auto pools = PoolOptionsFromConfig(
+      Parse("pools { name: 'p' eviction { policy: 'lru' high_watermark: 0.9 low_watermark: 0.75 remember_evicted: 10 } "
+            "max_leases: 7 max_leases_per_sequence: 3 max_lease_seconds: 60 default_lease_seconds: 5 }"),
+      "cpu");
+  ASSERT_TRUE(pools.ok()) << pools.status();
+  const Pool::Options& o = pools->front();
+  EXPECT_TRUE(o.eviction.lru);
+  EXPECT_FLOAT_EQ(o.eviction.high_watermark, 0.9f);
+  EXPECT_FLOAT_EQ(o.eviction.low_watermark, 0.75f);
+  EXPECT_EQ(o.eviction.remember_ended, 10u);
+  EXPECT_EQ(o.max_leases, 7u);
+  EXPECT_EQ(o.max_leases_per_sequence, 3u);
+  EXPECT_EQ(o.max_lease_duration, absl::Seconds(60));
+  EXPECT_EQ(o.default_lease_duration, absl::Seconds(5));
+  const Pool::Options d = PoolOptionsFromConfig(Parse("pools { name: 'p' }"), "cpu")->front();
+  EXPECT_FALSE(d.eviction.lru) << "eviction is off by default";
+  EXPECT_EQ(d.max_leases, 65536u);
+  EXPECT_EQ(d.default_lease_duration, absl::Seconds(30));
+}
+
 TEST(ServerConfigTest, RejectionsNameTheProblem) {
   struct Case {
     const char* text;
@@ -74,6 +95,11 @@ TEST(ServerConfigTest, RejectionsNameTheProblem) {
        "listed twice"},
       {"pools { name: 'p' all_layers { ckv_scale: -1 kpe_scale: 1 } }", "all_layers"},
       {"pools { name: 'p' page_size: 65536 num_pages: 65536 }", "2^31"},
+      {"pools { name: 'p' eviction { policy: 'fifo' } }", "is not \"none\" or \"lru\""},
+      {"pools { name: 'p' eviction { high_watermark: 0.9 } }", "need eviction.policy \"lru\""},
+      {"pools { name: 'p' eviction { policy: 'lru' high_watermark: 0.5 low_watermark: 0.7 } }", "0 <= low"},
+      {"pools { name: 'p' eviction { policy: 'lru' high_watermark: 1.5 } }", "<= 1"},
+      {"pools { name: 'p' default_lease_seconds: 100 max_lease_seconds: 10 }", "default_lease_seconds 100"},
   };
   for (const Case& c : cases) {
     absl::Status s = Check(c.text);

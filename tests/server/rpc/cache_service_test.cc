@@ -1,0 +1,348 @@
+// Cache management through the gRPC surface, on the device named by
+// MLAKV_SERVER_TEST_DEVICE ("cpu" for cache_service_test, "cuda:0" for
+// cache_service_cuda_test): a reader's lease outliving a free and the reuse
+// of the id, generations on every call that names a sequence, eviction from
+// the config, forks read back byte-exact, prefix matches and page leases,
+// and every new error with its status and an actionable message.
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "tests/server/rpc/service_fixture.h"
+#include "tests/testing/vector_files.h"
+
+#ifndef MLAKV_SERVER_TEST_DEVICE
+#define MLAKV_SERVER_TEST_DEVICE "cpu"
+#endif
+
+namespace mlakv::server::testing {
+namespace {
+
+constexpr char kDevice[] = MLAKV_SERVER_TEST_DEVICE;
+constexpr float kCkv = 0.25f, kKpe = 0.5f;
+
+class CacheServiceTest : public ::testing::Test, public ServiceFixture {
+ protected:
+  void SetUp() override {
+    if (std::string(kDevice) != "cpu" && !mlakv::testing::HaveCuda()) GTEST_SKIP() << "no CUDA device visible";
+    Start("num_layers: 2 page_size: 16 num_pages: 8");
+  }
+  void TearDown() override { StopServer(); }
+  void Start(const std::string& pool) { StartServer(kDevice, absl::StrCat("name: 'default' ", pool)); }
+
+  void MustAppend(const std::string& seq, uint32_t start, const Rows& rows,
+                  const std::function<void(v1::AppendRequest&)>& extra = nullptr) {
+    v1::AppendRequest m = AppendMessage(seq, start, rows, 0, rows.n, {0, 1}, kCkv, kKpe);
+    if (extra) extra(m);
+    const grpc::Status s = Append({m});
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
+
+  // The raw stored bytes of [0, count) of every layer, by id or through a lease.
+  grpc::Status ReadAll(const std::string& seq, uint64_t lease_id, uint32_t count, std::string* out,
+                       std::optional<uint64_t> expect_generation = std::nullopt) {
+    grpc::ClientContext ctx;
+    v1::ReadSequenceRequest req;
+    req.set_sequence(seq);
+    req.set_lease_id(lease_id);
+    req.set_count(count);
+    if (expect_generation) req.set_expect_generation(*expect_generation);
+    auto reader = stub().ReadSequence(&ctx, req);
+    v1::ReadSequenceResponse r;
+    out->clear();
+    while (reader->Read(&r)) absl::StrAppend(out, r.layer(), ":", r.ckv_packed(), r.ckv_sf(), r.kpe());
+    return reader->Finish();
+  }
+
+  template <typename Req, typename Resp, typename Method>
+  grpc::Status Call(Method method, const Req& req, Resp* resp) {
+    grpc::ClientContext ctx;
+    return (stub().*method)(&ctx, req, resp);
+  }
+
+  v1::Sequence Get(const std::string& id) {
+    v1::Sequence s;
+    EXPECT_TRUE(GetSequence(id, &s).ok());
+    return s;
+  }
+};
+
+TEST_F(CacheServiceTest, AReaderWithALeaseKeepsItsBytesWhileTheSequenceIsFreedAndItsIdReused) {
+  MustAppend("req", 0, RandomRows(40, 1));
+  v1::GetSequenceRequest get;
+  get.set_sequence("req");
+  get.mutable_lease()->set_holder("decode-7");
+  get.mutable_lease()->set_duration_ms(60000);
+  v1::Sequence leased;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::GetSequence, get, &leased).ok());
+  ASSERT_TRUE(leased.has_lease());
+  EXPECT_EQ(leased.lease().tokens(), 40u);
+  EXPECT_EQ(leased.lease().holder(), "decode-7");
+  EXPECT_EQ(leased.leases(), 1u);
+  const uint64_t lease = leased.lease().lease_id();
+  std::string before;
+  ASSERT_TRUE(ReadAll("", lease, 40, &before).ok());
+
+  v1::FreeSequenceRequest free_req;
+  free_req.set_sequence("req");
+  v1::FreeSequenceResponse freed;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::FreeSequence, free_req, &freed).ok());
+  EXPECT_EQ(freed.leases(), 1u);
+  EXPECT_EQ(freed.pages_retained(), 3u);
+  EXPECT_EQ(freed.pages_freed(), 0u);
+  MustAppend("req", 0, RandomRows(70, 2));  // the id again, on other pages
+  const v1::Sequence again = Get("req");
+  EXPECT_GT(again.generation(), leased.generation());
+  for (uint32_t p : again.kv_indices()) {
+    for (uint32_t q : leased.kv_indices()) EXPECT_NE(p, q) << "the leased pages were not handed out";
+  }
+  std::string after, reused;
+  ASSERT_TRUE(ReadAll("", lease, 40, &after).ok());
+  EXPECT_EQ(after, before);
+  ASSERT_TRUE(ReadAll("req", 0, 40, &reused).ok());
+  EXPECT_NE(reused, before);
+  EXPECT_EQ(GetPool().sequences_retained(), 1u);
+  EXPECT_EQ(GetPool().pages_used(), 8u);
+
+  v1::ReleaseLeaseRequest release;
+  release.set_lease_id(lease);
+  v1::ReleaseLeaseResponse released;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::ReleaseLease, release, &released).ok());
+  EXPECT_EQ(released.pages_freed(), 3u);
+  const grpc::Status gone = ReadAll("", lease, 40, &after);
+  EXPECT_EQ(gone.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(absl::StrContains(gone.error_message(), "expired or was released")) << gone.error_message();
+  EXPECT_EQ(GetPool().pages_used(), 5u);
+}
+
+TEST_F(CacheServiceTest, EveryCallThatNamesASequenceChecksItsGeneration) {
+  MustAppend("s", 0, RandomRows(4, 1));
+  const uint64_t gen = Get("s").generation();
+  const uint64_t wrong = gen + 1000;
+  auto expect_mismatch = [&](const grpc::Status& s, const std::string& what) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << what << ": " << Describe(s);
+    EXPECT_TRUE(absl::StrContains(s.error_message(), absl::StrCat(gen)) &&
+                absl::StrContains(s.error_message(), absl::StrCat(wrong)))
+        << what << ": " << s.error_message();
+  };
+  {
+    v1::GetSequenceRequest r;
+    r.set_sequence("s");
+    r.set_expect_generation(wrong);
+    v1::Sequence out;
+    expect_mismatch(Call(&v1::KvCache::Stub::GetSequence, r, &out), "GetSequence");
+    r.set_expect_generation(gen);
+    EXPECT_TRUE(Call(&v1::KvCache::Stub::GetSequence, r, &out).ok());
+  }
+  {
+    std::string bytes;
+    expect_mismatch(ReadAll("s", 0, 4, &bytes, wrong), "ReadSequence");
+  }
+  {
+    v1::TruncateSequenceRequest r;
+    r.set_sequence("s");
+    r.set_length(1);
+    r.set_expect_generation(wrong);
+    v1::Sequence out;
+    expect_mismatch(Call(&v1::KvCache::Stub::TruncateSequence, r, &out), "TruncateSequence");
+  }
+  {
+    v1::AcquireLeaseRequest r;
+    r.set_sequence("s");
+    r.set_expect_generation(wrong);
+    r.mutable_lease()->set_holder("h");
+    v1::Lease out;
+    expect_mismatch(Call(&v1::KvCache::Stub::AcquireLease, r, &out), "AcquireLease");
+  }
+  {
+    v1::AppendRequest m = AppendMessage("s", 4, RandomRows(1, 2), 0, 1, {0, 1}, kCkv, kKpe);
+    m.set_expect_generation(wrong);
+    expect_mismatch(Append({m}), "Append");
+  }
+  {
+    v1::AppendBatchRequest b;
+    b.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+    v1::SequenceRows* sr = b.add_sequences();
+    sr->set_sequence("s");
+    sr->set_start(4);
+    sr->set_expect_generation(wrong);
+    v1::AppendBatchResponse out;
+    expect_mismatch(Call(&v1::KvCache::Stub::AppendBatch, b, &out), "AppendBatch");
+  }
+  {
+    v1::FreeSequenceRequest r;
+    r.set_sequence("s");
+    r.set_expect_generation(wrong);
+    v1::FreeSequenceResponse out;
+    expect_mismatch(Call(&v1::KvCache::Stub::FreeSequence, r, &out), "FreeSequence");
+  }
+  EXPECT_EQ(Get("s").length(), 4u) << "nothing changed";
+  // Only the first message of a stream may name the generation.
+  v1::AppendRequest first = AppendMessage("s", 4, RandomRows(1, 3), 0, 1, {0, 1}, kCkv, kKpe);
+  v1::AppendRequest second = AppendMessage("", 5, RandomRows(1, 4), 0, 1, {0, 1}, kCkv, kKpe);
+  second.set_expect_generation(gen);
+  const grpc::Status s = Append({first, second});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_EQ(Get("s").length(), 4u);
+}
+
+TEST_F(CacheServiceTest, AFullPoolWithLruEvictionKeepsAccepting) {
+  StopServer();
+  Start("num_layers: 2 page_size: 16 num_pages: 8 eviction { policy: 'lru' }");
+  for (int i = 0; i < 20; ++i) MustAppend(absl::StrCat("s", i), 0, RandomRows(32, i));  // 2 pages each
+  const v1::Pool pool = GetPool();
+  EXPECT_EQ(pool.eviction(), v1::EVICTION_POLICY_LRU);
+  EXPECT_EQ(pool.sequences(), 4u);
+  EXPECT_EQ(pool.evictions(), 16u);
+  EXPECT_EQ(pool.evicted_pages(), 32u);
+  v1::Sequence s;
+  const grpc::Status evicted = GetSequence("s0", &s);
+  EXPECT_EQ(evicted.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(absl::StrContains(evicted.error_message(), "was evicted at")) << evicted.error_message();
+  EXPECT_TRUE(GetSequence("s19", &s).ok());
+}
+
+TEST_F(CacheServiceTest, ForkedSequencesSharePagesAndReadBackByteExact) {
+  MustAppend("src", 0, RandomRows(40, 1));
+  v1::ForkSequenceRequest fork;
+  fork.set_source("src");
+  fork.set_target("dst");
+  fork.set_length(40);
+  v1::ForkSequenceResponse forked;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::ForkSequence, fork, &forked).ok());
+  EXPECT_EQ(forked.pages_shared(), 2u);
+  EXPECT_EQ(forked.pages_copied(), 1u);
+  EXPECT_EQ(forked.sequence().length(), 40u);
+  EXPECT_EQ(forked.sequence().shared_pages(), 2u);
+  std::string a, b;
+  ASSERT_TRUE(ReadAll("src", 0, 40, &a).ok());
+  ASSERT_TRUE(ReadAll("dst", 0, 40, &b).ok());
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(GetPool().pages_used(), 4u);
+  EXPECT_EQ(GetPool().pages_shared(), 2u);
+  v1::GetPageRequest page_req;
+  page_req.set_page(forked.sequence().kv_indices(0));
+  v1::Page page;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::GetPage, page_req, &page).ok());
+  EXPECT_EQ(page.references(), 2u);
+  // Errors.
+  v1::ForkSequenceResponse out;
+  grpc::Status s = Call(&v1::KvCache::Stub::ForkSequence, fork, &out);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << Describe(s);
+  fork.set_target("t2");
+  fork.set_length(41);
+  s = Call(&v1::KvCache::Stub::ForkSequence, fork, &out);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  fork.clear_source();
+  s = Call(&v1::KvCache::Stub::ForkSequence, fork, &out);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+}
+
+TEST_F(CacheServiceTest, PrefixMatchFindsIndexedPagesAndLeasesThem) {
+  MustAppend("a", 0, RandomRows(40, 1), [](v1::AppendRequest& m) {
+    m.add_block_hashes("hash-0");
+    m.add_block_hashes("hash-1");
+    m.add_block_hashes("hash-2");  // page 2 is partial: not indexed yet
+  });
+  v1::MatchPrefixRequest match;
+  for (const char* h : {"hash-0", "hash-1", "hash-2"}) match.add_block_hashes(h);
+  match.mutable_lease()->set_holder("router");
+  v1::MatchPrefixResponse matched;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::MatchPrefix, match, &matched).ok());
+  EXPECT_EQ(matched.matched_pages(), 2u);
+  EXPECT_EQ(matched.matched_tokens(), 32u);
+  ASSERT_TRUE(matched.has_lease());
+  EXPECT_EQ(matched.lease().pages_size(), 2);
+  EXPECT_EQ(GetPool().pages_indexed(), 2u);
+  v1::GetPageRequest page_req;
+  page_req.set_page(matched.kv_indices(0));
+  v1::Page page;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::GetPage, page_req, &page).ok());
+  EXPECT_TRUE(page.indexed());
+  EXPECT_EQ(page.block_hash_hex(), "686173682d30");  // "hash-0"
+  EXPECT_EQ(page.references(), 2u);
+  // A fork by hash reuses the pages without their rows.
+  v1::ForkSequenceRequest fork;
+  fork.set_target("b");
+  for (const char* h : {"hash-0", "hash-1"}) fork.add_block_hashes(h);
+  v1::ForkSequenceResponse forked;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::ForkSequence, fork, &forked).ok());
+  EXPECT_EQ(forked.sequence().length(), 32u);
+  std::string a, b;
+  ASSERT_TRUE(ReadAll("a", 0, 32, &a).ok());
+  ASSERT_TRUE(ReadAll("b", 0, 32, &b).ok());
+  EXPECT_EQ(a, b);
+  // Bad hashes.
+  v1::MatchPrefixRequest bad;
+  bad.add_block_hashes(std::string(65, 'x'));
+  v1::MatchPrefixResponse out;
+  grpc::Status s = Call(&v1::KvCache::Stub::MatchPrefix, bad, &out);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "1..64")) << s.error_message();
+}
+
+TEST_F(CacheServiceTest, LeaseCallsAndTheirErrors) {
+  MustAppend("s", 0, RandomRows(20, 1));
+  v1::AcquireLeaseRequest acquire;
+  acquire.set_sequence("s");
+  v1::Lease lease;
+  grpc::Status s = Call(&v1::KvCache::Stub::AcquireLease, acquire, &lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "holder")) << s.error_message();
+  acquire.mutable_lease()->set_holder(std::string(5000, 'h'));
+  s = Call(&v1::KvCache::Stub::AcquireLease, acquire, &lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_LT(s.error_message().size(), 1000u) << "bounded quote";
+  acquire.mutable_lease()->set_holder("h");
+  acquire.mutable_lease()->set_duration_ms(4000u * 1000u);
+  s = Call(&v1::KvCache::Stub::AcquireLease, acquire, &lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  acquire.mutable_lease()->set_duration_ms(0);
+  acquire.set_tokens(21);
+  s = Call(&v1::KvCache::Stub::AcquireLease, acquire, &lease);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  acquire.set_tokens(10);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(Call(&v1::KvCache::Stub::AcquireLease, acquire, &lease).ok());
+  EXPECT_EQ(lease.duration_ms(), 30000u) << "the default";
+  // A truncate below the lease is refused, naming the protected tokens.
+  v1::TruncateSequenceRequest cut;
+  cut.set_sequence("s");
+  cut.set_length(5);
+  v1::Sequence seq;
+  s = Call(&v1::KvCache::Stub::TruncateSequence, cut, &seq);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "first 10 tokens")) << s.error_message();
+  // Listing, paginated.
+  v1::ListLeasesRequest list;
+  list.set_page_size(2);
+  v1::ListLeasesResponse page1, page2;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::ListLeases, list, &page1).ok());
+  EXPECT_EQ(page1.leases_size(), 2);
+  EXPECT_EQ(page1.total(), 3u);
+  list.set_page_token(page1.next_page_token());
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::ListLeases, list, &page2).ok());
+  EXPECT_EQ(page2.leases_size(), 1);
+  EXPECT_TRUE(page2.next_page_token().empty());
+  list.set_page_token("not-a-token");
+  s = Call(&v1::KvCache::Stub::ListLeases, list, &page2);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+  // Renew and release.
+  v1::RenewLeaseRequest renew;
+  renew.set_lease_id(lease.lease_id());
+  renew.set_duration_ms(5000);
+  v1::Lease renewed;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::RenewLease, renew, &renewed).ok());
+  EXPECT_EQ(renewed.duration_ms(), 5000u);
+  renew.set_lease_id(12345);
+  s = Call(&v1::KvCache::Stub::RenewLease, renew, &renewed);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+  v1::ReleaseLeaseRequest release;
+  release.set_lease_id(12345);
+  v1::ReleaseLeaseResponse released;
+  s = Call(&v1::KvCache::Stub::ReleaseLease, release, &released);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+  EXPECT_EQ(GetPool().leases(), 3u);
+}
+
+}  // namespace
+}  // namespace mlakv::server::testing
