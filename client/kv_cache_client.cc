@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -139,6 +140,10 @@ v1::AppendRequest AppendMessage(const AppendRows& append, uint32_t first, uint32
     message.set_reserve_tokens(append.reserve_tokens);
     if (append.expect_length) message.set_expect_length(*append.expect_length);
     message.set_view(append.view);
+    if (append.expect_generation) message.set_expect_generation(*append.expect_generation);
+    for (const std::string& hash : append.block_hashes) message.add_block_hashes(hash);
+    message.set_block_hashes_first_page(append.block_hashes_first_page);
+    message.set_pin(append.pin);
   }
   for (const LayerBytes& layer : append.layers) {
     v1::LayerRows* rows = message.add_layers();
@@ -157,6 +162,28 @@ v1::AppendRequest AppendMessage(const AppendRows& append, uint32_t first, uint32
     if (layer.kpe_scale) rows->set_kpe_scale(*layer.kpe_scale);
   }
   return message;
+}
+
+// A lease duration as the wire's whole milliseconds (rounded up; zero stays
+// zero: the pool's default).
+absl::StatusOr<uint32_t> DurationMs(const char* what, absl::Duration duration) {
+  if (duration < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": lease duration ", absl::FormatDuration(duration),
+                                                   " is negative (zero means the pool's default)"));
+  }
+  const absl::Duration ms = absl::Ceil(duration, absl::Milliseconds(1));
+  if (ms > absl::Milliseconds(std::numeric_limits<uint32_t>::max())) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": lease duration ", absl::FormatDuration(duration),
+                                                   " does not fit the wire's uint32 milliseconds"));
+  }
+  return static_cast<uint32_t>(absl::ToInt64Milliseconds(ms));
+}
+
+absl::Status SetLeaseTerms(const char* what, const LeaseTerms& terms, v1::LeaseOptions* out) {
+  MLAKV_ASSIGN_OR_RETURN(uint32_t ms, DurationMs(what, terms.duration));
+  out->set_holder(terms.holder);
+  out->set_duration_ms(ms);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -240,6 +267,16 @@ absl::StatusOr<v1::Sequence> KvCacheClient::GetSequence(const std::string& pool,
   return Call(&v1::KvCache::Stub::GetSequence, request);
 }
 
+absl::StatusOr<v1::Sequence> KvCacheClient::GetSequence(const std::string& pool, const std::string& sequence,
+                                                        const GetSequenceOptions& options) {
+  v1::GetSequenceRequest request;
+  request.set_pool(pool);
+  request.set_sequence(sequence);
+  if (options.expect_generation) request.set_expect_generation(*options.expect_generation);
+  if (options.lease) MLAKV_RETURN_IF_ERROR(SetLeaseTerms("get sequence", *options.lease, request.mutable_lease()));
+  return Call(&v1::KvCache::Stub::GetSequence, request);
+}
+
 absl::StatusOr<std::vector<v1::SequenceSummary>> KvCacheClient::ListSequences(const std::string& pool) {
   std::vector<v1::SequenceSummary> all;
   v1::ListSequencesRequest request;
@@ -271,12 +308,23 @@ absl::StatusOr<uint32_t> KvCacheClient::Free(const std::string& pool, const std:
   return response.pages_freed();
 }
 
+absl::StatusOr<v1::FreeSequenceResponse> KvCacheClient::FreeSequence(const std::string& pool,
+                                                                     const std::string& sequence,
+                                                                     std::optional<uint64_t> expect_generation) {
+  v1::FreeSequenceRequest request;
+  request.set_pool(pool);
+  request.set_sequence(sequence);
+  if (expect_generation) request.set_expect_generation(*expect_generation);
+  return Call(&v1::KvCache::Stub::FreeSequence, request);
+}
+
 absl::StatusOr<v1::Sequence> KvCacheClient::Truncate(const std::string& pool, const std::string& sequence,
-                                                     uint32_t length) {
+                                                     uint32_t length, std::optional<uint64_t> expect_generation) {
   v1::TruncateSequenceRequest request;
   request.set_pool(pool);
   request.set_sequence(sequence);
   request.set_length(length);
+  if (expect_generation) request.set_expect_generation(*expect_generation);
   return Call(&v1::KvCache::Stub::TruncateSequence, request);
 }
 
@@ -354,6 +402,12 @@ absl::StatusOr<v1::ExportPoolResponse> KvCacheClient::ExportPool(const std::stri
 
 absl::StatusOr<StoredLayer> KvCacheClient::ReadLayer(const std::string& pool, const std::string& sequence,
                                                      uint32_t layer, uint32_t start, uint32_t count) {
+  return ReadLayer(pool, sequence, layer, ReadLayerOptions{.start = start, .count = count});
+}
+
+absl::StatusOr<StoredLayer> KvCacheClient::ReadLayer(const std::string& pool, const std::string& sequence,
+                                                     uint32_t layer, const ReadLayerOptions& options) {
+  const uint32_t start = options.start;
   grpc::ClientContext context;
   PrepareContext(context, options_.timeout);
   v1::ReadSequenceRequest request;
@@ -361,8 +415,10 @@ absl::StatusOr<StoredLayer> KvCacheClient::ReadLayer(const std::string& pool, co
   request.set_sequence(sequence);
   request.add_layers(layer);
   request.set_start(start);
-  request.set_count(count);
+  request.set_count(options.count);
   request.set_format(v1::READ_FORMAT_RAW);
+  if (options.expect_generation) request.set_expect_generation(*options.expect_generation);
+  request.set_lease_id(options.lease_id);
   std::unique_ptr<grpc::ClientReader<v1::ReadSequenceResponse>> reader = stub_->ReadSequence(&context, request);
 
   StoredLayer stored;
@@ -399,6 +455,95 @@ absl::StatusOr<StoredLayer> KvCacheClient::ReadLayer(const std::string& pool, co
     }
   }
   return stored;
+}
+
+// ---- cache management ----
+
+absl::StatusOr<v1::Lease> KvCacheClient::AcquireLease(const std::string& pool, const std::string& sequence,
+                                                      const std::string& holder, absl::Duration duration,
+                                                      uint32_t tokens, std::optional<uint64_t> expect_generation) {
+  v1::AcquireLeaseRequest request;
+  request.set_pool(pool);
+  request.set_sequence(sequence);
+  if (expect_generation) request.set_expect_generation(*expect_generation);
+  MLAKV_RETURN_IF_ERROR(SetLeaseTerms("acquire lease", {.holder = holder, .duration = duration},
+                                      request.mutable_lease()));
+  request.set_tokens(tokens);
+  return Call(&v1::KvCache::Stub::AcquireLease, request);
+}
+
+absl::StatusOr<v1::Lease> KvCacheClient::RenewLease(const std::string& pool, uint64_t lease_id,
+                                                    absl::Duration duration) {
+  v1::RenewLeaseRequest request;
+  request.set_pool(pool);
+  request.set_lease_id(lease_id);
+  MLAKV_ASSIGN_OR_RETURN(uint32_t ms, DurationMs("renew lease", duration));
+  request.set_duration_ms(ms);
+  return Call(&v1::KvCache::Stub::RenewLease, request);
+}
+
+absl::StatusOr<uint32_t> KvCacheClient::ReleaseLease(const std::string& pool, uint64_t lease_id) {
+  v1::ReleaseLeaseRequest request;
+  request.set_pool(pool);
+  request.set_lease_id(lease_id);
+  MLAKV_ASSIGN_OR_RETURN(v1::ReleaseLeaseResponse response, Call(&v1::KvCache::Stub::ReleaseLease, request));
+  return response.pages_freed();
+}
+
+absl::StatusOr<std::vector<v1::Lease>> KvCacheClient::ListLeases(const std::string& pool) {
+  std::vector<v1::Lease> all;
+  v1::ListLeasesRequest request;
+  request.set_pool(pool);
+  request.set_page_size(1000);
+  do {
+    MLAKV_ASSIGN_OR_RETURN(v1::ListLeasesResponse response, Call(&v1::KvCache::Stub::ListLeases, request));
+    all.insert(all.end(), response.leases().begin(), response.leases().end());
+    if (!response.next_page_token().empty() && response.next_page_token() == request.page_token()) {
+      return absl::InternalError("list leases: server returned the same page token twice");
+    }
+    request.set_page_token(response.next_page_token());
+  } while (!request.page_token().empty());
+  return all;
+}
+
+absl::StatusOr<v1::ForkSequenceResponse> KvCacheClient::ForkSequence(const std::string& pool,
+                                                                     const std::string& source,
+                                                                     const std::string& target, uint32_t length,
+                                                                     bool pin,
+                                                                     std::optional<uint64_t> source_generation) {
+  // An empty source would make the server read the request as a fork by
+  // hash (of no hashes).
+  if (source.empty()) return absl::InvalidArgumentError("fork: source sequence id is empty");
+  v1::ForkSequenceRequest request;
+  request.set_pool(pool);
+  request.set_source(source);
+  request.set_target(target);
+  request.set_length(length);
+  request.set_pin(pin);
+  if (source_generation) request.set_expect_generation(*source_generation);
+  return Call(&v1::KvCache::Stub::ForkSequence, request);
+}
+
+absl::StatusOr<v1::ForkSequenceResponse> KvCacheClient::ForkFromHashes(const std::string& pool,
+                                                                       const std::vector<std::string>& block_hashes,
+                                                                       const std::string& target, bool pin) {
+  if (block_hashes.empty()) return absl::InvalidArgumentError("fork: no block hashes given");
+  v1::ForkSequenceRequest request;
+  request.set_pool(pool);
+  request.set_target(target);
+  for (const std::string& hash : block_hashes) request.add_block_hashes(hash);
+  request.set_pin(pin);
+  return Call(&v1::KvCache::Stub::ForkSequence, request);
+}
+
+absl::StatusOr<v1::MatchPrefixResponse> KvCacheClient::MatchPrefix(const std::string& pool,
+                                                                   const std::vector<std::string>& block_hashes,
+                                                                   const std::optional<LeaseTerms>& lease) {
+  v1::MatchPrefixRequest request;
+  request.set_pool(pool);
+  for (const std::string& hash : block_hashes) request.add_block_hashes(hash);
+  if (lease) MLAKV_RETURN_IF_ERROR(SetLeaseTerms("match prefix", *lease, request.mutable_lease()));
+  return Call(&v1::KvCache::Stub::MatchPrefix, request);
 }
 
 }  // namespace mlakv

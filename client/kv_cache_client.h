@@ -67,6 +67,45 @@ struct AppendRows {
   std::optional<uint32_t> expect_length{};
   // What the response's sequence carries (BASIC: no whole page table).
   v1::SequenceView view = v1::SEQUENCE_VIEW_UNSPECIFIED;
+  // ---- cache management (docs/server.md "Leases", "Shared pages") ----
+  // Apply only to this incarnation of the sequence (Sequence.generation; else
+  // FAILED_PRECONDITION, or NOT_FOUND when it does not exist).
+  std::optional<uint64_t> expect_generation{};
+  // Block hashes of page-table entries block_hashes_first_page + i (opaque,
+  // 1..64 bytes each, chained by the caller), for MatchPrefix and forks by
+  // hash; a page is indexed once it is complete in every layer. Sent in the
+  // stream's first message.
+  std::vector<std::string> block_hashes{};
+  uint32_t block_hashes_first_page = 0;
+  // When the append creates the sequence: never evicted, never freed by the
+  // idle TTL (FreeSequence still frees it).
+  bool pin = false;
+};
+
+// Who holds a lease and for how long (zero: the pool's default, 30 s unless
+// configured). Sent as whole milliseconds, rounded up.
+struct LeaseTerms {
+  std::string holder{};  // 1..256 bytes, e.g. "decode-worker-3"
+  absl::Duration duration = absl::ZeroDuration();
+};
+
+// GetSequence preconditions and extras.
+struct GetSequenceOptions {
+  // Answer only for this incarnation (else FAILED_PRECONDITION).
+  std::optional<uint64_t> expect_generation{};
+  // Also take a lease on the sequence's current length, atomically with the
+  // page table returned (Sequence.lease).
+  std::optional<LeaseTerms> lease{};
+};
+
+// Which tokens of one layer ReadLayer reads, and which incarnation.
+struct ReadLayerOptions {
+  uint32_t start = 0;  // first token
+  uint32_t count = 0;  // tokens; 0: to the layer's length
+  std::optional<uint64_t> expect_generation{};
+  // Read through this sequence lease: the incarnation it holds, even after it
+  // was freed (the sequence id may then be empty).
+  uint64_t lease_id = 0;
 };
 
 // The stored bytes of one layer of a sequence, in token order.
@@ -120,12 +159,20 @@ class KvCacheClient {
   absl::StatusOr<std::vector<v1::Pool>> ListPools();
   absl::StatusOr<v1::Pool> GetPool(const std::string& pool);
   absl::StatusOr<v1::Sequence> GetSequence(const std::string& pool, const std::string& sequence);
+  // With a generation precondition and/or a lease taken with the answer.
+  absl::StatusOr<v1::Sequence> GetSequence(const std::string& pool, const std::string& sequence,
+                                           const GetSequenceOptions& options);
   // Every sequence of the pool (follows next_page_token to the end).
   absl::StatusOr<std::vector<v1::SequenceSummary>> ListSequences(const std::string& pool);
   absl::StatusOr<v1::Page> GetPage(const std::string& pool, uint32_t page);
   // Returns the number of pages freed.
   absl::StatusOr<uint32_t> Free(const std::string& pool, const std::string& sequence);
-  absl::StatusOr<v1::Sequence> Truncate(const std::string& pool, const std::string& sequence, uint32_t length);
+  // The whole answer: pages freed now, and the leases (and their pages) that
+  // keep the freed incarnation until they end.
+  absl::StatusOr<v1::FreeSequenceResponse> FreeSequence(const std::string& pool, const std::string& sequence,
+                                                        std::optional<uint64_t> expect_generation = std::nullopt);
+  absl::StatusOr<v1::Sequence> Truncate(const std::string& pool, const std::string& sequence, uint32_t length,
+                                        std::optional<uint64_t> expect_generation = std::nullopt);
 
   // One Append stream carrying `append` in messages of about
   // Options::append_message_bytes (only rows sent as bytes count; an append
@@ -138,6 +185,43 @@ class KvCacheClient {
   // count 0 reads to the layer's length.
   absl::StatusOr<StoredLayer> ReadLayer(const std::string& pool, const std::string& sequence, uint32_t layer,
                                         uint32_t start = 0, uint32_t count = 0);
+  absl::StatusOr<StoredLayer> ReadLayer(const std::string& pool, const std::string& sequence, uint32_t layer,
+                                        const ReadLayerOptions& options);
+
+  // ---- cache management (docs/server.md "Leases", "Eviction", "Shared pages") ----
+  // A lease on tokens [0, tokens) (0: the sequence's length) of every layer:
+  // until it ends or expires they do not change and their pages stay, even
+  // through a FreeSequence.
+  absl::StatusOr<v1::Lease> AcquireLease(const std::string& pool, const std::string& sequence,
+                                         const std::string& holder, absl::Duration duration = absl::ZeroDuration(),
+                                         uint32_t tokens = 0,
+                                         std::optional<uint64_t> expect_generation = std::nullopt);
+  // Extends a lease to now + duration (zero: the pool's default); NOT_FOUND
+  // once it ended or expired.
+  absl::StatusOr<v1::Lease> RenewLease(const std::string& pool, uint64_t lease_id,
+                                       absl::Duration duration = absl::ZeroDuration());
+  // Ends a lease; returns the pages it was the last holder of.
+  absl::StatusOr<uint32_t> ReleaseLease(const std::string& pool, uint64_t lease_id);
+  // Every lease of the pool, by id (follows next_page_token to the end).
+  absl::StatusOr<std::vector<v1::Lease>> ListLeases(const std::string& pool);
+  // Creates `target` sharing the first `length` tokens (0: all) of `source`:
+  // full pages by reference, a partial last page copied. `pin` creates it
+  // pinned; source_generation pins the source's incarnation.
+  absl::StatusOr<v1::ForkSequenceResponse> ForkSequence(const std::string& pool, const std::string& source,
+                                                        const std::string& target, uint32_t length = 0,
+                                                        bool pin = false,
+                                                        std::optional<uint64_t> source_generation = std::nullopt);
+  // Creates `target` from the leading pages of a block-hash chain the pool
+  // holds (no page copied). When none matched, nothing is created and the
+  // response has no sequence.
+  absl::StatusOr<v1::ForkSequenceResponse> ForkFromHashes(const std::string& pool,
+                                                          const std::vector<std::string>& block_hashes,
+                                                          const std::string& target, bool pin = false);
+  // How many leading pages of the chain the pool holds, and which; with
+  // `lease`, also a page lease on them (MatchPrefixResponse.lease).
+  absl::StatusOr<v1::MatchPrefixResponse> MatchPrefix(const std::string& pool,
+                                                      const std::vector<std::string>& block_hashes,
+                                                      const std::optional<LeaseTerms>& lease = std::nullopt);
 
   // ---- regions (server --allow_ipc, else PERMISSION_DENIED; docs/server.md "Regions") ----
   // A POSIX shared-memory object (shm_open name "/x") from `offset`, `byte_size`

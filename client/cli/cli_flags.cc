@@ -17,6 +17,22 @@ ABSL_FLAG(std::optional<double>, ckv_scale, std::nullopt,
 ABSL_FLAG(std::optional<double>, kpe_scale, std::nullopt,
           "quantize, append: global kpe decode scale (overrides the file's kpe_scale)");
 ABSL_FLAG(std::string, dtype, "bf16", "bench, append from regions: row element type, bf16 or f16");
+ABSL_FLAG(int64_t, length, -1,
+          "truncate: new length of the sequence, tokens; fork: tokens of the source to share (default: all)");
+
+// ---- cache management (leases, forks, prefix matches) ----
+ABSL_FLAG(std::optional<uint64_t>, expect_generation, std::nullopt,
+          "seq, free, truncate, fork, lease acquire: act only on this incarnation of the sequence (its generation)");
+ABSL_FLAG(std::string, holder, "", "lease acquire: who holds the lease (1..256 bytes, e.g. decode-worker-3)");
+ABSL_FLAG(std::string, lease_holder, "",
+          "seq, match: also take a lease (on the sequence's length; on the matched pages) for this holder");
+ABSL_FLAG(uint32_t, duration_ms, 0,
+          "lease acquire/renew, seq and match with --lease_holder: lease duration, ms (0: the pool's default)");
+ABSL_FLAG(uint32_t, tokens, 0, "lease acquire: tokens to protect from position 0 (0: the sequence's length)");
+ABSL_FLAG(bool, pin, false, "fork: create the target pinned (never evicted, never freed by the idle TTL)");
+ABSL_FLAG(std::string, hashes, "",
+          "fork: instead of SOURCE, fork from this block-hash chain (comma-separated hex, first page first)");
+// ---- end cache management ----
 
 // ---- transport security (docs/deploy.md) ----
 ABSL_FLAG(std::string, tls_ca, "", "PEM file of the CA that signed the server's certificate; switches to TLS");

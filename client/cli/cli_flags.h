@@ -3,6 +3,7 @@
 // (cli_flags.cc); a flag only one command reads lives in that command's file.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -19,6 +20,15 @@ ABSL_DECLARE_FLAG(std::string, output);
 ABSL_DECLARE_FLAG(std::optional<double>, ckv_scale);
 ABSL_DECLARE_FLAG(std::optional<double>, kpe_scale);
 ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(int64_t, length);
+// Cache management (leases, forks, prefix matches).
+ABSL_DECLARE_FLAG(std::optional<uint64_t>, expect_generation);
+ABSL_DECLARE_FLAG(std::string, holder);
+ABSL_DECLARE_FLAG(std::string, lease_holder);
+ABSL_DECLARE_FLAG(uint32_t, duration_ms);
+ABSL_DECLARE_FLAG(uint32_t, tokens);
+ABSL_DECLARE_FLAG(bool, pin);
+ABSL_DECLARE_FLAG(std::string, hashes);
 // Transport security (docs/deploy.md).
 ABSL_DECLARE_FLAG(std::string, tls_ca);
 ABSL_DECLARE_FLAG(std::string, tls_cert);

@@ -6,7 +6,11 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "client/cli/cli_flags.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
@@ -64,6 +68,49 @@ std::string ToJson(const google::protobuf::Message& message) {
 bool ParseUint32(std::string_view text, uint32_t* value) {
   return !text.empty() && text[0] != '-' && text[0] != '+' &&
          absl::SimpleAtoi(absl::string_view(text.data(), text.size()), value);
+}
+
+bool ParseUint64(std::string_view text, uint64_t* value) {
+  return !text.empty() && text[0] != '-' && text[0] != '+' &&
+         absl::SimpleAtoi(absl::string_view(text.data(), text.size()), value);
+}
+
+absl::StatusOr<std::string> ParseHashHex(std::string_view what_view, std::string_view hex_view) {
+  const absl::string_view what(what_view.data(), what_view.size());
+  const absl::string_view hex(hex_view.data(), hex_view.size());
+  absl::string_view h = hex;
+  if (absl::StartsWith(h, "0x") || absl::StartsWith(h, "0X")) h.remove_prefix(2);
+  if (h.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": empty; a block hash is 1..64 bytes of hex"));
+  if (h.size() % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " \"", hex, "\" has ", h.size(), " hex digits; a hash is whole bytes (an even count)"));
+  }
+  for (size_t i = 0; i < h.size(); ++i) {
+    if (!absl::ascii_isxdigit(h[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " \"", hex, "\": '", h.substr(i, 1), "' at digit ", i, " is not a hex digit"));
+    }
+  }
+  return absl::HexStringToBytes(h);
+}
+
+std::string HexOf(std::string_view bytes) { return absl::BytesToHexString(absl::string_view(bytes.data(), bytes.size())); }
+
+std::string DescribeLease(const v1::Lease& lease) {
+  std::string text = absl::StrCat("lease ", lease.lease_id());
+  if (!lease.sequence().empty()) {
+    absl::StrAppend(&text, " on sequence ", lease.sequence(), " (generation ", lease.generation(),
+                    lease.sequence_freed() ? ", freed" : "", "): tokens [0, ", lease.tokens(), ")");
+  } else {
+    absl::StrAppend(&text, " on ", lease.pages_size(), " page(s) [", absl::StrJoin(lease.pages(), ", "), "] (",
+                    lease.tokens(), " tokens)");
+  }
+  const int64_t left_ms = lease.expire_time_unix_ms() - absl::ToUnixMillis(absl::Now());
+  absl::StrAppend(&text, ", holder ", lease.holder(), ", ",
+                  left_ms > 0 ? absl::StrCat("expires in ", absl::FormatDuration(absl::Milliseconds(left_ms)))
+                              : std::string("expired"),
+                  " (duration ", lease.duration_ms(), " ms)");
+  return text;
 }
 
 std::string DescribeRegionSource(const v1::Region& region) {

@@ -38,6 +38,19 @@ std::string ToJson(const google::protobuf::Message& message);
 // A non-negative integer that fits in uint32; false for anything else.
 bool ParseUint32(std::string_view text, uint32_t* value);
 
+// A non-negative integer that fits in uint64; false for anything else.
+bool ParseUint64(std::string_view text, uint64_t* value);
+
+// A block hash given as hex on the command line ("0a1b..."; an optional 0x
+// prefix): its bytes, or INVALID_ARGUMENT naming `what` and the problem.
+absl::StatusOr<std::string> ParseHashHex(std::string_view what, std::string_view hex);
+// Bytes as lowercase hex, for printing hashes.
+std::string HexOf(std::string_view bytes);
+
+// One line about a lease: "lease 7 on sequence s (generation G): tokens [0, 40),
+// holder h, expires in 29.9s" (page leases name their pages instead).
+std::string DescribeLease(const v1::Lease& lease);
+
 // Where a region's bytes live: "shm /name +offset" or "cuda:N" (" +event" when
 // the server waits on the producer's event).
 std::string DescribeRegionSource(const v1::Region& region);

@@ -22,5 +22,9 @@ int RunBench(const std::vector<std::string>& args);
 int RunRegions(const std::vector<std::string>& args);
 int RunRegion(const std::vector<std::string>& args);
 int RunExportPool(const std::vector<std::string>& args);
+int RunPool(const std::vector<std::string>& args);
+int RunFork(const std::vector<std::string>& args);
+int RunLease(const std::vector<std::string>& args);
+int RunMatch(const std::vector<std::string>& args);
 
 }  // namespace mlakv::cli

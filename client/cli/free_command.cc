@@ -1,4 +1,5 @@
-// mlakv free ID: release a sequence and all its pages.
+// mlakv free ID: release a sequence and all its pages (those a lease holds
+// stay until it ends).
 #include <cstdio>
 
 #include "absl/flags/flag.h"
@@ -9,18 +10,21 @@
 namespace mlakv::cli {
 
 int RunFree(const std::vector<std::string>& args) {
-  if (args.size() != 1) return UsageError("free ID [--pool P] [--server ADDR] [--json]");
+  if (args.size() != 1) return UsageError("free ID [--expect_generation G] [--pool P] [--server ADDR] [--json]");
   absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
   if (!client.ok()) return Fail("free", client.status());
-  v1::FreeSequenceResponse freed;
-  absl::StatusOr<uint32_t> pages = (*client)->Free(absl::GetFlag(FLAGS_pool), args[0]);
-  if (!pages.ok()) return Fail("free", pages.status());
-  freed.set_pages_freed(*pages);
+  absl::StatusOr<v1::FreeSequenceResponse> freed =
+      (*client)->FreeSequence(absl::GetFlag(FLAGS_pool), args[0], absl::GetFlag(FLAGS_expect_generation));
+  if (!freed.ok()) return Fail("free", freed.status());
 
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("%s\n", ToJson(freed).c_str());
-  } else {
-    std::printf("freed sequence %s: %u page(s) returned to the pool\n", args[0].c_str(), *pages);
+    std::printf("%s\n", ToJson(*freed).c_str());
+    return kExitOk;
+  }
+  std::printf("freed sequence %s: %u page(s) returned to the pool\n", args[0].c_str(), freed->pages_freed());
+  if (freed->leases() > 0) {
+    std::printf("  %u lease(s) still hold it: %u page(s) retained until the last one ends\n", freed->leases(),
+                freed->pages_retained());
   }
   return kExitOk;
 }

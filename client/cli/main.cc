@@ -24,11 +24,36 @@ const std::map<std::string, Command>& Commands() {
        {mlakv::cli::RunQuantize,
         "--input IN.safetensors --output OUT.safetensors [--device cpu|cuda|cuda:N|auto] [--ckv_scale X] "
         "[--kpe_scale Y]\n      quantize rows offline with the service's kernel"}},
-      {"pools", {mlakv::cli::RunPools, "[--json]\n      pools: geometry, device, pages total/used/free"}},
+      {"pools",
+       {mlakv::cli::RunPools,
+        "[--json]\n      pools: geometry, device, pages total/used/free/shared, leases, eviction counters"}},
+      {"pool",
+       {mlakv::cli::RunPool,
+        "[NAME] [--json]\n      one pool: pages used/free/shared/indexed, sequences retained, leases, eviction, scales"}},
       {"seqs", {mlakv::cli::RunSeqs, "[--pool P] [--json]\n      sequences of a pool: length, pages"}},
-      {"seq", {mlakv::cli::RunSeq, "ID [--pool P] [--json]\n      a sequence's page table and per-layer lengths"}},
+      {"seq",
+       {mlakv::cli::RunSeq,
+        "ID [--expect_generation G] [--lease_holder H [--duration_ms N]] [--pool P] [--json]\n"
+        "      a sequence's page table, per-layer lengths, generation, leases, pin, shared pages"}},
       {"page", {mlakv::cli::RunPage, "N [--pool P] [--json]\n      a page's owner and filled entries per layer"}},
-      {"free", {mlakv::cli::RunFree, "ID [--pool P] [--json]\n      release a sequence and its pages"}},
+      {"free",
+       {mlakv::cli::RunFree,
+        "ID [--expect_generation G] [--pool P] [--json]\n"
+        "      release a sequence and its pages (pages a lease holds stay until it ends)"}},
+      {"fork",
+       {mlakv::cli::RunFork,
+        "SOURCE TARGET [--length N] [--pin] [--expect_generation G] [--pool P] [--json]\n"
+        "      fork --hashes HEX[,HEX...] TARGET [--pin]\n"
+        "      create TARGET sharing SOURCE's pages (or a cached block-hash chain's)"}},
+      {"lease",
+       {mlakv::cli::RunLease,
+        "acquire SEQ --holder H [--duration_ms N] [--tokens N] [--expect_generation G] [--json]\n"
+        "      lease renew ID [--duration_ms N] | lease release ID | lease list  [--pool P] [--json]\n"
+        "      take, extend, end and list leases (what they cover does not change while they live)"}},
+      {"match",
+       {mlakv::cli::RunMatch,
+        "HASH_HEX... [--lease_holder H [--duration_ms N]] [--pool P] [--json]\n"
+        "      how many leading pages of a block-hash chain the pool holds (optionally leased)"}},
       {"truncate",
        {mlakv::cli::RunTruncate, "ID --length L [--pool P] [--json]\n      roll a sequence back to L tokens"}},
       {"append",

@@ -32,6 +32,9 @@ int RunPage(const std::vector<std::string>& args) {
   std::printf("  filled entries  %s\n",
               DescribeLayerRuns({page->filled_per_layer().begin(), page->filled_per_layer().end()}).c_str());
   std::printf("  layers written  [%s]\n", absl::StrJoin(page->layers_written(), ", ").c_str());
+  std::printf("  references      %u%s\n", page->references(), page->references() > 1 ? " (shared)" : "");
+  if (page->indexed()) std::printf("  block hash      %s\n", page->block_hash_hex().c_str());
+  if (page->sequence_freed()) std::printf("  owner freed     kept only for a lease\n");
   return kExitOk;
 }
 

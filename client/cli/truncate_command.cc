@@ -7,19 +7,18 @@
 #include "client/cli/command_support.h"
 #include "client/cli/commands.h"
 
-ABSL_FLAG(int64_t, length, -1, "truncate: new length of the sequence, tokens");
-
 namespace mlakv::cli {
 
 int RunTruncate(const std::vector<std::string>& args) {
-  constexpr char kUsage[] = "truncate ID --length L [--pool P] [--server ADDR] [--json]";
+  constexpr char kUsage[] = "truncate ID --length L [--expect_generation G] [--pool P] [--server ADDR] [--json]";
   const int64_t length = absl::GetFlag(FLAGS_length);
   if (args.size() != 1) return UsageError(kUsage);
   if (length < 0 || length > UINT32_MAX) return UsageError(kUsage, "mlakv truncate: --length L (L >= 0) is required");
   absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
   if (!client.ok()) return Fail("truncate", client.status());
   absl::StatusOr<v1::Sequence> seq =
-      (*client)->Truncate(absl::GetFlag(FLAGS_pool), args[0], static_cast<uint32_t>(length));
+      (*client)->Truncate(absl::GetFlag(FLAGS_pool), args[0], static_cast<uint32_t>(length),
+                          absl::GetFlag(FLAGS_expect_generation));
   if (!seq.ok()) return Fail("truncate", seq.status());
 
   if (absl::GetFlag(FLAGS_json)) {

@@ -47,6 +47,11 @@ class SequenceRows:
     sequence: str
     layers: Mapping[int, Tuple[Any, Any]]
     start: Optional[int] = None
+    # As Client.append: only this incarnation; block hashes of page-table
+    # entries block_hashes_first_page + i.
+    expect_generation: Optional[int] = None
+    block_hashes: Any = ()
+    block_hashes_first_page: int = 0
 
 
 def _health_request(service):
@@ -69,6 +74,36 @@ def _scale(value):
 
 
 _CUDA_SYNC_MODES = ("stream", "event", "none")
+
+
+def _lease_options(lease, duration_ms=0, what="lease"):
+    """A pb.LeaseOptions from a holder name (str) or a pb.LeaseOptions; None stays None."""
+    if lease is None:
+        return None
+    if isinstance(lease, pb.LeaseOptions):
+        return lease
+    if isinstance(lease, str):
+        if duration_ms is None or int(duration_ms) < 0:
+            raise client_error("%s duration_ms must be >= 0 (0: the pool's default), got %r" % (what, duration_ms))
+        return pb.LeaseOptions(holder=lease, duration_ms=int(duration_ms))
+    raise client_error("%s is a %s; give the holder's name (str) or an mlakv.pb.LeaseOptions"
+                       % (what, type(lease).__name__))
+
+
+def _block_hashes(hashes, what="block_hashes"):
+    """A list of bytes from bytes-like hashes (hex strings are refused: pass bytes.fromhex(h))."""
+    if hashes is None:
+        return []
+    if isinstance(hashes, (bytes, bytearray, str)):
+        raise client_error("%s is one %s; give a list of hashes (bytes), first page first"
+                           % (what, type(hashes).__name__))
+    out = []
+    for i, h in enumerate(hashes):
+        if not isinstance(h, (bytes, bytearray, memoryview)):
+            raise client_error("%s[%d] is a %s; a block hash is bytes (bytes.fromhex() for hex)"
+                               % (what, i, type(h).__name__))
+        out.append(bytes(h))
+    return out
 
 
 @dataclasses.dataclass
@@ -215,9 +250,27 @@ class Client:
 
     # -- sequences --------------------------------------------------------
 
-    def sequence(self, sequence, pool=""):
-        """A sequence's page table and lengths (mlakv.pb.Sequence)."""
-        return self._call(self._stub.GetSequence, pb.GetSequenceRequest(pool=pool, sequence=sequence))
+    def sequence(self, sequence, pool="", *, expect_generation=None, lease=None, lease_duration_ms=0):
+        """A sequence's page table and lengths (mlakv.pb.Sequence): generation,
+        leases, pinned and shared_pages included.
+
+        expect_generation: answer only for this incarnation (else FAILED_PRECONDITION).
+        lease: also take a lease on the sequence's current length, atomically
+          with the page table returned (in .lease): the holder's name, with
+          lease_duration_ms (0: the pool's default), or an mlakv.pb.LeaseOptions.
+        """
+        req = pb.GetSequenceRequest(pool=pool, sequence=sequence)
+        if expect_generation is not None:
+            req.expect_generation = expect_generation
+        options = _lease_options(lease, lease_duration_ms)
+        if options is not None:
+            req.lease.CopyFrom(options)
+        return self._call(self._stub.GetSequence, req)
+
+    def get_sequence(self, sequence, pool="", *, expect_generation=None, lease=None, lease_duration_ms=0):
+        """The same as sequence()."""
+        return self.sequence(sequence, pool, expect_generation=expect_generation, lease=lease,
+                             lease_duration_ms=lease_duration_ms)
 
     def sequences(self, pool="", page_size=0):
         """Every sequence of a pool (list of mlakv.pb.SequenceSummary), following pagination."""
@@ -234,15 +287,95 @@ class Client:
         """A page's owner and fill (mlakv.pb.Page)."""
         return self._call(self._stub.GetPage, pb.GetPageRequest(pool=pool, page=page))
 
-    def free(self, sequence, pool=""):
-        """Releases a sequence and its pages; returns the number of pages freed."""
-        return self._call(self._stub.FreeSequence,
-                          pb.FreeSequenceRequest(pool=pool, sequence=sequence)).pages_freed
+    def free(self, sequence, pool="", *, expect_generation=None):
+        """Releases a sequence and its pages; returns the number of pages freed
+        now (pages a lease holds stay until it ends: see free_sequence)."""
+        return self.free_sequence(sequence, pool, expect_generation=expect_generation).pages_freed
 
-    def truncate(self, sequence, length, pool=""):
+    def free_sequence(self, sequence, pool="", *, expect_generation=None):
+        """Releases a sequence; returns mlakv.pb.FreeSequenceResponse (pages_freed,
+        and the leases and pages_retained that keep the freed incarnation)."""
+        req = pb.FreeSequenceRequest(pool=pool, sequence=sequence)
+        if expect_generation is not None:
+            req.expect_generation = expect_generation
+        return self._call(self._stub.FreeSequence, req)
+
+    def truncate(self, sequence, length, pool="", *, expect_generation=None):
         """Rolls a sequence back to `length` tokens in every layer; returns mlakv.pb.Sequence."""
-        return self._call(self._stub.TruncateSequence,
-                          pb.TruncateSequenceRequest(pool=pool, sequence=sequence, length=length))
+        req = pb.TruncateSequenceRequest(pool=pool, sequence=sequence, length=length)
+        if expect_generation is not None:
+            req.expect_generation = expect_generation
+        return self._call(self._stub.TruncateSequence, req)
+
+    # -- leases, forks, prefix matches (docs/server.md "Leases", "Shared pages")
+
+    def acquire_lease(self, sequence, holder, duration_ms=0, tokens=0, pool="", *, expect_generation=None):
+        """A lease on tokens [0, tokens) (0: the length) of every layer of a
+        sequence: until it ends or expires they do not change and their pages
+        stay, even through a free. Returns mlakv.pb.Lease (lease_id, expire_time_unix_ms, ...)."""
+        req = pb.AcquireLeaseRequest(pool=pool, sequence=sequence, tokens=tokens,
+                                     lease=_lease_options(holder, duration_ms))
+        if expect_generation is not None:
+            req.expect_generation = expect_generation
+        return self._call(self._stub.AcquireLease, req)
+
+    def renew_lease(self, lease_id, duration_ms=0, pool=""):
+        """Extends a lease to now + duration_ms (0: the pool's default); returns
+        mlakv.pb.Lease. NOT_FOUND once it ended or expired."""
+        return self._call(self._stub.RenewLease,
+                          pb.RenewLeaseRequest(pool=pool, lease_id=lease_id, duration_ms=duration_ms))
+
+    def release_lease(self, lease_id, pool=""):
+        """Ends a lease; returns the pages it was the last holder of (now free)."""
+        return self._call(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(pool=pool, lease_id=lease_id)).pages_freed
+
+    def list_leases(self, pool="", page_size=0):
+        """Every lease of a pool (list of mlakv.pb.Lease) by id, following pagination."""
+        out, token = [], ""
+        while True:
+            resp = self._call(self._stub.ListLeases,
+                              pb.ListLeasesRequest(pool=pool, page_size=page_size, page_token=token))
+            out.extend(resp.leases)
+            if resp.next_page_token and resp.next_page_token == token:
+                raise Error(grpc.StatusCode.INTERNAL, "ListLeases returned the same page token twice")
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    def fork_sequence(self, source, target, length=0, pin=False, pool="", *, expect_generation=None):
+        """Creates `target` sharing the first `length` tokens (0: all) of
+        `source`: full pages by reference, a partial last page copied.
+        expect_generation pins the source's incarnation; pin creates the target
+        pinned. Returns mlakv.pb.ForkSequenceResponse (sequence, pages_shared, pages_copied)."""
+        if not source:
+            raise client_error("fork_sequence: source is empty (fork_from_hashes forks from a hash chain)")
+        req = pb.ForkSequenceRequest(pool=pool, source=source, target=target, length=length, pin=pin)
+        if expect_generation is not None:
+            req.expect_generation = expect_generation
+        return self._call(self._stub.ForkSequence, req)
+
+    def fork_from_hashes(self, block_hashes, target, pin=False, pool=""):
+        """Creates `target` from the leading pages of a block-hash chain (list
+        of bytes, first page first) the pool holds; no page is copied. When
+        none matched nothing is created and the response has no sequence
+        (resp.HasField("sequence") is False)."""
+        hashes = _block_hashes(block_hashes)
+        if not hashes:
+            raise client_error("fork_from_hashes: no block hashes given")
+        return self._call(self._stub.ForkSequence,
+                          pb.ForkSequenceRequest(pool=pool, target=target, block_hashes=hashes, pin=pin))
+
+    def match_prefix(self, block_hashes, pool="", *, lease=None, lease_duration_ms=0):
+        """How many leading pages of a block-hash chain (list of bytes) the pool
+        holds, and which: mlakv.pb.MatchPrefixResponse (matched_pages,
+        matched_tokens, kv_indices). lease (a holder's name with
+        lease_duration_ms, or an mlakv.pb.LeaseOptions) also takes a page lease
+        on the matched pages (in .lease) so that they stay until a fork uses them."""
+        req = pb.MatchPrefixRequest(pool=pool, block_hashes=_block_hashes(block_hashes))
+        options = _lease_options(lease, lease_duration_ms)
+        if options is not None:
+            req.lease.CopyFrom(options)
+        return self._call(self._stub.MatchPrefix, req)
 
     def _layer_lengths(self, sequence, pool):
         """The sequence's per-layer lengths; [] when it does not exist yet."""
@@ -266,7 +399,8 @@ class Client:
     # -- appends ----------------------------------------------------------
 
     def append(self, sequence, layer, ckv, kpe, start=None, pool="", ckv_scale=None, kpe_scale=None,
-               reserve_tokens=0, dtype=None, expect_length=None):
+               reserve_tokens=0, dtype=None, expect_length=None, expect_generation=None, block_hashes=None,
+               block_hashes_first_page=0, pin=False):
         """Appends rows of one sequence in one Append stream; returns mlakv.pb.AppendResponse.
 
         layer: a layer index with ckv [N,512] and kpe [N,64]; or a list of L
@@ -294,6 +428,13 @@ class Client:
         ckv_scale, kpe_scale: the global decode scales the rows were calibrated
           for (None: whatever the layer has; a layer without scales takes them).
         dtype: "bf16" / "f16", needed only when both tensors are RegionRows.
+        expect_generation: apply only to this incarnation of the sequence (its
+          Sequence.generation; else FAILED_PRECONDITION, or NOT_FOUND).
+        block_hashes: block hashes (bytes, 1..64 each, chained by the caller) of
+          page-table entries block_hashes_first_page + i, for match_prefix and
+          fork_from_hashes; a page is indexed once it is complete in every layer.
+        pin: when the append creates the sequence, it is never evicted nor
+          freed by the idle TTL (free still frees it).
         The rows travel as messages of about chunk_bytes each; the server
         applies the whole stream atomically. Rows passed by reference must not
         change until the call returns.
@@ -303,6 +444,7 @@ class Client:
         if not layers:
             raise client_error("no layer given")
         prepared = self._prepare(ckv, kpe, leading=(len(layers),) if multi else (), dtype=dtype)
+        hashes = _block_hashes(block_hashes)
         n = prepared.rows
         if start is None:
             lengths = self._layer_lengths(sequence, pool)
@@ -321,8 +463,14 @@ class Client:
                 hi = min(n, lo + per_message)
                 msg = pb.AppendRequest(pool=pool, sequence=sequence, start=start + lo, row_count=hi - lo,
                                        dtype=prepared.dtype, reserve_tokens=reserve_tokens if first else 0)
-                if first and expect_length is not None:
-                    msg.expect_length = expect_length
+                if first:
+                    if expect_length is not None:
+                        msg.expect_length = expect_length
+                    if expect_generation is not None:
+                        msg.expect_generation = expect_generation
+                    msg.block_hashes.extend(hashes)
+                    msg.block_hashes_first_page = block_hashes_first_page
+                    msg.pin = pin
                 for i, l in enumerate(layers):
                     rows = msg.layers.add(layer=l, ckv_scale=cs, kpe_scale=ks)
                     _set_part(rows, "ckv", prepared.ckv[i], lo, hi, _rows.CKV_DIM)
@@ -348,7 +496,10 @@ class Client:
         for it in items:
             if not it.layers:
                 raise client_error("sequence %r: no layers given" % it.sequence)
-            entry = req.sequences.add(sequence=it.sequence)
+            entry = req.sequences.add(sequence=it.sequence, block_hashes=_block_hashes(it.block_hashes),
+                                      block_hashes_first_page=it.block_hashes_first_page)
+            if it.expect_generation is not None:
+                entry.expect_generation = it.expect_generation
             count = None
             for layer, (ckv, kpe) in sorted(it.layers.items()):
                 what = "sequence %r layer %d " % (it.sequence, layer)
@@ -632,9 +783,12 @@ class Client:
 
     # -- reads ------------------------------------------------------------
 
-    def _read(self, sequence, layer, start, count, pool, fmt, tokens_per_message):
+    def _read(self, sequence, layer, start, count, pool, fmt, tokens_per_message, expect_generation=None,
+              lease_id=0):
         req = pb.ReadSequenceRequest(pool=pool, sequence=sequence, layers=[layer], start=start, count=count,
-                                     format=fmt, tokens_per_message=tokens_per_message)
+                                     format=fmt, tokens_per_message=tokens_per_message, lease_id=lease_id)
+        if expect_generation is not None:
+            req.expect_generation = expect_generation
         chunks = []
         try:
             stream = self._stub.ReadSequence(req, timeout=self.timeout, metadata=self._metadata)
@@ -655,14 +809,19 @@ class Client:
         data = b"".join(getattr(c, field) for c in chunks)
         return np.frombuffer(data, dtype=dtype).reshape(-1, width).copy()
 
-    def export(self, sequence, layer, start=0, count=0, pool="", tokens_per_message=0):
+    def export(self, sequence, layer, start=0, count=0, pool="", tokens_per_message=0, *, expect_generation=None,
+               lease_id=0):
         """The stored bytes of one layer of a sequence, tokens [start, start+count)
         (count=0: up to the layer's length), as a dict:
           ckv_packed uint8 [T,256] (E2M1, low nibble = even channel),
           ckv_sf uint8 [T,32] (E4M3 block scales), kpe uint8 [T,64] (E4M3),
           ckv_scale, kpe_scale (float, the layer's global decode scales).
+        expect_generation: only this incarnation. lease_id: read through a
+          sequence lease (acquire_lease): the incarnation it holds, even after
+          that was freed (sequence may then be "").
         """
-        chunks = self._read(sequence, layer, start, count, pool, pb.READ_FORMAT_RAW, tokens_per_message)
+        chunks = self._read(sequence, layer, start, count, pool, pb.READ_FORMAT_RAW, tokens_per_message,
+                            expect_generation, lease_id)
         return {
             "ckv_packed": self._join(chunks, "ckv_packed", np.uint8, 256),
             "ckv_sf": self._join(chunks, "ckv_sf", np.uint8, 32),
@@ -671,10 +830,13 @@ class Client:
             "kpe_scale": chunks[0].kpe_scale if chunks else 0.0,
         }
 
-    def read_dequantized(self, sequence, layer, start=0, count=0, pool="", tokens_per_message=0):
+    def read_dequantized(self, sequence, layer, start=0, count=0, pool="", tokens_per_message=0, *,
+                         expect_generation=None, lease_id=0):
         """The stored rows of one layer dequantized by the server: a dict with
-        ckv float32 [T,512], kpe float32 [T,64], ckv_scale, kpe_scale."""
-        chunks = self._read(sequence, layer, start, count, pool, pb.READ_FORMAT_DEQUANTIZED, tokens_per_message)
+        ckv float32 [T,512], kpe float32 [T,64], ckv_scale, kpe_scale
+        (expect_generation, lease_id as for export)."""
+        chunks = self._read(sequence, layer, start, count, pool, pb.READ_FORMAT_DEQUANTIZED, tokens_per_message,
+                            expect_generation, lease_id)
         return {
             "ckv": self._join(chunks, "ckv_float", "<f4", _rows.CKV_DIM).astype(np.float32),
             "kpe": self._join(chunks, "kpe_float", "<f4", _rows.KPE_DIM).astype(np.float32),
