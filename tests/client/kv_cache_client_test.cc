@@ -9,9 +9,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 
@@ -66,12 +68,72 @@ class ScriptedKvCache final : public v1::KvCache::Service {
     return status_;
   }
 
-  grpc::Status FreeSequence(grpc::ServerContext* ctx, const v1::FreeSequenceRequest*,
+  grpc::Status FreeSequence(grpc::ServerContext* ctx, const v1::FreeSequenceRequest* request,
                             v1::FreeSequenceResponse* response) override {
-    RecordDeadline(ctx);
+    Record(ctx, "FreeSequence", *request);
     absl::MutexLock lock(&mu_);
-    ++calls_;
     response->set_pages_freed(3);
+    response->set_leases(2);
+    response->set_pages_retained(5);
+    return status_;
+  }
+
+  // ---- cache management: each records its request and answers what was scripted ----
+  grpc::Status GetSequence(grpc::ServerContext* ctx, const v1::GetSequenceRequest* request,
+                           v1::Sequence* response) override {
+    Record(ctx, "GetSequence", *request);
+    absl::MutexLock lock(&mu_);
+    *response = sequence_;
+    return status_;
+  }
+  grpc::Status TruncateSequence(grpc::ServerContext* ctx, const v1::TruncateSequenceRequest* request,
+                                v1::Sequence* response) override {
+    Record(ctx, "TruncateSequence", *request);
+    absl::MutexLock lock(&mu_);
+    *response = sequence_;
+    return status_;
+  }
+  grpc::Status AcquireLease(grpc::ServerContext* ctx, const v1::AcquireLeaseRequest* request,
+                            v1::Lease* response) override {
+    Record(ctx, "AcquireLease", *request);
+    absl::MutexLock lock(&mu_);
+    *response = lease_;
+    return status_;
+  }
+  grpc::Status RenewLease(grpc::ServerContext* ctx, const v1::RenewLeaseRequest* request,
+                          v1::Lease* response) override {
+    Record(ctx, "RenewLease", *request);
+    absl::MutexLock lock(&mu_);
+    *response = lease_;
+    return status_;
+  }
+  grpc::Status ReleaseLease(grpc::ServerContext* ctx, const v1::ReleaseLeaseRequest* request,
+                            v1::ReleaseLeaseResponse* response) override {
+    Record(ctx, "ReleaseLease", *request);
+    absl::MutexLock lock(&mu_);
+    response->set_pages_freed(4);
+    return status_;
+  }
+  grpc::Status ListLeases(grpc::ServerContext* ctx, const v1::ListLeasesRequest* request,
+                          v1::ListLeasesResponse* response) override {
+    Record(ctx, "ListLeases", *request);
+    absl::MutexLock lock(&mu_);
+    const size_t page = requests_["ListLeases"].size() - 1;
+    if (page < lease_pages_.size()) *response = lease_pages_[page];
+    return status_;
+  }
+  grpc::Status ForkSequence(grpc::ServerContext* ctx, const v1::ForkSequenceRequest* request,
+                            v1::ForkSequenceResponse* response) override {
+    Record(ctx, "ForkSequence", *request);
+    absl::MutexLock lock(&mu_);
+    *response = fork_;
+    return status_;
+  }
+  grpc::Status MatchPrefix(grpc::ServerContext* ctx, const v1::MatchPrefixRequest* request,
+                           v1::MatchPrefixResponse* response) override {
+    Record(ctx, "MatchPrefix", *request);
+    absl::MutexLock lock(&mu_);
+    *response = match_;
     return status_;
   }
 
@@ -92,6 +154,45 @@ class ScriptedKvCache final : public v1::KvCache::Service {
     absl::MutexLock lock(&mu_);
     list_pages_ = std::move(pages);
     list_tokens_.clear();
+  }
+  void SequenceAnswer(v1::Sequence sequence) {
+    absl::MutexLock lock(&mu_);
+    sequence_ = std::move(sequence);
+  }
+  void LeaseAnswer(v1::Lease lease) {
+    absl::MutexLock lock(&mu_);
+    lease_ = std::move(lease);
+  }
+  void LeasePages(std::vector<v1::ListLeasesResponse> pages) {
+    absl::MutexLock lock(&mu_);
+    lease_pages_ = std::move(pages);
+    requests_.erase("ListLeases");
+  }
+  void ForkAnswer(v1::ForkSequenceResponse fork) {
+    absl::MutexLock lock(&mu_);
+    fork_ = std::move(fork);
+  }
+  void MatchAnswer(v1::MatchPrefixResponse match) {
+    absl::MutexLock lock(&mu_);
+    match_ = std::move(match);
+  }
+  // The requests a unary method received, oldest first.
+  template <typename Request>
+  std::vector<Request> requests(const std::string& method) {
+    absl::MutexLock lock(&mu_);
+    std::vector<Request> out;
+    for (const std::string& wire : requests_[method]) {
+      out.emplace_back();
+      EXPECT_TRUE(out.back().ParseFromString(wire));
+    }
+    return out;
+  }
+  // The last request of `method` (a default one when none came).
+  template <typename Request>
+  Request last(const std::string& method) {
+    std::vector<Request> all = requests<Request>(method);
+    EXPECT_FALSE(all.empty()) << "no " << method << " request arrived";
+    return all.empty() ? Request() : all.back();
   }
   std::vector<v1::AppendRequest> appends() {
     absl::MutexLock lock(&mu_);
@@ -116,6 +217,13 @@ class ScriptedKvCache final : public v1::KvCache::Service {
   }
 
  private:
+  template <typename Request>
+  void Record(grpc::ServerContext* ctx, const std::string& method, const Request& request) {
+    RecordDeadline(ctx);
+    absl::MutexLock lock(&mu_);
+    ++calls_;
+    requests_[method].push_back(request.SerializeAsString());
+  }
   void RecordDeadline(grpc::ServerContext* ctx) {
     const double left = std::chrono::duration<double>(ctx->deadline() - std::chrono::system_clock::now()).count();
     absl::MutexLock lock(&mu_);
@@ -131,6 +239,12 @@ class ScriptedKvCache final : public v1::KvCache::Service {
   std::vector<v1::ListSequencesResponse> list_pages_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> list_tokens_ ABSL_GUARDED_BY(mu_);
   std::vector<double> deadlines_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<std::string>> requests_ ABSL_GUARDED_BY(mu_);
+  v1::Sequence sequence_ ABSL_GUARDED_BY(mu_);
+  v1::Lease lease_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ListLeasesResponse> lease_pages_ ABSL_GUARDED_BY(mu_);
+  v1::ForkSequenceResponse fork_ ABSL_GUARDED_BY(mu_);
+  v1::MatchPrefixResponse match_ ABSL_GUARDED_BY(mu_);
   int calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
@@ -434,6 +548,318 @@ TEST_F(KvCacheClientTest, ListSequencesFollowsPageTokensAndStopsOnALoop) {
   ASSERT_FALSE(looped.ok());
   EXPECT_EQ(looped.status().code(), absl::StatusCode::kInternal);
   EXPECT_NE(looped.status().message().find("same page token twice"), absl::string_view::npos);
+}
+
+// ---- cache management ----
+
+v1::Lease ScriptedLease() {
+  v1::Lease lease;
+  lease.set_pool("p");
+  lease.set_lease_id(42);
+  lease.set_sequence("s");
+  lease.set_generation(1234567890123ull);
+  lease.set_holder("worker-1");
+  lease.set_tokens(32);
+  lease.set_expire_time_unix_ms(1700000000000);
+  lease.set_duration_ms(1500);
+  return lease;
+}
+
+TEST_F(KvCacheClientTest, AcquireRenewReleaseSendTheirFieldsAndMapTheAnswers) {
+  auto client = Client();
+  service_.LeaseAnswer(ScriptedLease());
+  absl::StatusOr<v1::Lease> lease = client->AcquireLease("p", "s", "worker-1", absl::Milliseconds(1500), 32, 77);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->lease_id(), 42u);
+  EXPECT_EQ(lease->generation(), 1234567890123ull);
+  EXPECT_EQ(lease->expire_time_unix_ms(), 1700000000000);
+  v1::AcquireLeaseRequest sent = service_.last<v1::AcquireLeaseRequest>("AcquireLease");
+  EXPECT_EQ(sent.pool(), "p");
+  EXPECT_EQ(sent.sequence(), "s");
+  EXPECT_EQ(sent.lease().holder(), "worker-1");
+  EXPECT_EQ(sent.lease().duration_ms(), 1500u);
+  EXPECT_EQ(sent.tokens(), 32u);
+  ASSERT_TRUE(sent.has_expect_generation());
+  EXPECT_EQ(sent.expect_generation(), 77u);
+
+  // Defaults: the pool's duration, the sequence's length, no generation; a
+  // duration is sent as whole milliseconds, rounded up.
+  ASSERT_TRUE(client->AcquireLease("", "s", "h").ok());
+  sent = service_.last<v1::AcquireLeaseRequest>("AcquireLease");
+  EXPECT_EQ(sent.lease().duration_ms(), 0u);
+  EXPECT_EQ(sent.tokens(), 0u);
+  EXPECT_FALSE(sent.has_expect_generation());
+  ASSERT_TRUE(client->AcquireLease("", "s", "h", absl::Microseconds(1001)).ok());
+  EXPECT_EQ(service_.last<v1::AcquireLeaseRequest>("AcquireLease").lease().duration_ms(), 2u);
+
+  ASSERT_TRUE(client->RenewLease("p", 42, absl::Seconds(3)).ok());
+  const v1::RenewLeaseRequest renew = service_.last<v1::RenewLeaseRequest>("RenewLease");
+  EXPECT_EQ(renew.pool(), "p");
+  EXPECT_EQ(renew.lease_id(), 42u);
+  EXPECT_EQ(renew.duration_ms(), 3000u);
+
+  absl::StatusOr<uint32_t> freed = client->ReleaseLease("p", 42);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_EQ(*freed, 4u);
+  EXPECT_EQ(service_.last<v1::ReleaseLeaseRequest>("ReleaseLease").lease_id(), 42u);
+
+  // Durations the wire cannot carry are refused before sending.
+  const int before = service_.calls();
+  for (absl::Duration bad : {absl::Milliseconds(-1), absl::Hours(24 * 60)}) {
+    SCOPED_TRACE(absl::FormatDuration(bad));
+    absl::StatusOr<v1::Lease> refused = client->AcquireLease("p", "s", "h", bad);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.status().message().find("lease duration"), absl::string_view::npos) << refused.status();
+    EXPECT_EQ(client->RenewLease("p", 1, bad).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(client->MatchPrefix("p", {"h"}, LeaseTerms{.holder = "h", .duration = bad}).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(client->GetSequence("p", "s", {.lease = LeaseTerms{.holder = "h", .duration = bad}}).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(service_.calls(), before);
+}
+
+TEST_F(KvCacheClientTest, ListLeasesFollowsPageTokensAndStopsOnALoop) {
+  auto client = Client();
+  v1::ListLeasesResponse a, b;
+  a.add_leases()->set_lease_id(1);
+  a.add_leases()->set_lease_id(2);
+  a.set_next_page_token("2");
+  b.add_leases()->set_lease_id(5);
+  b.set_total(3);
+  service_.LeasePages({a, b});
+  absl::StatusOr<std::vector<v1::Lease>> all = client->ListLeases("p");
+  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_EQ(all->size(), 3u);
+  EXPECT_EQ((*all)[2].lease_id(), 5u);
+  const std::vector<v1::ListLeasesRequest> sent = service_.requests<v1::ListLeasesRequest>("ListLeases");
+  ASSERT_EQ(sent.size(), 2u);
+  EXPECT_EQ(sent[0].pool(), "p");
+  EXPECT_EQ(sent[0].page_token(), "");
+  EXPECT_EQ(sent[1].page_token(), "2");
+  EXPECT_EQ(sent[1].page_size(), sent[0].page_size());
+
+  v1::ListLeasesResponse again;
+  again.set_next_page_token("2");
+  service_.LeasePages({a, again, again});
+  absl::StatusOr<std::vector<v1::Lease>> looped = client->ListLeases("p");
+  ASSERT_FALSE(looped.ok());
+  EXPECT_EQ(looped.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(looped.status().message().find("same page token twice"), absl::string_view::npos);
+}
+
+TEST_F(KvCacheClientTest, GetSequenceSendsItsOptionsOnlyWhenAsked) {
+  auto client = Client();
+  v1::Sequence seq;
+  seq.set_id("s");
+  seq.set_generation(99);
+  seq.set_leases(1);
+  seq.set_pinned(true);
+  seq.set_shared_pages(2);
+  *seq.mutable_lease() = ScriptedLease();
+  service_.SequenceAnswer(seq);
+
+  ASSERT_TRUE(client->GetSequence("p", "s").ok());
+  v1::GetSequenceRequest sent = service_.last<v1::GetSequenceRequest>("GetSequence");
+  EXPECT_EQ(sent.pool(), "p");
+  EXPECT_EQ(sent.sequence(), "s");
+  EXPECT_FALSE(sent.has_expect_generation());
+  EXPECT_FALSE(sent.has_lease());
+
+  absl::StatusOr<v1::Sequence> got = client->GetSequence(
+      "p", "s", {.expect_generation = 99, .lease = LeaseTerms{.holder = "reader", .duration = absl::Seconds(2)}});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->generation(), 99u);
+  EXPECT_TRUE(got->pinned());
+  EXPECT_EQ(got->shared_pages(), 2u);
+  EXPECT_EQ(got->lease().lease_id(), 42u);
+  sent = service_.last<v1::GetSequenceRequest>("GetSequence");
+  ASSERT_TRUE(sent.has_expect_generation());
+  EXPECT_EQ(sent.expect_generation(), 99u);
+  ASSERT_TRUE(sent.has_lease());
+  EXPECT_EQ(sent.lease().holder(), "reader");
+  EXPECT_EQ(sent.lease().duration_ms(), 2000u);
+
+  // Only a precondition: no lease.
+  ASSERT_TRUE(client->GetSequence("p", "s", {.expect_generation = 0}).ok());
+  sent = service_.last<v1::GetSequenceRequest>("GetSequence");
+  EXPECT_TRUE(sent.has_expect_generation());
+  EXPECT_EQ(sent.expect_generation(), 0u);
+  EXPECT_FALSE(sent.has_lease());
+}
+
+TEST_F(KvCacheClientTest, GenerationsAndLeaseIdsReachFreeTruncateAndRead) {
+  auto client = Client();
+  absl::StatusOr<v1::FreeSequenceResponse> freed = client->FreeSequence("p", "s", 7);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_EQ(freed->pages_freed(), 3u);
+  EXPECT_EQ(freed->leases(), 2u);
+  EXPECT_EQ(freed->pages_retained(), 5u);
+  v1::FreeSequenceRequest free = service_.last<v1::FreeSequenceRequest>("FreeSequence");
+  EXPECT_TRUE(free.has_expect_generation());
+  EXPECT_EQ(free.expect_generation(), 7u);
+  ASSERT_TRUE(client->Free("p", "s").ok());
+  EXPECT_FALSE(service_.last<v1::FreeSequenceRequest>("FreeSequence").has_expect_generation());
+
+  ASSERT_TRUE(client->Truncate("p", "s", 10, 8).ok());
+  v1::TruncateSequenceRequest truncate = service_.last<v1::TruncateSequenceRequest>("TruncateSequence");
+  EXPECT_EQ(truncate.length(), 10u);
+  EXPECT_EQ(truncate.expect_generation(), 8u);
+  ASSERT_TRUE(client->Truncate("p", "s", 10).ok());
+  EXPECT_FALSE(service_.last<v1::TruncateSequenceRequest>("TruncateSequence").has_expect_generation());
+
+  service_.Chunks({Chunk(2, 4, 3, 'a')});
+  absl::StatusOr<StoredLayer> read =
+      client->ReadLayer("p", "", 2, {.start = 4, .count = 3, .expect_generation = 9, .lease_id = 42});
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->count, 3u);
+  const v1::ReadSequenceRequest sent = service_.read_request();
+  EXPECT_EQ(sent.sequence(), "");
+  EXPECT_EQ(sent.start(), 4u);
+  EXPECT_EQ(sent.count(), 3u);
+  EXPECT_EQ(sent.expect_generation(), 9u);
+  EXPECT_EQ(sent.lease_id(), 42u);
+  ASSERT_TRUE(client->ReadLayer("p", "s", 2, 4, 3).ok());
+  EXPECT_FALSE(service_.read_request().has_expect_generation());
+  EXPECT_EQ(service_.read_request().lease_id(), 0u);
+}
+
+TEST_F(KvCacheClientTest, ForksSendASourceOrAHashChain) {
+  auto client = Client();
+  v1::ForkSequenceResponse answer;
+  answer.mutable_sequence()->set_id("t");
+  answer.mutable_sequence()->set_length(40);
+  answer.set_pages_shared(2);
+  answer.set_pages_copied(1);
+  service_.ForkAnswer(answer);
+
+  absl::StatusOr<v1::ForkSequenceResponse> fork = client->ForkSequence("p", "src", "t", 40, true, 5);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(fork->sequence().id(), "t");
+  EXPECT_EQ(fork->pages_shared(), 2u);
+  EXPECT_EQ(fork->pages_copied(), 1u);
+  v1::ForkSequenceRequest sent = service_.last<v1::ForkSequenceRequest>("ForkSequence");
+  EXPECT_EQ(sent.pool(), "p");
+  EXPECT_EQ(sent.source(), "src");
+  EXPECT_EQ(sent.target(), "t");
+  EXPECT_EQ(sent.length(), 40u);
+  EXPECT_TRUE(sent.pin());
+  EXPECT_EQ(sent.expect_generation(), 5u);
+  EXPECT_EQ(sent.block_hashes_size(), 0);
+  ASSERT_TRUE(client->ForkSequence("p", "src", "t").ok());
+  sent = service_.last<v1::ForkSequenceRequest>("ForkSequence");
+  EXPECT_EQ(sent.length(), 0u);
+  EXPECT_FALSE(sent.pin());
+  EXPECT_FALSE(sent.has_expect_generation());
+
+  // By hash; a chain that matched nothing comes back without a sequence.
+  service_.ForkAnswer(v1::ForkSequenceResponse());
+  const std::vector<std::string> hashes = {std::string("\x00\x01", 2), "h1", std::string(64, 'z')};
+  absl::StatusOr<v1::ForkSequenceResponse> by_hash = client->ForkFromHashes("p", hashes, "t2", true);
+  ASSERT_TRUE(by_hash.ok()) << by_hash.status();
+  EXPECT_FALSE(by_hash->has_sequence());
+  sent = service_.last<v1::ForkSequenceRequest>("ForkSequence");
+  EXPECT_EQ(sent.source(), "");
+  EXPECT_EQ(sent.target(), "t2");
+  EXPECT_TRUE(sent.pin());
+  EXPECT_EQ(std::vector<std::string>(sent.block_hashes().begin(), sent.block_hashes().end()), hashes);
+
+  // A fork with neither a source nor a hash is refused before sending.
+  const int before = service_.calls();
+  EXPECT_EQ(client->ForkSequence("p", "", "t").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client->ForkFromHashes("p", {}, "t").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(service_.calls(), before);
+}
+
+TEST_F(KvCacheClientTest, MatchPrefixSendsTheChainInOrderAndALeaseWhenAsked) {
+  auto client = Client();
+  v1::MatchPrefixResponse answer;
+  answer.set_matched_pages(2);
+  answer.set_matched_tokens(32);
+  answer.add_kv_indices(7);
+  answer.add_kv_indices(3);
+  service_.MatchAnswer(answer);
+  const std::vector<std::string> hashes = {"a", "b", "c"};
+  absl::StatusOr<v1::MatchPrefixResponse> match = client->MatchPrefix("p", hashes);
+  ASSERT_TRUE(match.ok()) << match.status();
+  EXPECT_EQ(match->matched_pages(), 2u);
+  EXPECT_EQ(match->matched_tokens(), 32u);
+  EXPECT_EQ(std::vector<uint32_t>(match->kv_indices().begin(), match->kv_indices().end()),
+            (std::vector<uint32_t>{7, 3}));
+  v1::MatchPrefixRequest sent = service_.last<v1::MatchPrefixRequest>("MatchPrefix");
+  EXPECT_EQ(sent.pool(), "p");
+  EXPECT_EQ(std::vector<std::string>(sent.block_hashes().begin(), sent.block_hashes().end()), hashes);
+  EXPECT_FALSE(sent.has_lease());
+
+  *answer.mutable_lease() = ScriptedLease();
+  service_.MatchAnswer(answer);
+  match = client->MatchPrefix("p", hashes, LeaseTerms{.holder = "prefetch", .duration = absl::Seconds(1)});
+  ASSERT_TRUE(match.ok()) << match.status();
+  EXPECT_EQ(match->lease().lease_id(), 42u);
+  sent = service_.last<v1::MatchPrefixRequest>("MatchPrefix");
+  ASSERT_TRUE(sent.has_lease());
+  EXPECT_EQ(sent.lease().holder(), "prefetch");
+  EXPECT_EQ(sent.lease().duration_ms(), 1000u);
+}
+
+TEST_F(KvCacheClientTest, AppendCacheFieldsRideOnlyOnTheFirstMessage) {
+  auto client = Client(/*append_message_bytes=*/1);  // one row per message
+  const std::string ckv = Rows(3, kCkvRowBytes, 'a'), kpe = Rows(3, kKpeRowBytes, 'A');
+  AppendRows append{.sequence = "s", .rows = 3, .layers = {{.layer = 0, .ckv = ckv, .kpe = kpe}},
+                    .expect_generation = 11, .block_hashes = {"h0", "h1"}, .block_hashes_first_page = 4,
+                    .pin = true};
+  ASSERT_TRUE(client->Append(append).ok());
+  const std::vector<v1::AppendRequest> got = service_.appends();
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_TRUE(got[0].has_expect_generation());
+  EXPECT_EQ(got[0].expect_generation(), 11u);
+  EXPECT_EQ(std::vector<std::string>(got[0].block_hashes().begin(), got[0].block_hashes().end()),
+            (std::vector<std::string>{"h0", "h1"}));
+  EXPECT_EQ(got[0].block_hashes_first_page(), 4u);
+  EXPECT_TRUE(got[0].pin());
+  for (size_t i = 1; i < got.size(); ++i) {
+    SCOPED_TRACE(i);
+    // The server refuses expect_generation and pin after the first message.
+    EXPECT_FALSE(got[i].has_expect_generation());
+    EXPECT_FALSE(got[i].pin());
+    EXPECT_EQ(got[i].block_hashes_size(), 0);
+    EXPECT_EQ(got[i].block_hashes_first_page(), 0u);
+  }
+  // Unset: nothing on the wire.
+  ASSERT_TRUE(client->Append({.sequence = "s", .rows = 1, .layers = {{.ckv = ckv.substr(0, kCkvRowBytes),
+                                                                      .kpe = kpe.substr(0, kKpeRowBytes)}}})
+                  .ok());
+  const v1::AppendRequest plain = service_.appends().at(0);
+  EXPECT_FALSE(plain.has_expect_generation());
+  EXPECT_FALSE(plain.pin());
+  EXPECT_EQ(plain.block_hashes_size(), 0);
+}
+
+TEST_F(KvCacheClientTest, CacheManagementErrorsKeepTheirCodeAndMessage) {
+  auto client = Client();
+  for (grpc::StatusCode code : {grpc::StatusCode::NOT_FOUND, grpc::StatusCode::FAILED_PRECONDITION,
+                                grpc::StatusCode::RESOURCE_EXHAUSTED, grpc::StatusCode::ALREADY_EXISTS}) {
+    SCOPED_TRACE(code);
+    const std::string message = absl::StrCat("scripted ", static_cast<int>(code));
+    service_.Answer(grpc::Status(code, message));
+    const std::vector<std::pair<const char*, absl::Status>> statuses = {
+        {"AcquireLease", client->AcquireLease("p", "s", "h").status()},
+        {"RenewLease", client->RenewLease("p", 1).status()},
+        {"ReleaseLease", client->ReleaseLease("p", 1).status()},
+        {"ListLeases", client->ListLeases("p").status()},
+        {"ForkSequence", client->ForkSequence("p", "a", "b").status()},
+        {"ForkFromHashes", client->ForkFromHashes("p", {"h"}, "b").status()},
+        {"MatchPrefix", client->MatchPrefix("p", {"h"}).status()},
+        {"GetSequence", client->GetSequence("p", "s", {.expect_generation = 1}).status()},
+        {"FreeSequence", client->FreeSequence("p", "s", 1).status()},
+    };
+    for (const auto& [what, status] : statuses) {
+      SCOPED_TRACE(what);
+      EXPECT_EQ(static_cast<int>(status.code()), static_cast<int>(code));
+      EXPECT_EQ(status.message(), message);
+    }
+  }
 }
 
 TEST(KvCacheClientCreate, RefusesOptionsThatCannotWork) {
