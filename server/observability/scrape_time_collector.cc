@@ -60,6 +60,62 @@ std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
     AddSample(sequences, {{"pool", p.name}}, static_cast<double>(p.sequences));
     AddSample(cache_bytes, pool_device, static_cast<double>(p.cache_bytes));
   }
+  // Cache management (docs/server.md "Leases", "Eviction", "Shared pages"),
+  // per pool: gauges of what is held now, counters since the start.
+  struct PoolValue {
+    const char* name;
+    const char* help;
+    bool counter;
+    double (*get)(const PoolSnapshot&);
+  };
+  static constexpr PoolValue kPoolValues[] = {
+      {"mlakv_pool_pages_shared", "Used pages with more than one reference (forks, page leases).", false,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.pages_shared); }},
+      {"mlakv_pool_pages_indexed", "Pages indexed by block hash (MatchPrefix finds them).", false,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.pages_indexed); }},
+      {"mlakv_pool_leases", "Leases alive (sequence and page leases).", false,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.leases); }},
+      {"mlakv_pool_sequences_retained", "Freed sequences whose pages a lease still holds.", false,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.sequences_retained); }},
+      {"mlakv_evictions_total", "Sequences evicted to make room.", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.evictions); }},
+      {"mlakv_evicted_pages_total", "Pages evicted sequences released.", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.evicted_pages); }},
+      {"mlakv_idle_freed_sequences_total", "Sequences freed by the idle TTL.", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.idle_freed); }},
+      {"mlakv_leases_acquired_total", "Leases taken.", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.leases_acquired); }},
+      {"mlakv_leases_released_total", "Leases their holder released.", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.leases_released); }},
+      {"mlakv_leases_expired_total", "Leases that expired unrenewed (released by the server).", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.leases_expired); }},
+      {"mlakv_forks_total", "Sequences created by ForkSequence.", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.forks); }},
+      {"mlakv_fork_shared_pages_total", "Pages forks share by reference.", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.fork_pages_shared); }},
+      {"mlakv_pages_copied_total", "Pages copied: partial last pages of forks and copy-on-write of shared pages.",
+       true, [](const PoolSnapshot& p) { return static_cast<double>(p.counters.pages_copied); }},
+      {"mlakv_prefix_queries_total", "Block-hash chains looked up (MatchPrefix, forks by hash).", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.prefix_queries); }},
+      {"mlakv_prefix_hit_pages_total", "Leading pages those lookups found.", true,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.counters.prefix_hit_pages); }},
+  };
+  std::vector<prometheus::MetricFamily> cache_families;
+  for (const PoolValue& v : kPoolValues) {
+    prometheus::MetricFamily f = GaugeFamily(v.name, v.help);
+    if (v.counter) f.type = prometheus::MetricType::Counter;
+    for (const PoolSnapshot& p : pools) {
+      prometheus::ClientMetric m;
+      m.label = {{"pool", p.name}};
+      if (v.counter) {
+        m.counter.value = v.get(p);
+      } else {
+        m.gauge.value = v.get(p);
+      }
+      f.metric.push_back(std::move(m));
+    }
+    cache_families.push_back(std::move(f));
+  }
   prometheus::MetricFamily ipc =
       GaugeFamily("mlakv_ipc_regions", "Regions (host shared memory and CUDA IPC) registered by producers.");
   AddSample(ipc, {}, static_cast<double>(regions));
@@ -67,6 +123,7 @@ std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
   for (prometheus::MetricFamily* f : {&capacity, &used, &free, &sequences, &cache_bytes, &ipc}) {
     out.push_back(std::move(*f));
   }
+  for (prometheus::MetricFamily& f : cache_families) out.push_back(std::move(f));
   return out;
 }
 

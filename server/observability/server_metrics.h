@@ -13,6 +13,11 @@
 //   mlakv_kernel_latency_seconds{pool,device}          histogram
 //   mlakv_pool_pages_capacity/_used/_free{pool,device} gauges, read at scrape time
 //   mlakv_pool_sequences{pool}, mlakv_pool_cache_bytes{pool,device}
+//   mlakv_pool_pages_shared/_pages_indexed/_leases/_sequences_retained{pool}  gauges, at scrape time
+//   mlakv_evictions_total, mlakv_evicted_pages_total, mlakv_idle_freed_sequences_total,
+//   mlakv_leases_acquired/_released/_expired_total, mlakv_forks_total,
+//   mlakv_fork_shared_pages_total, mlakv_pages_copied_total,
+//   mlakv_prefix_queries_total, mlakv_prefix_hit_pages_total{pool}  counters, read from the pool at scrape time
 //   mlakv_ipc_regions                                  gauge: regions registered now, read at scrape time
 //   mlakv_auth_failures_total{reason}                  counter: calls refused before the service
 //   mlakv_draining                                     gauge: 1 after SIGTERM

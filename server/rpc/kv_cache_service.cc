@@ -99,6 +99,7 @@ grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContex
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
     std::optional<LeaseRequest> lease;
     if (req->has_lease()) {
+      MLAKV_RETURN_IF_ERROR(CheckFieldLength("lease.holder", req->lease().holder(), kMaxLeaseHolderBytes));
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "no lease was taken"));
       lease = ToLeaseRequest(req->lease());
     }
