@@ -139,6 +139,61 @@ TEST_F(CudaRegionServiceTest, ExportPoolDecodeSideReadsTheStoredBytes) {
   ASSERT_NO_FATAL_FAILURE(ExpectDecodeSideReads(exp, 2, seq, stored.rows, 40, 0, "dec"));
 }
 
+// A decode worker on the same GPU: it leases the sequence with the page
+// table it attends from, the sequence is freed and its id reused, other
+// sequences are appended into the pool, and a separate process reading the
+// leased pages through ExportPool still finds the original bytes. After the
+// release, the pages go back to the pool.
+TEST_F(CudaRegionServiceTest, ALeaseKeepsTheExportedPagesOfAFreedSequence) {
+  const Rows rows = RandomRows(40, 31);
+  grpc::Status s = AppendRows("req", 0, rows, {0, 1, 2, 3}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  v1::ExportPoolResponse exp;
+  {
+    grpc::ClientContext ctx;
+    s = stub().ExportPool(&ctx, v1::ExportPoolRequest(), &exp);
+  }
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  const Stored stored = Read("req", 1, 0, 40);
+  ASSERT_TRUE(stored.status.ok()) << Describe(stored.status);
+  v1::Sequence leased;
+  {
+    v1::GetSequenceRequest req;
+    req.set_sequence("req");
+    req.mutable_lease()->set_holder("decode-on-gpu0");
+    req.mutable_lease()->set_duration_ms(120000);
+    grpc::ClientContext ctx;
+    s = stub().GetSequence(&ctx, req, &leased);
+  }
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ASSERT_TRUE(leased.has_lease());
+  {
+    v1::FreeSequenceRequest req;
+    req.set_sequence("req");
+    v1::FreeSequenceResponse resp;
+    grpc::ClientContext ctx;
+    s = stub().FreeSequence(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    EXPECT_EQ(resp.leases(), 1u);
+  }
+  // The id again, and another sequence, appended while the reader attends.
+  const Rows other = RandomRows(300, 32);
+  ASSERT_TRUE(AppendRows("req", 0, other, {0, 1, 2, 3}, kCkvScale, kKpeScale).ok());
+  ASSERT_TRUE(AppendRows("neighbour", 0, other, {0, 1, 2, 3}, kCkvScale, kKpeScale).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectDecodeSideReads(exp, 1, leased, stored.rows, 40, 0, "leased after free"));
+  const uint32_t used_before = GetPool().pages_used();
+  {
+    v1::ReleaseLeaseRequest req;
+    req.set_lease_id(leased.lease().lease_id());
+    v1::ReleaseLeaseResponse resp;
+    grpc::ClientContext ctx;
+    s = stub().ReleaseLease(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    EXPECT_EQ(resp.pages_freed(), static_cast<uint32_t>(leased.kv_indices_size()));
+  }
+  EXPECT_EQ(GetPool().pages_used(), used_before - leased.kv_indices_size());
+}
+
 TEST_F(CudaRegionServiceTest, ProducerExitingLeavesTheServerServing) {
   const Rows rows = RandomRows(16, 24);
   IpcProducerProcess producer(rows.ckv_bytes() + rows.kpe_bytes());
