@@ -23,7 +23,6 @@
 
 #include <cstdint>
 #include <map>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -85,7 +84,10 @@ class AppendTransaction {
     int32_t to = 0;     // the private copy now in the table
   };
   std::vector<CopyOnWrite> cows_;
-  std::set<uint32_t> rewritten_pages_;        // page-table entries holding rewritten committed positions
+  struct PageRange {
+    uint32_t first = 0, last = 0;  // page-table entries [first, last)
+  };
+  std::vector<PageRange> rewritten_pages_;    // entries holding rewritten committed positions, per message
   std::map<uint32_t, std::string> hashes_;    // block hashes to record at Commit
   bool pin_ = false;
   uint64_t rows_written_ = 0;

@@ -46,9 +46,11 @@ struct Pool::StagePlan {
   };
   std::map<int32_t, NewScales> new_scales;  // layer -> scales this call sets
   std::vector<int64_t> new_pages;           // [txns] pages each transaction needs beyond what it holds
-  std::vector<std::set<uint32_t>> written;  // [txns] page-table entries its rows write (existing pages)
-  std::vector<std::set<uint32_t>> cows;     // [txns] of those, the shared ones to copy first
-  std::vector<std::set<uint32_t>> rewritten;  // [txns] of those, the ones holding rewritten committed positions
+  // [txns] page-table entries of existing pages the rows write that are
+  // shared, to copy first (ascending; usually none).
+  std::vector<std::vector<uint32_t>> cows;
+  // [txns] page-table entries holding committed positions the rows rewrite.
+  std::vector<AppendTransaction::PageRange> rewritten;
   int64_t total_new_pages = 0;              // tail pages and copies
   // The copies to make before the writes (from the shared page to the new one).
   std::vector<AppendTransaction::CopyOnWrite> copies;
@@ -345,15 +347,16 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
     const uint64_t first = r.start / options_.page_size;
     const uint64_t last = std::min<uint64_t>((end - 1) / options_.page_size + 1, pages.size());
     for (uint64_t i = first; i < last; ++i) {
-      plan.written[index].insert(static_cast<uint32_t>(i));
-      if (allocator_->refs(pages[i]) > 1) plan.cows[index].insert(static_cast<uint32_t>(i));
+      if (allocator_->refs(pages[i]) > 1) plan.cows[index].push_back(static_cast<uint32_t>(i));
     }
     // Pages holding committed positions the rows rewrite: their hashes go.
+    uint64_t rewrite_end = 0;
     for (const LayerRows& lr : r.layers) {
-      const uint64_t rewrite_end = std::min<uint64_t>(end, txn.committed_[lr.layer]);
-      for (uint64_t p = r.start; p < rewrite_end; p = (p / options_.page_size + 1) * options_.page_size) {
-        plan.rewritten[index].insert(static_cast<uint32_t>(p / options_.page_size));
-      }
+      rewrite_end = std::max<uint64_t>(rewrite_end, std::min<uint64_t>(end, txn.committed_[lr.layer]));
+    }
+    if (rewrite_end > r.start) {
+      plan.rewritten[index] = {static_cast<uint32_t>(first),
+                               static_cast<uint32_t>(CeilDiv(static_cast<int64_t>(rewrite_end), options_.page_size))};
     }
     plan.total_new_pages += static_cast<int64_t>(plan.cows[index].size());
   }
@@ -376,10 +379,13 @@ void Pool::Reserve(std::span<AppendTransaction* const> txns, StagePlan& plan) {
       plan.copies.push_back(txn.cows_.back());
     }
     // A private page being rewritten no longer holds what its hash says.
-    for (uint32_t index : plan.rewritten[i]) {
-      if (!plan.cows[i].contains(index)) prefix_.ErasePage(seq->pages()[index]);
-      txn.rewritten_pages_.insert(index);
+    const AppendTransaction::PageRange& rw = plan.rewritten[i];
+    for (uint32_t index = rw.first; index < rw.last; ++index) {
+      if (!std::binary_search(plan.cows[i].begin(), plan.cows[i].end(), index)) {
+        prefix_.ErasePage(seq->pages()[index]);
+      }
     }
+    if (rw.last > rw.first) txn.rewritten_pages_.push_back(rw);
     sequences_.AttachPages(seq, std::span<const int32_t>(pages.data() + next, plan.new_pages[i]));
     next += plan.new_pages[i];
     txn.pages_allocated_ += static_cast<uint32_t>(plan.new_pages[i] + plan.cows[i].size());
@@ -496,7 +502,6 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
   }
   StagePlan plan;
   plan.new_pages.assign(txns.size(), 0);
-  plan.written.resize(txns.size());
   plan.cows.resize(txns.size());
   plan.rewritten.resize(txns.size());
   {
@@ -540,7 +545,10 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
   counters_.pages_copied += txn.cows_.size();
   // Hashes: rewritten pages lose their pending ones; the new ones wait until
   // their page is complete in every layer.
-  for (uint32_t index : txn.rewritten_pages_) seq.pending_hashes().erase(index);
+  std::map<uint32_t, std::string>& pending = seq.pending_hashes();
+  for (const AppendTransaction::PageRange& rw : txn.rewritten_pages_) {
+    if (!pending.empty()) pending.erase(pending.lower_bound(rw.first), pending.lower_bound(rw.last));
+  }
   for (auto& [index, hash] : txn.hashes_) seq.pending_hashes()[index] = std::move(hash);
   IndexCompletePages(&seq);
   if (txn.created_) {
