@@ -137,6 +137,7 @@ grpc::Status CallRead(v1::KvCache::Stub& stub, const std::string& bytes, bool* p
 
 void FreeEverything(Fixture& f) {
   server::Pool& pool = *f.server->pools().front();
+  for (const auto& l : pool.ListLeases(1000, 0).leases) static_cast<void>(pool.ReleaseLease(l.id));
   for (const auto& e : pool.ListSequences(1000, "").sequences) static_cast<void>(pool.FreeSequence(e.id));
 }
 
@@ -151,7 +152,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   bool parsed = true;
   grpc::Status status;
   bool mutates = true;
-  switch (data[0] % 6) {
+  switch (data[0] % 12) {
     case 0:
       status = CallUnary<v1::AppendBatchRequest, v1::AppendBatchResponse>(*f.stub, &v1::KvCache::Stub::AppendBatch,
                                                                            parts[0], &parsed);
@@ -173,6 +174,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       status = CallUnary<v1::GetPageRequest, v1::Page>(*f.stub, &v1::KvCache::Stub::GetPage, parts[0], &parsed);
       mutates = false;
       break;
+    // Cache management: leases change no pool state the checks observe
+    // (pages, sequences, tokens) unless a free retains a sequence, and a
+    // fork may create one; each must still be refused cleanly when bad.
+    case 6:
+      status = CallUnary<v1::AcquireLeaseRequest, v1::Lease>(*f.stub, &v1::KvCache::Stub::AcquireLease, parts[0],
+                                                             &parsed);
+      mutates = false;
+      break;
+    case 7:
+      status = CallUnary<v1::ForkSequenceRequest, v1::ForkSequenceResponse>(*f.stub, &v1::KvCache::Stub::ForkSequence,
+                                                                             parts[0], &parsed);
+      break;
+    case 8:
+      status = CallUnary<v1::MatchPrefixRequest, v1::MatchPrefixResponse>(*f.stub, &v1::KvCache::Stub::MatchPrefix,
+                                                                           parts[0], &parsed);
+      mutates = false;
+      break;
+    case 9:
+      status = CallUnary<v1::GetSequenceRequest, v1::Sequence>(*f.stub, &v1::KvCache::Stub::GetSequence, parts[0],
+                                                               &parsed);
+      mutates = false;
+      break;
+    case 10:
+      status = CallUnary<v1::RenewLeaseRequest, v1::Lease>(*f.stub, &v1::KvCache::Stub::RenewLease, parts[0], &parsed);
+      mutates = false;
+      break;
+    case 11:
+      status = CallUnary<v1::ReleaseLeaseRequest, v1::ReleaseLeaseResponse>(*f.stub, &v1::KvCache::Stub::ReleaseLease,
+                                                                             parts[0], &parsed);
+      break;
   }
   if (!parsed) return 0;
   if (absl::Status inv = pool.CheckInvariants(); !inv.ok()) Violation(inv.ToString());
@@ -183,6 +214,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (status.error_code() == grpc::StatusCode::INTERNAL || status.error_code() == grpc::StatusCode::UNKNOWN) {
     Violation("INTERNAL/UNKNOWN for client input: " + status.error_message());
   }
-  if (after.sequences > 8) FreeEverything(f);  // keep the state small
+  if (after.sequences > 8 || pool.Snapshot().leases > 16) FreeEverything(f);  // keep the state small
   return 0;
 }
