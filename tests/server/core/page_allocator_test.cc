@@ -79,3 +79,38 @@ TEST(PageAllocatorTest, RandomWorkloadKeepsFreePlusUsedEqualTotal) {
 
 }  // namespace
 }  // namespace mlakv::server
+
+namespace mlakv::server {
+namespace {
+
+TEST(PageAllocatorTest, ReferencesKeepAPageUsedAndASharedPageCountsOnce) {
+  auto a = PageAllocator::Create({.num_pages = 4});
+  ASSERT_TRUE(a.ok());
+  auto pages = (*a)->Allocate(2);
+  ASSERT_TRUE(pages.ok());
+  ASSERT_TRUE((*a)->Ref(std::vector<int32_t>{0, 0}).ok());  // two more holders of page 0
+  EXPECT_EQ((*a)->refs(0), 3);
+  EXPECT_EQ((*a)->shared_count(), 1);
+  EXPECT_EQ((*a)->used_count(), 2) << "a shared page counts once";
+  EXPECT_EQ((*a)->Ref(std::vector<int32_t>{2}).code(), absl::StatusCode::kInternal) << "page 2 is free";
+  EXPECT_EQ((*a)->refs(0), 3) << "a rejected Ref changes nothing";
+  std::vector<int32_t> freed;
+  ASSERT_TRUE((*a)->Unref(std::vector<int32_t>{0, 1}, &freed).ok());
+  EXPECT_EQ(freed, std::vector<int32_t>{1});
+  EXPECT_EQ((*a)->shared_count(), 1);
+  // Listed more often than referenced: rejected, nothing changes.
+  EXPECT_EQ((*a)->Unref(std::vector<int32_t>{0, 0, 0}).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ((*a)->refs(0), 2);
+  freed.clear();
+  ASSERT_TRUE((*a)->Unref(std::vector<int32_t>{0, 0}, &freed).ok());
+  EXPECT_EQ(freed, std::vector<int32_t>{0}) << "freed once although listed twice";
+  EXPECT_EQ((*a)->shared_count(), 0);
+  EXPECT_EQ((*a)->free_count(), 4);
+  auto again = (*a)->Allocate(4);
+  ASSERT_TRUE(again.ok()) << "the free list holds each page once";
+  std::set<int32_t> unique(again->begin(), again->end());
+  EXPECT_EQ(unique.size(), 4u);
+}
+
+}  // namespace
+}  // namespace mlakv::server

@@ -97,3 +97,50 @@ TEST(SequenceTable, ListAfterPaginatesCommittedIdsInOrder) {
 
 }  // namespace
 }  // namespace mlakv::server
+
+namespace mlakv::server {
+namespace {
+
+TEST(SequenceTableHolders, APageSharedByManyTablesDropsHoldersInAnyOrder) {
+  SequenceTable t(1, 4);
+  std::vector<Sequence*> seqs;
+  for (int i = 0; i < 5; ++i) {
+    Sequence* s = t.Add("s" + std::to_string(i), i + 1);
+    t.AttachPages(s, std::vector<int32_t>{2, i % 2});
+    seqs.push_back(s);
+  }
+  EXPECT_EQ(t.HoldersOf(2).size(), 5u);
+  for (int i : {3, 0, 4}) t.DetachTail(seqs[i], 0);
+  ASSERT_EQ(t.HoldersOf(2).size(), 2u);
+  for (const SequenceTable::Owner& o : t.HoldersOf(2)) {
+    EXPECT_TRUE(o.sequence == seqs[1] || o.sequence == seqs[2]);
+    EXPECT_EQ(o.page_index, 0u);
+    EXPECT_EQ(o.sequence->pages()[o.page_index], 2);
+  }
+  EXPECT_EQ(t.ReplacePage(seqs[1], 0, 3), 2);
+  EXPECT_EQ(t.HoldersOf(2).size(), 1u);
+  EXPECT_EQ(t.OwnerOf(3).sequence, seqs[1]);
+  t.DetachTail(seqs[2], 0);
+  EXPECT_TRUE(t.HoldersOf(2).empty());
+}
+
+TEST(SequenceTableHolders, OnlyReapableSequencesAreInTheUseOrderList) {
+  SequenceTable t(1, 4);
+  Sequence* a = t.Add("a", 1);
+  Sequence* b = t.Add("b", 2);
+  for (Sequence* s : {a, b}) {
+    t.SetCommitted(s);
+    t.MarkIdle(s, 10);
+  }
+  EXPECT_EQ(t.LeastRecentlyUsed(), a);
+  t.SetPinned(a);
+  EXPECT_EQ(t.LeastRecentlyUsed(), b) << "a pinned sequence is not a candidate";
+  t.AddLease(b, 5);
+  EXPECT_EQ(t.LeastRecentlyUsed(), nullptr) << "nor a leased one";
+  t.RemoveLease(b, 5, 20);
+  EXPECT_EQ(t.LeastRecentlyUsed(), b);
+  EXPECT_EQ(b->last_used_ns(), 20) << "the end of a lease is a use";
+}
+
+}  // namespace
+}  // namespace mlakv::server
