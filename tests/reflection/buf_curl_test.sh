@@ -103,7 +103,7 @@ reflection=$(grep -o 'grpc\.reflection\.v1[a-z]*\.ServerReflection' "$work/out" 
 echo "== 2. list methods"
 bufc --list-methods "$url"
 for m in ListPools GetPool Append AppendBatch GetSequence ListSequences GetPage ReadSequence FreeSequence \
-         TruncateSequence; do
+         TruncateSequence AcquireLease RenewLease ReleaseLease ListLeases ForkSequence MatchPrefix; do
   expect_text "mlakv.v1.KvCache/$m"
 done
 
@@ -171,6 +171,38 @@ expect_text no-such-sequence
 echo "== 8. FreeSequence"
 bufc -d '{"sequence": "buf-curl"}' "$url/mlakv.v1.KvCache/FreeSequence"
 expect_json 'j["pagesFreed"] == 1'
+
+echo "== 8b. cache management: a lease with the page table, a fork, a deferred free, a read through the lease"
+# Two rows in all 61 layers (a lease covers tokens written in every layer).
+"$py" - "$work/lease.json" <<'EOF'
+import base64, json, sys
+row = lambda n: base64.b64encode(b"\x80\x3f" * n * 2).decode()
+layers = [{"layer": l, "ckv": row(512), "kpe": row(64), "ckvScale": 1.0, "kpeScale": 1.0} for l in range(61)]
+json.dump({"sequence": "buf-curl", "start": 0, "rowCount": 2, "dtype": "ROW_DTYPE_BFLOAT16", "layers": layers,
+           "view": "SEQUENCE_VIEW_BASIC"}, open(sys.argv[1], "w"))
+EOF
+show_cmd -d @lease.json "$url/mlakv.v1.KvCache/Append"
+timeout 60 "$buf" curl --protocol grpc --http2-prior-knowledge -d @"$work/lease.json" \
+  "$url/mlakv.v1.KvCache/Append" >"$work/out" || fail "61-layer Append failed"
+expect_json 'j["sequence"]["length"] == 2'
+bufc -d '{"sequence": "buf-curl", "lease": {"holder": "buf-curl-reader", "durationMs": 60000}}' \
+  "$url/mlakv.v1.KvCache/GetSequence"
+expect_json 'j["lease"]["tokens"] == 2 and j["lease"]["holder"] == "buf-curl-reader" and j["leases"] == 1'
+expect_json 'int(j["generation"]) > 0 and j["lease"]["generation"] == j["generation"]'
+lease=$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["lease"]["leaseId"])' "$work/out")
+bufc -d '{"source": "buf-curl", "target": "buf-fork", "length": 2}' "$url/mlakv.v1.KvCache/ForkSequence"
+expect_json 'j["pagesCopied"] == 1 and j["sequence"]["length"] == 2 and j.get("pagesShared", 0) == 0'
+bufc -d '{"sequence": "buf-curl"}' "$url/mlakv.v1.KvCache/FreeSequence"
+expect_json 'j["leases"] == 1 and j["pagesRetained"] == 1 and j.get("pagesFreed", 0) == 0'
+bufc -d "{\"leaseId\": \"$lease\", \"layers\": [0]}" "$url/mlakv.v1.KvCache/ReadSequence" ||
+  fail "ReadSequence through the lease failed"
+expect_json 'j["count"] == 2 and __import__("base64").b64decode(j["ckvPacked"]) == b"\x77" * 512'
+bufc -d "{\"leaseId\": \"$lease\"}" "$url/mlakv.v1.KvCache/ReleaseLease"
+expect_json 'j["pagesFreed"] == 1'
+bufc -d '{"sequence": "buf-fork"}' "$url/mlakv.v1.KvCache/FreeSequence"
+expect_json 'j["pagesFreed"] == 1'
+bufc -d '{"pool": ""}' "$url/mlakv.v1.KvCache/GetPool"
+expect_json 'j["pagesFree"] == j["pagesTotal"] and j.get("leases", 0) == 0'
 
 echo "== 9. Health/Check"
 bufc -d '{}' "$url/grpc.health.v1.Health/Check"
