@@ -163,6 +163,7 @@ absl::StatusOr<ForkResult> Pool::Fork(const ForkRequest& request) {
   // source is held).
   absl::Status copied = absl::OkStatus();
   if (copy_to >= 0) copied = CopyPage(source->pages()[length / ps], copy_to, partial);
+  if (copied.ok() && request.last_check) copied = request.last_check(target->pages().size());
   absl::MutexLock lock(&mu_);
   if (source != nullptr) sequences_.MarkIdle(source, NowNs());  // a fork is a use of the source
   if (!copied.ok()) {

@@ -129,7 +129,7 @@ grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerConte
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   Pool* p = *pool;
   // On the worker: the partial last page is copied there, in order with appends.
-  p->worker().Post([ctx, p, req, resp, reactor, detail] {
+  p->worker().Post([this, ctx, p, req, resp, reactor, detail] {
     const absl::Status status = [&]() -> absl::Status {
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was forked"));
       ForkRequest fork;
@@ -139,6 +139,21 @@ grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerConte
       fork.block_hashes.assign(req->block_hashes().begin(), req->block_hashes().end());
       fork.length = req->length();
       fork.pin = req->pin();
+      const uint32_t max_bytes = options_.max_message_bytes;
+      fork.last_check = [&](size_t pages) -> absl::Status {
+        MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was forked"));
+        const uint64_t bound =
+            SequenceProtoBytesBound(req->target().size(), p->name().size(), pages, p->num_pages(), p->num_layers()) +
+            32;
+        if (bound > max_bytes) {
+          return absl::ResourceExhaustedError(absl::StrCat("the forked sequence's page table of ", pages,
+                                                           " pages would need up to ", bound,
+                                                           " bytes, over the ", max_bytes,
+                                                           "-byte message limit; nothing was forked. Fork fewer "
+                                                           "tokens"));
+        }
+        return absl::OkStatus();
+      };
       MLAKV_ASSIGN_OR_RETURN(ForkResult result, p->Fork(fork));
       if (result.sequence) ToProto(p->name(), *result.sequence, resp->mutable_sequence());
       resp->set_pages_shared(result.pages_shared);

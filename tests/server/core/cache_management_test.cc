@@ -479,6 +479,21 @@ TEST_F(CacheTest, ForkErrors) {
   auto full = pool_->Fork({.target = "t", .source = SequenceRef("src")});
   EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
   EXPECT_EQ(pool_->GetSequence("t").status().code(), absl::StatusCode::kNotFound);
+  // A last check that fails (the call's deadline passed, the response too
+  // large) undoes the fork.
+  ForkRequest late{.target = "t", .source = SequenceRef("src"), .length = 4};
+  size_t checked_pages = 0;
+  late.last_check = [&](size_t pages) {
+    checked_pages = pages;
+    return absl::DeadlineExceededError("the call's deadline passed");
+  };
+  const int32_t used = pool_->Snapshot().pages_used;
+  EXPECT_EQ(pool_->Fork(late).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(checked_pages, 1u);
+  EXPECT_EQ(pool_->GetSequence("t").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(pool_->Snapshot().pages_used, used);
+  EXPECT_EQ(pool_->Snapshot().pages_shared, 0);
+  ExpectInvariants();
   EXPECT_TRUE(pool_->Fork({.target = "t", .source = SequenceRef("src"), .length = 4}).ok())
       << "a page-aligned fork needs no page";
   ExpectInvariants();
