@@ -375,6 +375,7 @@ void Pool::Reserve(std::span<AppendTransaction* const> txns, StagePlan& plan) {
       const int32_t to = pages[next++];
       const int32_t from = sequences_.ReplacePage(seq, index, to);
       ++cow_held_[from];
+      seq->set_cow_in_flight(true);
       txn.cows_.push_back({.index = index, .from = from, .to = to});
       plan.copies.push_back(txn.cows_.back());
     }
@@ -537,11 +538,19 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
   txn.undo_.clear();
   txn.finished_ = true;
   seq.set_rewrite_floor(UINT32_MAX);
-  // The copies are in place: the shared pages lose this sequence's reference.
+  // The copies are in place: the shared pages lose this sequence's
+  // reference, unless they hold tokens a lease protects (a reader may attend
+  // from the page table it leased, which names them): the leases keep those.
+  const int64_t protected_pages = CeilDiv(seq.protected_tokens(), options_.page_size);
   for (const AppendTransaction::CopyOnWrite& c : txn.cows_) {
     if (--cow_held_[c.from] == 0) cow_held_.erase(c.from);
-    ReleasePages(std::span<const int32_t>(&c.from, 1));
+    if (static_cast<int64_t>(c.index) < protected_pages) {
+      seq.lease_held_pages().push_back(c.from);
+    } else {
+      ReleasePages(std::span<const int32_t>(&c.from, 1));
+    }
   }
+  seq.set_cow_in_flight(false);
   counters_.pages_copied += txn.cows_.size();
   // Hashes: rewritten pages lose their pending ones; the new ones wait until
   // their page is complete in every layer.
@@ -596,6 +605,7 @@ void Pool::Abort(AppendTransaction& txn) {
     ReleasePages(std::span<const int32_t>(&it->to, 1));
   }
   txn.cows_.clear();
+  seq->set_cow_in_flight(false);
   seq->set_rewrite_floor(UINT32_MAX);
   std::vector<int32_t> cut = sequences_.DetachTail(seq, txn.original_pages_);
   ReleasePages(cut);
@@ -935,6 +945,12 @@ absl::Status Pool::CheckInvariants() const {
     }
   }
   for (const auto& [page, count] : cow_held_) expected[page] += count;
+  for (const Sequence* seq : sequences_.ListAfter("", std::numeric_limits<size_t>::max())) {
+    for (int32_t page : seq->lease_held_pages()) ++expected[page];
+  }
+  for (const auto& [seq, node] : retained_) {
+    for (int32_t page : seq->lease_held_pages()) ++expected[page];
+  }
   int32_t shared = 0;
   for (int32_t p = 0; p < allocator_->total(); ++p) {
     const SequenceTable::Holders& holders = sequences_.HoldersOf(p);

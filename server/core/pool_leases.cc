@@ -53,6 +53,14 @@ absl::StatusOr<LeaseSnapshot> Pool::AddLease(Sequence* seq, const LeaseRequest& 
                                                      seq->lease_tokens().size(),
                                                      " leases, the pool's max_leases_per_sequence"));
   }
+  if (seq != nullptr && seq->busy() && (seq->rewrite_floor() < tokens || seq->cow_in_flight())) {
+    // The append in flight has rewritten a position the lease would cover,
+    // or copied a shared page whose copy it might still drop.
+    return absl::AbortedError(absl::StrCat("sequence ", Quote(seq->id()), " has an append in progress that ",
+                                           seq->cow_in_flight() ? "copies a shared page"
+                                                                : absl::StrCat("rewrites position ", seq->rewrite_floor()),
+                                           "; lease it when the append has finished"));
+  }
   if (!pages.empty()) {
     if (absl::Status s = allocator_->Ref(pages); !s.ok()) return s;  // pages come from the index: a bug
   }
@@ -79,11 +87,6 @@ absl::StatusOr<LeaseSnapshot> Pool::AcquireLease(const SequenceRef& ref, const L
   if (tokens > length) {
     return absl::OutOfRangeError(absl::StrCat("a lease on ", tokens, " tokens of sequence ", Quote(ref.id),
                                               ": it holds ", length, " in every layer"));
-  }
-  if (seq->busy() && seq->rewrite_floor() < tokens) {
-    return absl::AbortedError(absl::StrCat("sequence ", Quote(ref.id), " has an append in progress that rewrites ",
-                                           "position ", seq->rewrite_floor(), " < ", tokens,
-                                           "; lease it when the append has finished"));
   }
   return AddLease(seq, lease, tokens, {});
 }
@@ -119,6 +122,10 @@ uint32_t Pool::EndLease(uint64_t lease_id) {
   Sequence* seq = lease.sequence;
   if (seq == nullptr) return freed;
   sequences_.RemoveLease(seq, lease.tokens, NowNs());
+  if (seq->lease_tokens().empty() && !seq->lease_held_pages().empty()) {
+    freed += ReleasePages(seq->lease_held_pages());
+    seq->lease_held_pages().clear();
+  }
   if (seq->retained() && seq->lease_tokens().empty()) {
     freed += ReleasePages(sequences_.DetachTail(seq, 0));
     retained_.erase(seq);  // destroys the sequence

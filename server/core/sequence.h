@@ -81,6 +81,17 @@ class Sequence {
   uint32_t rewrite_floor() const { return rewrite_floor_; }
   void set_rewrite_floor(uint32_t position) { rewrite_floor_ = position; }
 
+  // True while an in-flight append has copied a shared page of this
+  // sequence (the page table names the copy until Commit or Abort).
+  bool cow_in_flight() const { return cow_in_flight_; }
+  void set_cow_in_flight(bool v) { cow_in_flight_ = v; }
+  // References to pages this sequence's page table no longer names (a
+  // copy-on-write replaced them) that hold tokens its leases protect: a
+  // reader attending from the page table it leased keeps finding them. Held
+  // until the last lease ends.
+  std::vector<int32_t>& lease_held_pages() { return lease_held_pages_; }
+  const std::vector<int32_t>& lease_held_pages() const { return lease_held_pages_; }
+
   // Block hashes the client gave for pages not yet complete in every layer
   // (page index -> hash); indexed by the pool once they are.
   std::map<uint32_t, std::string>& pending_hashes() { return pending_hashes_; }
@@ -103,6 +114,8 @@ class Sequence {
   std::multiset<uint32_t> lease_tokens_;
   std::map<uint32_t, std::string> pending_hashes_;
   uint32_t rewrite_floor_ = UINT32_MAX;
+  bool cow_in_flight_ = false;
+  std::vector<int32_t> lease_held_pages_;
   int64_t last_used_ns_ = 0;
   // Where the table holds this sequence, so that erasing it needs no lookup
   // in a map of a million cold nodes (bench/sequence_scale_bench: 4 us -> 1 us).

@@ -456,6 +456,37 @@ TEST_F(CacheTest, ARewriteOfASharedPageCopiesItFirstAndAbortPutsItBack) {
   ExpectInvariants();
 }
 
+// A leased sequence copies a shared page that holds protected tokens (an
+// append past the lease, into a page a fork shares): the page table the
+// reader leased still names the old page, so the lease keeps it until it
+// ends, even after every other holder let go.
+TEST_F(CacheTest, CopyOnWriteKeepsTheOldPageForTheLeaseThatCoversIt) {
+  MakePool(6);
+  ASSERT_TRUE(Append("src", 0, 8, 1).ok());
+  ASSERT_TRUE(pool_->Fork({.target = "dst", .source = SequenceRef("src"), .length = 8}).ok());
+  model_["dst"] = Expected("src", 8);
+  auto leased = pool_->GetSequence("dst", LeaseRequest{"reader"});
+  ASSERT_TRUE(leased.ok());
+  const int32_t old_page = leased->kv_indices[0];
+  ASSERT_TRUE(pool_->ReleaseLease(leased->lease->id).ok());
+  auto lease = pool_->AcquireLease("dst", {"reader"}, 2);  // protects positions 0, 1 of page 0
+  ASSERT_TRUE(lease.ok());
+  ASSERT_TRUE(Append("dst", 2, 2, 7).ok());  // positions 2, 3: past the lease, in the shared page 0
+  EXPECT_NE(pool_->GetSequence("dst")->kv_indices[0], old_page) << "copied";
+  ASSERT_TRUE(pool_->FreeSequence("src").ok());
+  // Fill the pool: the old page must not be handed out.
+  for (int i = 0; pool_->Snapshot().pages_free > 0; ++i) {
+    auto filler = Append(absl::StrCat("f", i), 0, 4, 20 + i);
+    ASSERT_TRUE(filler.ok()) << filler.status();
+    for (int32_t page : filler->kv_indices) EXPECT_NE(page, old_page);
+  }
+  EXPECT_EQ(pool_->GetPage(old_page)->references, 1) << "held for the lease";
+  ExpectInvariants();
+  ASSERT_TRUE(pool_->ReleaseLease(lease->id).ok());
+  EXPECT_FALSE(pool_->GetPage(old_page)->used) << "released with the last lease";
+  ExpectInvariants();
+}
+
 TEST_F(CacheTest, ForkErrors) {
   MakePool(4);
   ASSERT_TRUE(Append("src", 0, 5, 1).ok());
@@ -588,6 +619,7 @@ TEST_F(CacheTest, RandomInterleavingsKeepTheInvariantsAndTheBytes) {
       std::string sequence;
       Layers bytes;  // what the lease protects, as it was when taken
       uint32_t tokens;
+      std::vector<int32_t> table;  // the pages holding them, as the reader got them
     };
     std::vector<LeaseModel> leases;
     std::set<std::string> pinned;
@@ -674,8 +706,11 @@ TEST_F(CacheTest, RandomInterleavingsKeepTheInvariantsAndTheBytes) {
         case 5: {  // lease
           if (!live(id)) break;
           const uint32_t len = pool_->GetSequence(id)->length;
-          auto l = pool_->AcquireLease(id, {"reader", absl::Seconds(1 + gen() % 5)});
-          if (l.ok()) leases.push_back({l->id, id, Expected(id, len), len});
+          auto l = pool_->GetSequence(id, LeaseRequest{"reader", absl::Seconds(1 + gen() % 5)});
+          if (l.ok()) {
+            std::vector<int32_t> table(l->kv_indices.begin(), l->kv_indices.begin() + (len + 3) / 4);
+            leases.push_back({l->lease->id, id, Expected(id, len), len, table});
+          }
           break;
         }
         case 6: {  // release
@@ -731,6 +766,9 @@ TEST_F(CacheTest, RandomInterleavingsKeepTheInvariantsAndTheBytes) {
           continue;
         }
         ASSERT_EQ(*read, it->bytes) << "step " << step << ": leased bytes changed";
+        for (int32_t page : it->table) {
+          ASSERT_TRUE(pool_->GetPage(page)->used) << "step " << step << ": a page of a leased table was freed";
+        }
         ++it;
       }
     }
