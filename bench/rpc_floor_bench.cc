@@ -1,0 +1,197 @@
+// rpc_floor_bench: how far mlakv's unary calls are from gRPC's own floor on
+// this host, measured in one process run (docs/performance.md "The RPC floor").
+//
+//   rpc_floor_bench [--samples 5000] [--rounds 5]
+//
+// Four servers on loopback TCP (127.0.0.1, a port each), one client channel
+// (one connection) each, all in this process:
+//   sync      a minimal server, grpc.health.v1.Health/Check -> SERVING, sync API
+//   callback  the same Check with the callback API (what mlakv uses)
+//   mlakv     a KvCacheServer as mlakv-server builds it (cpu pool, the metrics
+//             interceptor on): its Health/Check and its GetPool
+//   bare      the same without the metrics interceptor: GetPool
+// Calls are unary with a deadline, made one at a time; the variants take turns
+// in --rounds rounds of --samples calls so that the machine's drift hits all
+// alike. Printed: p50 / p90 / p99 per variant and the ratio of each p50 to
+// the sync floor's.
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "bench/bench_stats.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "mlakv/v1/kv_cache.grpc.pb.h"
+#include "server/observability/server_metrics.h"
+#include "server/rpc/kv_cache_server.h"
+#include "spdlog/sinks/null_sink.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(int, samples, 5000, "calls per variant per round");
+ABSL_FLAG(int, rounds, 5, "rounds (the variants take turns)");
+
+namespace mlakv {
+namespace {
+
+using bench::Clock;
+using bench::Micros;
+using bench::Summarize;
+using bench::Summary;
+using grpc::health::v1::Health;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "rpc_floor_bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+class SyncHealth final : public Health::Service {
+ public:
+  grpc::Status Check(grpc::ServerContext*, const HealthCheckRequest*, HealthCheckResponse* resp) override {
+    resp->set_status(HealthCheckResponse::SERVING);
+    return grpc::Status::OK;
+  }
+};
+
+class CallbackHealth final : public Health::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* ctx, const HealthCheckRequest*,
+                                  HealthCheckResponse* resp) override {
+    resp->set_status(HealthCheckResponse::SERVING);
+    grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+    r->Finish(grpc::Status::OK);
+    return r;
+  }
+};
+
+std::unique_ptr<grpc::Server> StartMinimal(grpc::Service* service, int* port) {
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+  b.RegisterService(service);
+  std::unique_ptr<grpc::Server> s = b.BuildAndStart();
+  if (s == nullptr || *port == 0) Die("minimal server did not start");
+  return s;
+}
+
+std::shared_ptr<grpc::Channel> Channel(int port) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
+  return grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args);
+}
+
+template <typename Call>
+double TimeOne(Call&& call) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  const auto t0 = Clock::now();
+  const grpc::Status s = call(ctx);
+  const double us = Micros(Clock::now() - t0);
+  if (!s.ok()) Die("call failed: " + s.error_message());
+  return us;
+}
+
+int Main() {
+  auto logger = std::make_shared<spdlog::logger>("bench", std::make_shared<spdlog::sinks::null_sink_mt>());
+  spdlog::set_default_logger(logger);
+  const int samples = absl::GetFlag(FLAGS_samples), rounds = absl::GetFlag(FLAGS_rounds);
+
+  SyncHealth sync_service;
+  CallbackHealth callback_service;
+  int sync_port = 0, callback_port = 0;
+  std::unique_ptr<grpc::Server> sync_server = StartMinimal(&sync_service, &sync_port);
+  std::unique_ptr<grpc::Server> callback_server = StartMinimal(&callback_service, &callback_port);
+
+  absl::StatusOr<std::unique_ptr<server::ServerMetrics>> metrics = server::ServerMetrics::Create("bench");
+  if (!metrics.ok()) Die(std::string(metrics.status().message()));
+  server::KvCacheServer::Options options;
+  options.listen = "127.0.0.1:0";
+  options.default_device = "cpu";
+  options.metrics = metrics->get();
+  v1::PoolConfig* pool = options.config.add_pools();
+  pool->set_name("default");
+  pool->set_num_layers(61);
+  pool->set_page_size(64);
+  pool->set_num_pages(256);
+  absl::StatusOr<std::unique_ptr<server::KvCacheServer>> mlakv = server::KvCacheServer::Create(options);
+  if (!mlakv.ok()) Die(std::string(mlakv.status().message()));
+  // The same server without the metrics interceptor: what per-call metrics cost.
+  options.metrics = nullptr;
+  absl::StatusOr<std::unique_ptr<server::KvCacheServer>> bare = server::KvCacheServer::Create(options);
+  if (!bare.ok()) Die(std::string(bare.status().message()));
+
+  auto sync_stub = Health::NewStub(Channel(sync_port));
+  auto callback_stub = Health::NewStub(Channel(callback_port));
+  auto mlakv_channel = Channel((*mlakv)->bound_port());
+  auto mlakv_health = Health::NewStub(mlakv_channel);
+  auto mlakv_stub = v1::KvCache::NewStub(mlakv_channel);
+  auto bare_stub = v1::KvCache::NewStub(Channel((*bare)->bound_port()));
+
+  struct Variant {
+    const char* name;
+    std::function<grpc::Status(grpc::ClientContext&)> call;
+    std::vector<double> us;
+  };
+  std::vector<Variant> variants = {
+      {"minimal sync server, Health/Check",
+       [&](grpc::ClientContext& c) {
+         HealthCheckResponse r;
+         return sync_stub->Check(&c, HealthCheckRequest(), &r);
+       }},
+      {"minimal callback server, Health/Check",
+       [&](grpc::ClientContext& c) {
+         HealthCheckResponse r;
+         return callback_stub->Check(&c, HealthCheckRequest(), &r);
+       }},
+      {"mlakv-server, Health/Check",
+       [&](grpc::ClientContext& c) {
+         HealthCheckResponse r;
+         return mlakv_health->Check(&c, HealthCheckRequest(), &r);
+       }},
+      {"mlakv-server, GetPool",
+       [&](grpc::ClientContext& c) {
+         v1::Pool r;
+         return mlakv_stub->GetPool(&c, v1::GetPoolRequest(), &r);
+       }},
+      {"mlakv-server without metrics, GetPool",
+       [&](grpc::ClientContext& c) {
+         v1::Pool r;
+         return bare_stub->GetPool(&c, v1::GetPoolRequest(), &r);
+       }},
+  };
+  for (Variant& v : variants) {
+    for (int i = 0; i < 200; ++i) TimeOne(v.call);  // connect and warm up
+  }
+  for (int round = 0; round < rounds; ++round) {
+    for (Variant& v : variants) {
+      for (int i = 0; i < samples; ++i) v.us.push_back(TimeOne(v.call));
+    }
+  }
+  std::printf("rpc_floor_bench: %d x %d unary calls per variant over loopback TCP, %u cores\n", rounds, samples,
+              std::thread::hardware_concurrency());
+  const double floor = Summarize(variants[0].us).p50;
+  for (const Variant& v : variants) {
+    const Summary s = Summarize(v.us);
+    std::printf("  %-40s p50 %7.1f us  p90 %7.1f  p99 %7.1f   p50 / sync floor %.2fx\n", v.name, s.p50, s.p90, s.p99,
+                s.p50 / floor);
+  }
+  (*mlakv)->Shutdown(absl::Seconds(1));
+  (*bare)->Shutdown(absl::Seconds(1));
+  sync_server->Shutdown();
+  callback_server->Shutdown();
+  return 0;
+}
+
+}  // namespace
+}  // namespace mlakv
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return mlakv::Main();
+}
