@@ -36,6 +36,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kernels/tensor_view.h"
 #include "server/backend/cache_backend.h"
@@ -333,6 +334,9 @@ class Pool {
   // Leases with id > after, at most `limit`.
   LeaseListing ListLeases(size_t limit, uint64_t after);
   // Leading pages of the chain the index holds; with `lease`, a page lease on them.
+  // Takes views: the RPC layer passes the request's own bytes, uncopied.
+  absl::StatusOr<PrefixMatch> MatchPrefix(std::span<const absl::string_view> block_hashes,
+                                          const std::optional<LeaseRequest>& lease = std::nullopt);
   absl::StatusOr<PrefixMatch> MatchPrefix(std::span<const std::string> block_hashes,
                                           const std::optional<LeaseRequest>& lease = std::nullopt);
   // Creates request.target sharing full pages of the source (or the chain),

@@ -12,7 +12,8 @@
 namespace mlakv::server {
 namespace {
 
-absl::Status CheckHashes(std::span<const std::string> hashes) {
+template <typename Hash>
+absl::Status CheckHashes(std::span<const Hash> hashes) {
   if (hashes.size() > kMaxBlockHashesPerCall) {
     return absl::InvalidArgumentError(absl::StrCat(hashes.size(), " block hashes in one call; at most ",
                                                    kMaxBlockHashesPerCall, " are accepted"));
@@ -66,12 +67,18 @@ absl::Status Pool::CopyPage(int32_t from, int32_t to, uint32_t entries) {
 
 absl::StatusOr<PrefixMatch> Pool::MatchPrefix(std::span<const std::string> block_hashes,
                                               const std::optional<LeaseRequest>& lease) {
+  const std::vector<absl::string_view> views(block_hashes.begin(), block_hashes.end());
+  return MatchPrefix(std::span<const absl::string_view>(views), lease);
+}
+
+absl::StatusOr<PrefixMatch> Pool::MatchPrefix(std::span<const absl::string_view> block_hashes,
+                                              const std::optional<LeaseRequest>& lease) {
   MLAKV_RETURN_IF_ERROR(CheckHashes(block_hashes));
   absl::MutexLock lock(&mu_);
   if (lease) ReapExpiredLeases();
   PrefixMatch match;
   match.kv_indices.reserve(block_hashes.size());
-  for (const std::string& hash : block_hashes) {
+  for (absl::string_view hash : block_hashes) {
     const int32_t page = prefix_.Find(hash);
     if (page < 0) break;
     match.kv_indices.push_back(page);
@@ -96,7 +103,7 @@ absl::StatusOr<ForkResult> Pool::Fork(const ForkRequest& request) {
   if (!by_hash && request.source.id == request.target) {
     return absl::InvalidArgumentError(absl::StrCat("cannot fork ", Quote(request.target), " onto itself"));
   }
-  MLAKV_RETURN_IF_ERROR(CheckHashes(request.block_hashes));
+  MLAKV_RETURN_IF_ERROR(CheckHashes(std::span<const std::string>(request.block_hashes)));
   const uint32_t ps = static_cast<uint32_t>(options_.page_size);
   Sequence* source = nullptr;
   Sequence* target = nullptr;

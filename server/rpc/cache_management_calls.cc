@@ -101,8 +101,9 @@ grpc::ServerUnaryReactor* KvCacheService::MatchPrefix(grpc::CallbackServerContex
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "no lease was taken"));
       lease = ToLeaseRequest(req->lease());
     }
-    const std::vector<std::string> hashes(req->block_hashes().begin(), req->block_hashes().end());
-    MLAKV_ASSIGN_OR_RETURN(PrefixMatch match, pool->MatchPrefix(hashes, lease));
+    // Views of the request's bytes: a 2,048-hash chain is not copied again.
+    const std::vector<absl::string_view> hashes(req->block_hashes().begin(), req->block_hashes().end());
+    MLAKV_ASSIGN_OR_RETURN(PrefixMatch match, pool->MatchPrefix(std::span<const absl::string_view>(hashes), lease));
     resp->set_matched_pages(match.matched_pages);
     resp->set_matched_tokens(match.matched_pages * static_cast<uint32_t>(pool->page_size()));
     for (int32_t page : match.kv_indices) resp->add_kv_indices(static_cast<uint32_t>(page));
