@@ -53,6 +53,13 @@ absl::StatusOr<LeaseSnapshot> Pool::AddLease(Sequence* seq, const LeaseRequest& 
                                                      seq->lease_tokens().size(),
                                                      " leases, the pool's max_leases_per_sequence"));
   }
+  if (seq != nullptr && tokens == 0) {
+    // A lease on nothing would still pin the sequence against eviction and
+    // the idle TTL, silently; a layer-wise writer's sequence gets here.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", Quote(seq->id()), " holds no token in every layer yet (its longest layer holds ",
+        seq->max_length(), "); a lease covers tokens written in every layer, so lease it once all layers are in"));
+  }
   if (seq != nullptr && seq->busy() && (seq->rewrite_floor() < tokens || seq->cow_in_flight())) {
     // The append in flight has rewritten a position the lease would cover,
     // or copied a shared page whose copy it might still drop.

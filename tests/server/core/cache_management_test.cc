@@ -276,6 +276,10 @@ TEST_F(CacheTest, LeaseRequestsAreChecked) {
   EXPECT_EQ(pool_->AcquireLease("s", {"r", absl::Hours(2)}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(pool_->AcquireLease("s", {"r"}, 5).status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(pool_->AcquireLease("nope", {"r"}).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(Append("one-layer", 0, 4, 2, nullptr, {0}).ok());
+  auto nothing = pool_->AcquireLease("one-layer", {"r"});
+  EXPECT_EQ(nothing.status().code(), absl::StatusCode::kFailedPrecondition) << nothing.status();
+  EXPECT_TRUE(absl::StrContains(nothing.status().message(), "no token in every layer")) << nothing.status();
   for (int i = 0; i < 64; ++i) ASSERT_TRUE(pool_->AcquireLease("s", {"r"}).ok());
   EXPECT_EQ(pool_->AcquireLease("s", {"r"}).status().code(), absl::StatusCode::kResourceExhausted)
       << "max_leases_per_sequence";
