@@ -15,51 +15,23 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "kernels/nvfp4_format.h"
-#include "kernels/quantize_rows.h"
 #include "server/core/pool.h"
+#include "tests/server/core/random_rows.h"
 
 namespace mlakv::server {
 namespace {
 
 constexpr float kCkv = 0.25f, kKpe = 0.5f;
-constexpr size_t kEntryBytes = format::kEntryBytes;
-using Entry = std::array<uint8_t, kEntryBytes>;
-using Layers = std::vector<std::vector<Entry>>;  // [layer][position]
 
 // A settable clock for TTLs, leases and eviction records.
 struct FakeClock {
   absl::Time now = absl::FromUnixSeconds(1'700'000'000);
 };
 
-struct Rows {
-  std::string ckv, kpe;
-  std::vector<Entry> expected;
-};
-
-Rows MakeRows(uint32_t n, uint32_t seed) {
-  Rows r;
-  r.ckv.resize(size_t{n} * 1024);
-  r.kpe.resize(size_t{n} * 128);
-  std::mt19937 gen(seed);
-  for (std::string* s : {&r.ckv, &r.kpe}) {
-    for (size_t i = 0; i < s->size(); i += 2) {
-      (*s)[i] = static_cast<char>(gen());
-      (*s)[i + 1] = static_cast<char>(0x3c + gen() % 6 + (gen() % 2 ? 0x80 : 0));
-    }
-  }
-  if (n == 0) return r;
-  const TensorView ckv = TensorView::Contiguous(r.ckv.data(), DType::kBFloat16, {n, 512});
-  const TensorView kpe = TensorView::Contiguous(r.kpe.data(), DType::kBFloat16, {n, 64});
-  absl::StatusOr<QuantizedRows> q = QuantizeRows(ckv, kpe, kCkv, kKpe, KernelDevice::kCpu);
-  EXPECT_TRUE(q.ok()) << q.status();
-  r.expected.resize(n);
-  for (uint32_t i = 0; q.ok() && i < n; ++i) {
-    std::memcpy(r.expected[i].data(), q->ckv_packed.data() + i * 256, 256);
-    std::memcpy(r.expected[i].data() + 256, q->ckv_sf.data() + i * 32, 32);
-    std::memcpy(r.expected[i].data() + 288, q->kpe.data() + i * 64, 64);
-  }
-  return r;
-}
+using testing::Entry;
+using Layers = std::vector<std::vector<Entry>>;  // [layer][position]
+using Rows = testing::RowSet;
+Rows MakeRows(uint32_t n, uint32_t seed) { return testing::MakeRows(n, seed, kCkv, kKpe); }
 
 class CacheTest : public ::testing::Test {
  protected:

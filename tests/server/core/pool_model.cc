@@ -15,6 +15,7 @@
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_rows.h"
 #include "server/core/pool.h"
+#include "tests/server/core/random_rows.h"
 
 namespace mlakv::server::testing {
 namespace {
@@ -27,7 +28,6 @@ constexpr uint32_t kMaxSequences = 3;
 constexpr float kCkv = 0.25f, kKpe = 0.5f;
 constexpr size_t kEntryBytes = format::kEntryBytes;
 
-using Entry = std::array<uint8_t, kEntryBytes>;  // one stored token of one layer
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -44,37 +44,6 @@ class Script {
   size_t pos_ = 0;
 };
 
-// Rows and the bytes the pool must store for them.
-struct RowSet {
-  std::string ckv, kpe;          // [n, 512] / [n, 64] bf16
-  std::vector<Entry> expected;  // [n]
-};
-
-RowSet MakeRows(uint32_t n, uint32_t seed) {
-  RowSet r;
-  r.ckv.resize(size_t{n} * 1024);
-  r.kpe.resize(size_t{n} * 128);
-  std::mt19937 gen(seed);
-  auto fill = [&](std::string& s) {
-    for (size_t i = 0; i < s.size(); i += 2) {
-      s[i] = static_cast<char>(gen());
-      s[i + 1] = static_cast<char>(0x3c + gen() % 6 + (gen() % 2 ? 0x80 : 0));  // +-2^-7 .. 2^4
-    }
-  };
-  fill(r.ckv);
-  fill(r.kpe);
-  if (n == 0) return r;
-  const TensorView ckv = TensorView::Contiguous(r.ckv.data(), DType::kBFloat16, {n, 512});
-  const TensorView kpe = TensorView::Contiguous(r.kpe.data(), DType::kBFloat16, {n, 64});
-  absl::StatusOr<QuantizedRows> q = QuantizeRows(ckv, kpe, kCkv, kKpe, KernelDevice::kCpu);
-  r.expected.resize(n);
-  for (uint32_t i = 0; q.ok() && i < n; ++i) {
-    std::memcpy(r.expected[i].data(), q->ckv_packed.data() + i * 256, 256);
-    std::memcpy(r.expected[i].data() + 256, q->ckv_sf.data() + i * 32, 32);
-    std::memcpy(r.expected[i].data() + 288, q->kpe.data() + i * 64, 64);
-  }
-  return r;
-}
 
 struct SequenceModel {
   bool exists = false;
@@ -201,7 +170,7 @@ class Runner {
     if ((c & 0x30) == 0x30) spec.expect_length = a % 4;
     spec.wrong_bytes = (a & 0xf0) == 0xf0 && !spec.layers.empty() && spec.n > 0;
     spec.wrong_scales = (b & 0xf0) == 0xf0 && !spec.layers.empty();
-    spec.rows = MakeRows(spec.n, ++row_seed_);
+    spec.rows = MakeRows(spec.n, ++row_seed_, kCkv, kKpe);
     return spec;
   }
 
