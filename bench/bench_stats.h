@@ -9,11 +9,21 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace mlakv::bench {
 
 using Clock = std::chrono::steady_clock;
+
+// A benchmark that cannot set itself up or finds a wrong answer: prints
+// "PROGRAM: WHAT" on stderr and exits 1 (a figure from a broken run is worse
+// than none).
+[[noreturn]] inline void Die(const char* program, const std::string& what) {
+  std::fprintf(stderr, "%s: %s\n", program, what.c_str());
+  std::exit(1);
+}
 
 inline double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 

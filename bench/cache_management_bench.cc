@@ -54,10 +54,7 @@ using bench::Micros;
 using bench::Summarize;
 using bench::Summary;
 
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "cache_management_bench: %s\n", what.c_str());
-  std::exit(1);
-}
+[[noreturn]] void Die(const std::string& what) { bench::Die("cache_management_bench", what); }
 
 void Print(const char* what, const Summary& s) {
   std::printf("  %-44s n=%-6zu p50 %9.2f us  p90 %9.2f  p99 %9.2f  max %9.2f\n", what, s.n, s.p50, s.p90, s.p99,

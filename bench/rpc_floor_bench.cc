@@ -47,10 +47,7 @@ using grpc::health::v1::Health;
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "rpc_floor_bench: %s\n", what.c_str());
-  std::exit(1);
-}
+[[noreturn]] void Die(const std::string& what) { bench::Die("rpc_floor_bench", what); }
 
 class SyncHealth final : public Health::Service {
  public:

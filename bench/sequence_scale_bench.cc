@@ -86,10 +86,7 @@ constexpr uint32_t kIdleTtlSeconds = 86400;
 constexpr int64_t kReapPhaseMaxSamples = 200000;
 constexpr uint64_t kCacheBytesPerToken = 256 + 32 + 64;  // one layer's entry
 
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "sequence_scale_bench: %s\n", what.c_str());
-  std::exit(1);
-}
+[[noreturn]] void Die(const std::string& what) { bench::Die("sequence_scale_bench", what); }
 
 void CheckOk(const grpc::Status& s, const char* what) {
   if (!s.ok()) Die(absl::StrFormat("%s failed: %d %s", what, static_cast<int>(s.error_code()), s.error_message()));

@@ -68,10 +68,7 @@ using server::MappingFaultGuard;
 constexpr uint64_t kCkvRowBytes = 512 * 2, kKpeRowBytes = 64 * 2, kRowBytes = kCkvRowBytes + kKpeRowBytes;
 constexpr int kPageSize = 64;
 
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "shm_guard_bench: %s\n", what.c_str());
-  std::exit(1);
-}
+[[noreturn]] void Die(const std::string& what) { bench::Die("shm_guard_bench", what); }
 
 // Rows of `bytes` / 1152 bf16 rows: ckv [rows, 512] then kpe [rows, 64],
 // varied finite values (the quantizer's cost does not depend on them much).

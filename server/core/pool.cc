@@ -564,7 +564,7 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
     ended_.Forget(seq.id());
     if (txn.pin_) sequences_.SetPinned(&seq);
   }
-  SequenceSnapshot snapshot = SnapshotOf(seq);
+  SequenceSnapshot snapshot = SnapshotOf(seq, /*count_shared=*/false);
   if (txn.created_ && seq.empty()) {
     // Nothing written and nothing reserved: a new id is not kept (an append
     // of zero rows must not leave a sequence behind), and has no generation.
@@ -627,7 +627,7 @@ void Pool::Abort(AppendTransaction& txn) {
 
 // ---- queries -------------------------------------------------------------------
 
-SequenceSnapshot Pool::SnapshotOf(const Sequence& seq) const {
+SequenceSnapshot Pool::SnapshotOf(const Sequence& seq, bool count_shared) const {
   SequenceSnapshot s;
   s.id = seq.id();
   s.kv_indices = seq.pages();
@@ -639,7 +639,9 @@ SequenceSnapshot Pool::SnapshotOf(const Sequence& seq) const {
   s.generation = seq.generation();
   s.leases = static_cast<uint32_t>(seq.lease_tokens().size());
   s.pinned = seq.pinned();
-  for (int32_t page : seq.pages()) s.shared_pages += allocator_->refs(page) > 1 ? 1 : 0;
+  if (count_shared) {
+    for (int32_t page : seq.pages()) s.shared_pages += allocator_->refs(page) > 1 ? 1 : 0;
+  }
   return s;
 }
 
@@ -704,12 +706,16 @@ PoolSnapshot Pool::Snapshot() const {
 }
 
 absl::StatusOr<SequenceSnapshot> Pool::GetSequence(const SequenceRef& ref, const std::optional<LeaseRequest>& lease) {
+  int64_t duration_ms = 0;
+  if (lease) {
+    MLAKV_ASSIGN_OR_RETURN(duration_ms, CheckLeaseRequest(*lease));
+  }
   absl::MutexLock lock(&mu_);  // exclusive: a query by id is a use (it moves in the use order)
   ReapExpiredLeases();
   MLAKV_ASSIGN_OR_RETURN(Sequence * seq, Resolve(ref.ById()));
   std::optional<LeaseSnapshot> taken;
   if (lease) {
-    MLAKV_ASSIGN_OR_RETURN(taken, AddLease(seq, *lease, seq->length(), {}));
+    MLAKV_ASSIGN_OR_RETURN(taken, AddLease(seq, lease->holder, duration_ms, seq->length(), {}));
   }
   sequences_.Touch(seq, NowNs());
   SequenceSnapshot snapshot = SnapshotOf(*seq);

@@ -127,7 +127,7 @@ struct SequenceSnapshot {
   uint64_t generation = 0;
   uint32_t leases = 0;
   bool pinned = false;
-  uint32_t shared_pages = 0;           // entries of kv_indices with more than one reference
+  uint32_t shared_pages = 0;           // entries of kv_indices with more than one reference (0 from appends)
   std::optional<LeaseSnapshot> lease;  // the lease the call took, if any
 };
 
@@ -416,7 +416,9 @@ class Pool {
   void RecordStaged(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  SequenceSnapshot SnapshotOf(const Sequence& seq) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // `count_shared`: also count the shared entries of the page table (a pass
+  // over it; appends skip it, so that a decode step's commits stay O(rows)).
+  SequenceSnapshot SnapshotOf(const Sequence& seq, bool count_shared = true) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   LeaseSnapshot SnapshotOf(const Lease& lease) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The committed sequence `id`, or NOT_FOUND naming the pool (and saying
   // when the server evicted or reaped it, if it remembers).
@@ -435,9 +437,14 @@ class Pool {
   uint32_t EraseSequence(Sequence* seq, SequencesById::node_type* storage = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- cache management steps (pool_leases.cc, pool_sharing.cc, pool_eviction.cc)
-  absl::StatusOr<LeaseSnapshot> AddLease(Sequence* seq, const LeaseRequest& lease, uint32_t tokens,
-                                         std::vector<int32_t> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The shape of a lease request (holder, duration), checked before any
+  // state is read; returns the duration in ms (the default for zero).
+  absl::StatusOr<int64_t> CheckLeaseRequest(const LeaseRequest& request) const;
   absl::StatusOr<int64_t> LeaseDurationMs(absl::Duration asked) const;
+  // The limits, then the lease (a page lease takes a reference on each page).
+  absl::StatusOr<LeaseSnapshot> AddLease(Sequence* seq, const std::string& holder, int64_t duration_ms,
+                                         uint32_t tokens, std::vector<int32_t> pages)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends one lease; returns the pages that became free.
   uint32_t EndLease(uint64_t lease_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int ReapExpiredLeases() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -10,6 +10,15 @@
 
 namespace mlakv::server {
 
+absl::StatusOr<int64_t> Pool::CheckLeaseRequest(const LeaseRequest& request) const {
+  if (request.holder.empty() || request.holder.size() > kMaxLeaseHolderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("lease holder ", Quote(request.holder), " is ",
+                                                   request.holder.size(), " bytes; name who holds the lease in 1..",
+                                                   kMaxLeaseHolderBytes, " bytes (e.g. the decode worker's name)"));
+  }
+  return LeaseDurationMs(request.duration);
+}
+
 absl::StatusOr<int64_t> Pool::LeaseDurationMs(absl::Duration asked) const {
   const absl::Duration d = asked == absl::ZeroDuration() ? options_.default_lease_duration : asked;
   if (d < absl::Milliseconds(1) || d > options_.max_lease_duration) {
@@ -36,14 +45,8 @@ LeaseSnapshot Pool::SnapshotOf(const Lease& lease) const {
   return s;
 }
 
-absl::StatusOr<LeaseSnapshot> Pool::AddLease(Sequence* seq, const LeaseRequest& request, uint32_t tokens,
-                                             std::vector<int32_t> pages) {
-  if (request.holder.empty() || request.holder.size() > kMaxLeaseHolderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("lease holder ", Quote(request.holder), " is ",
-                                                   request.holder.size(), " bytes; name who holds the lease in 1..",
-                                                   kMaxLeaseHolderBytes, " bytes (e.g. the decode worker's name)"));
-  }
-  MLAKV_ASSIGN_OR_RETURN(const int64_t duration_ms, LeaseDurationMs(request.duration));
+absl::StatusOr<LeaseSnapshot> Pool::AddLease(Sequence* seq, const std::string& holder, int64_t duration_ms,
+                                             uint32_t tokens, std::vector<int32_t> pages) {
   if (leases_.size() >= options_.max_leases) {
     return absl::ResourceExhaustedError(absl::StrCat("pool ", Quote(name()), " holds ", leases_.size(),
                                                      " leases, its max_leases; release leases first"));
@@ -73,7 +76,7 @@ absl::StatusOr<LeaseSnapshot> Pool::AddLease(Sequence* seq, const LeaseRequest& 
   }
   Lease lease;
   lease.id = NextId();
-  lease.holder = request.holder;
+  lease.holder = holder;
   lease.expire_ns = NowNs() + duration_ms * 1'000'000;
   lease.duration_ms = duration_ms;
   lease.sequence = seq;
@@ -86,6 +89,7 @@ absl::StatusOr<LeaseSnapshot> Pool::AddLease(Sequence* seq, const LeaseRequest& 
 }
 
 absl::StatusOr<LeaseSnapshot> Pool::AcquireLease(const SequenceRef& ref, const LeaseRequest& lease, uint32_t tokens) {
+  MLAKV_ASSIGN_OR_RETURN(const int64_t duration_ms, CheckLeaseRequest(lease));
   absl::MutexLock lock(&mu_);
   ReapExpiredLeases();
   MLAKV_ASSIGN_OR_RETURN(Sequence * seq, Resolve(ref.ById()));
@@ -95,7 +99,7 @@ absl::StatusOr<LeaseSnapshot> Pool::AcquireLease(const SequenceRef& ref, const L
     return absl::OutOfRangeError(absl::StrCat("a lease on ", tokens, " tokens of sequence ", Quote(ref.id),
                                               ": it holds ", length, " in every layer"));
   }
-  return AddLease(seq, lease, tokens, {});
+  return AddLease(seq, lease.holder, duration_ms, tokens, {});
 }
 
 absl::StatusOr<LeaseSnapshot> Pool::RenewLease(uint64_t lease_id, absl::Duration duration) {

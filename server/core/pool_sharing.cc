@@ -74,6 +74,10 @@ absl::StatusOr<PrefixMatch> Pool::MatchPrefix(std::span<const std::string> block
 absl::StatusOr<PrefixMatch> Pool::MatchPrefix(std::span<const absl::string_view> block_hashes,
                                               const std::optional<LeaseRequest>& lease) {
   MLAKV_RETURN_IF_ERROR(CheckHashes(block_hashes));
+  int64_t duration_ms = 0;
+  if (lease) {
+    MLAKV_ASSIGN_OR_RETURN(duration_ms, CheckLeaseRequest(*lease));
+  }
   absl::MutexLock lock(&mu_);
   if (lease) ReapExpiredLeases();
   PrefixMatch match;
@@ -87,8 +91,8 @@ absl::StatusOr<PrefixMatch> Pool::MatchPrefix(std::span<const absl::string_view>
   ++counters_.prefix_queries;
   counters_.prefix_hit_pages += match.matched_pages;
   if (lease && match.matched_pages > 0) {
-    MLAKV_ASSIGN_OR_RETURN(match.lease, AddLease(nullptr, *lease, match.matched_pages * options_.page_size,
-                                                 match.kv_indices));
+    MLAKV_ASSIGN_OR_RETURN(match.lease, AddLease(nullptr, lease->holder, duration_ms,
+                                                 match.matched_pages * options_.page_size, match.kv_indices));
   }
   return match;
 }

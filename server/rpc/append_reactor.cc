@@ -259,13 +259,8 @@ absl::Status AppendReactor::ProcessMessage(const v1::AppendRequest& req, int ind
     MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn rows, ToRows(sequence_, req.start(), req.row_count(), req.layers(),
                                                        req.reserve_tokens(), expect, *service_->options().regions,
                                                        *pool_, &regions_held_));
-    if (index == 1) {
-      AddCacheFields(req, &rows);
-      rows.pin = req.pin();
-    } else {
-      rows.block_hashes.assign(req.block_hashes().begin(), req.block_hashes().end());
-      rows.block_hashes_first_page = req.block_hashes_first_page();
-    }
+    AddCacheFields(req, &rows);  // later messages cannot name a generation or a pin (checked above)
+    rows.pin = req.pin();
     const SequenceRowsIn* rows_ptr = &rows;
     const absl::Status staged = append_->Stage({&rows_ptr, 1}, dtype);
     // The rows are in the cache now: packed copies of strided region rows

@@ -13,15 +13,8 @@
 namespace mlakv::server {
 namespace {
 
-constexpr uint32_t kDefaultListPageSize = 100;
-constexpr uint32_t kMaxListPageSize = 1000;
-
 std::string LeaseDetail(const std::string& pool, uint64_t lease_id) {
   return absl::StrCat("pool=", Quote(pool), " lease=", lease_id);
-}
-
-absl::Status CheckHolder(const v1::LeaseOptions& lease) {
-  return CheckFieldLength("lease.holder", lease.holder(), kMaxLeaseHolderBytes);
 }
 
 }  // namespace
@@ -31,7 +24,6 @@ grpc::ServerUnaryReactor* KvCacheService::AcquireLease(grpc::CallbackServerConte
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
-    MLAKV_RETURN_IF_ERROR(CheckHolder(req->lease()));
     MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "no lease was taken"));
     MLAKV_ASSIGN_OR_RETURN(LeaseSnapshot lease,
                            pool->AcquireLease(RefOf(*req), ToLeaseRequest(req->lease()), req->tokens()));
@@ -97,7 +89,6 @@ grpc::ServerUnaryReactor* KvCacheService::MatchPrefix(grpc::CallbackServerContex
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     std::optional<LeaseRequest> lease;
     if (req->has_lease()) {
-      MLAKV_RETURN_IF_ERROR(CheckHolder(req->lease()));
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "no lease was taken"));
       lease = ToLeaseRequest(req->lease());
     }

@@ -15,6 +15,10 @@ namespace mlakv::server {
 
 // Longest pool name, page token or other client-chosen name a call accepts.
 inline constexpr size_t kMaxNameBytes = 1024;
+// Entries of a paginated listing (ListSequences, ListLeases): when the
+// request leaves page_size 0, and at most.
+inline constexpr uint32_t kDefaultListPageSize = 100;
+inline constexpr uint32_t kMaxListPageSize = 1000;
 
 // UNAVAILABLE: the server is draining.
 absl::Status DrainingError();

@@ -25,8 +25,6 @@ using format::kCkvPackedBytes;
 using format::kCkvSfBytes;
 using format::kKpeBytes;
 
-constexpr uint32_t kDefaultListPageSize = 100;
-constexpr uint32_t kMaxListPageSize = 1000;
 // Bytes of one row of ckv + kpe (both dtypes have 2-byte elements).
 constexpr uint64_t kRowBytes = (format::kCkvDim + format::kKpeDim) * 2;
 
@@ -99,7 +97,6 @@ grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContex
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
     std::optional<LeaseRequest> lease;
     if (req->has_lease()) {
-      MLAKV_RETURN_IF_ERROR(CheckFieldLength("lease.holder", req->lease().holder(), kMaxLeaseHolderBytes));
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "no lease was taken"));
       lease = ToLeaseRequest(req->lease());
     }

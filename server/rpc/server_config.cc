@@ -95,11 +95,16 @@ absl::Status CacheManagementFromConfig(const v1::PoolConfig& pc, const std::stri
     return absl::InvalidArgumentError(
         absl::StrCat(where, "eviction.remember_evicted ", ev.remember_evicted(), " exceeds 1048576"));
   }
-  o->eviction.remember_ended = ev.remember_evicted() == 0 ? 4096 : ev.remember_evicted();
-  o->max_leases = pc.max_leases() == 0 ? 65536 : pc.max_leases();
-  o->max_leases_per_sequence = pc.max_leases_per_sequence() == 0 ? 64 : pc.max_leases_per_sequence();
-  const uint32_t max_s = pc.max_lease_seconds() == 0 ? 3600 : pc.max_lease_seconds();
-  const uint32_t default_s = pc.default_lease_seconds() == 0 ? 30 : pc.default_lease_seconds();
+  // 0 in the config: Pool::Options' own default (the one place they are written).
+  const Pool::Options defaults;
+  auto or_default = [](uint32_t configured, uint32_t fallback) { return configured == 0 ? fallback : configured; };
+  o->eviction.remember_ended = or_default(ev.remember_evicted(), defaults.eviction.remember_ended);
+  o->max_leases = or_default(pc.max_leases(), defaults.max_leases);
+  o->max_leases_per_sequence = or_default(pc.max_leases_per_sequence(), defaults.max_leases_per_sequence);
+  const uint32_t max_s = or_default(
+      pc.max_lease_seconds(), static_cast<uint32_t>(absl::ToInt64Seconds(defaults.max_lease_duration)));
+  const uint32_t default_s = or_default(
+      pc.default_lease_seconds(), static_cast<uint32_t>(absl::ToInt64Seconds(defaults.default_lease_duration)));
   if (max_s > 7 * 24 * 3600 || default_s > max_s) {
     return absl::InvalidArgumentError(absl::StrCat(where, "default_lease_seconds ", default_s,
                                                    " must be <= max_lease_seconds ", max_s, " <= 604800"));
