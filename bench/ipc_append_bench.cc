@@ -1,6 +1,7 @@
 // IPC append end to end vs the kernel alone (issue 6's measurement).
 //
 //   ipc_append_bench --server ADDR [--rows 262144] [--repeats 20]
+//   ipc_append_bench --server ADDR --decode_step [--sequences 256] [--layers 61] [--repeats 200]
 //
 // Acts as a prefill worker on the same GPU as a running
 // `mlakv-server --allow_ipc --device cuda:0` (a separate process: a CUDA IPC
@@ -11,6 +12,14 @@
 // layer, fresh positions each time (the sequence is freed, untimed, between
 // calls) — against the kernel alone on the same rows in this process (CUDA
 // events), and a GetPool call as the floor of any RPC. Medians of --repeats.
+//
+// --decode_step: a decode step by reference (issue 16): --sequences
+// sequences x 1 token x --layers layers per AppendBatch in the compact form,
+// each layer's rows of all sequences one range of the region, timed end to
+// end (p50 / p99 over --repeats steps at fresh positions), against the
+// kernel alone for the same step in this process (all layers in one launch,
+// and one launch per layer) and a device copy of the step's bytes (the
+// kernel's byte floor: 1512 bytes read + written per row).
 #include <cuda_runtime_api.h>
 #include <grpcpp/grpcpp.h>
 
@@ -35,21 +44,234 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+double Percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+}
+
+double Us(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
+
+// Random bf16 bits, never zero.
+std::vector<uint16_t> RandomBf16(size_t n, uint32_t seed) {
+  std::vector<uint16_t> host(n);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  for (auto& h : host) {
+    const float f = g(rng) + 0.01f;
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    h = static_cast<uint16_t>(u >> 16);
+  }
+  return host;
+}
+
+bool RegisterRegion(mlakv::v1::KvCache::Stub& stub, const std::string& name, void* dev, size_t bytes) {
+  cudaIpcMemHandle_t handle;
+  CHECK_CUDA(cudaIpcGetMemHandle(&handle, dev));
+  mlakv::v1::RegisterCudaRegionRequest req;
+  req.set_name(name);
+  req.set_raw_handle(std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
+  req.set_device_id(0);
+  req.set_byte_size(bytes);
+  mlakv::v1::Region resp;
+  grpc::ClientContext ctx;
+  const grpc::Status s = stub.RegisterCudaRegion(&ctx, req, &resp);
+  if (!s.ok()) std::fprintf(stderr, "RegisterCudaRegion: %s\n", s.error_message().c_str());
+  return s.ok();
+}
+
+void UnregisterRegion(mlakv::v1::KvCache::Stub& stub, const std::string& name) {
+  mlakv::v1::UnregisterRegionRequest req;
+  req.set_name(name);
+  mlakv::v1::UnregisterRegionResponse resp;
+  grpc::ClientContext ctx;
+  stub.UnregisterRegion(&ctx, req, &resp);
+}
+
+// The decode step by reference. Region layout: every layer's ckv rows
+// (layer L's [sequences, 512] at L x sequences x 1024 bytes), then every
+// layer's kpe rows.
+int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int repeats) {
+  const size_t rows = static_cast<size_t>(sequences) * layers;
+  const size_t ckv_bytes = rows * 1024, kpe_bytes = rows * 128;
+  const std::vector<uint16_t> host = RandomBf16((ckv_bytes + kpe_bytes) / 2, 11);
+  CHECK_CUDA(cudaSetDevice(0));
+  void* rows_dev = nullptr;
+  CHECK_CUDA(cudaMalloc(&rows_dev, ckv_bytes + kpe_bytes));
+  CHECK_CUDA(cudaMemcpy(rows_dev, host.data(), ckv_bytes + kpe_bytes, cudaMemcpyHostToDevice));
+  if (!RegisterRegion(stub, "ipc-decode", rows_dev, ckv_bytes + kpe_bytes)) return 1;
+  const auto id = [](int s) { return "decode-" + std::to_string(s); };
+  mlakv::v1::AppendBatchRequest req;
+  req.set_dtype(mlakv::v1::ROW_DTYPE_BFLOAT16);
+  req.set_view(mlakv::v1::SEQUENCE_VIEW_BASIC);
+  for (int s = 0; s < sequences; ++s) {
+    mlakv::v1::SequenceRows* seq = req.add_sequences();
+    seq->set_sequence(id(s));
+    seq->set_row_count(1);
+  }
+  for (int l = 0; l < layers; ++l) {
+    mlakv::v1::LayerRows* lr = req.add_batch_layers();
+    lr->set_layer(static_cast<uint32_t>(l));
+    lr->set_ckv_scale(0.02f);
+    lr->set_kpe_scale(0.05f);
+    lr->mutable_ckv_ref()->set_region("ipc-decode");
+    lr->mutable_ckv_ref()->set_offset(static_cast<uint64_t>(l) * sequences * 1024);
+    lr->mutable_kpe_ref()->set_region("ipc-decode");
+    lr->mutable_kpe_ref()->set_offset(ckv_bytes + static_cast<uint64_t>(l) * sequences * 128);
+  }
+  std::vector<double> step_us, get_pool_us;
+  for (int t = 0; t < repeats + 5; ++t) {
+    for (mlakv::v1::SequenceRows& seq : *req.mutable_sequences()) {
+      seq.set_start(static_cast<uint32_t>(t));
+      seq.set_expect_length(static_cast<uint32_t>(t));
+    }
+    mlakv::v1::AppendBatchResponse resp;
+    grpc::ClientContext ctx;
+    const auto t0 = std::chrono::steady_clock::now();
+    const grpc::Status s = stub.AppendBatch(&ctx, req, &resp);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!s.ok()) {
+      std::fprintf(stderr, "AppendBatch (compact, step %d): %d: %s\n", t, static_cast<int>(s.error_code()),
+                   s.error_message().c_str());
+      return 1;
+    }
+    if (t >= 5) step_us.push_back(Us(t0, t1));
+    mlakv::v1::GetPoolRequest preq;
+    mlakv::v1::Pool presp;
+    grpc::ClientContext pctx;
+    const auto p0 = std::chrono::steady_clock::now();
+    stub.GetPool(&pctx, preq, &presp);
+    if (t >= 5) get_pool_us.push_back(Us(p0, std::chrono::steady_clock::now()));
+  }
+  for (int s = 0; s < sequences; ++s) {
+    mlakv::v1::FreeSequenceRequest free_req;
+    free_req.set_sequence(id(s));
+    mlakv::v1::FreeSequenceResponse free_resp;
+    grpc::ClientContext free_ctx;
+    stub.FreeSequence(&free_ctx, free_req, &free_resp);
+  }
+  UnregisterRegion(stub, "ipc-decode");
+
+  // The kernel alone for one step: sequence s owns page s of every layer
+  // (page size 64) and appends at position 5; caches per layer as a pool has them.
+  const int page_size = 64;
+  const size_t entries = static_cast<size_t>(sequences) * page_size;
+  std::vector<int32_t> idx;
+  for (int s = 0; s <= sequences; ++s) idx.push_back(s);  // segment_indptr = kv_indptr = 0..S
+  for (int s = 0; s < sequences; ++s) idx.push_back(s);   // segment_request = kv_indices = 0..S-1
+  for (int s = 0; s < sequences; ++s) idx.push_back(5);   // segment_start
+  int32_t* idx_dev = nullptr;
+  uint8_t* caches = nullptr;
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&idx_dev), idx.size() * 4));
+  CHECK_CUDA(cudaMemcpy(idx_dev, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&caches), entries * 352 * layers));
+  std::vector<mlakv::QuantizeAppendParams> params(layers);
+  for (int l = 0; l < layers; ++l) {
+    mlakv::QuantizeAppendParams& p = params[l];
+    uint8_t* cache = caches + entries * 352 * l;
+    p.append_ckv = static_cast<char*>(rows_dev) + static_cast<size_t>(l) * sequences * 1024;
+    p.append_kpe = static_cast<char*>(rows_dev) + ckv_bytes + static_cast<size_t>(l) * sequences * 128;
+    p.dtype = mlakv::DType::kBFloat16;
+    p.num_rows = sequences;
+    p.segment_indptr = idx_dev;
+    p.segment_request = idx_dev + sequences + 1;
+    p.segment_start = idx_dev + 2 * sequences + 1;
+    p.num_segments = sequences;
+    p.ckv_cache = cache;
+    p.ckv_sf_cache = cache + entries * 256;
+    p.kpe_cache = cache + entries * 288;
+    p.num_pages = sequences;
+    p.page_size = page_size;
+    p.kv_indices = idx_dev + sequences + 1;
+    p.kv_indptr = idx_dev;
+    p.batch_size = sequences;
+    p.num_kv_indices = sequences;
+    p.ckv_scale = 0.02f;
+    p.kpe_scale = 0.05f;
+  }
+  void* copy_dst = nullptr;
+  const size_t copy_bytes = rows * 756;  // read + write = 1512 bytes per row
+  CHECK_CUDA(cudaMalloc(&copy_dst, 2 * copy_bytes));
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  const auto time_us = [&](auto&& launch) {
+    CHECK_CUDA(cudaEventRecord(a));
+    launch();
+    CHECK_CUDA(cudaEventRecord(b));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    return ms * 1000.0;
+  };
+  std::vector<double> one_launch, per_layer, copy;
+  for (int i = 0; i < repeats + 5; ++i) {  // alternating, so clock drift reaches all three alike
+    const double k1 = time_us([&] {
+      if (!mlakv::QuantizeAppendLayers(params.data(), layers, nullptr).ok()) std::exit(1);
+    });
+    const double kl = time_us([&] {
+      for (const auto& p : params) {
+        if (!mlakv::QuantizeAppend(p, nullptr).ok()) std::exit(1);
+      }
+    });
+    const double c = time_us([&] {
+      CHECK_CUDA(cudaMemcpyAsync(copy_dst, static_cast<char*>(copy_dst) + copy_bytes, copy_bytes,
+                                 cudaMemcpyDeviceToDevice));
+    });
+    if (i >= 5) {
+      one_launch.push_back(k1);
+      per_layer.push_back(kl);
+      copy.push_back(c);
+    }
+  }
+  std::printf("decode step by reference: %d sequences x 1 token x %d layers (%zu rows), %d steps\n", sequences,
+              layers, rows, repeats);
+  std::printf("  AppendBatch compact end to end: p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f); GetPool p50 %.1f us\n",
+              Median(step_us), Percentile(step_us, 0.9), Percentile(step_us, 0.99),
+              *std::min_element(step_us.begin(), step_us.end()), Median(get_pool_us));
+  std::printf("  kernel, all layers in one launch: %.1f us; one launch per layer: %.1f us; copy of the step's bytes: "
+              "%.1f us (one launch / copy = %.2fx)\n",
+              Median(one_launch), Median(per_layer), Median(copy), Median(one_launch) / Median(copy));
+  cudaFree(copy_dst);
+  cudaFree(caches);
+  cudaFree(idx_dev);
+  cudaFree(rows_dev);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string server;
   int64_t rows = 262144;
   int repeats = 20;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool decode_step = false;
+  int sequences = 256, layers = 61;
+  for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--server") server = argv[i + 1];
-    else if (a == "--rows") rows = std::atoll(argv[i + 1]);
-    else if (a == "--repeats") repeats = std::max(5, std::atoi(argv[i + 1]));
+    if (a == "--decode_step") {
+      decode_step = true;
+      continue;
+    }
+    if (i + 1 >= argc) break;
+    if (a == "--server") server = argv[++i];
+    else if (a == "--rows") rows = std::atoll(argv[++i]);
+    else if (a == "--repeats") repeats = std::max(5, std::atoi(argv[++i]));
+    else if (a == "--sequences") sequences = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--layers") layers = std::max(1, std::atoi(argv[++i]));
+    else ++i;
   }
   if (server.empty() || rows < 1) {
-    std::fprintf(stderr, "usage: %s --server ADDR [--rows N] [--repeats N]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s --server ADDR [--rows N] [--repeats N] | --decode_step [--sequences S] [--layers L]\n", argv[0]);
     return 2;
+  }
+  if (decode_step && !server.empty()) {
+    auto args = grpc::ChannelArguments();
+    args.SetMaxReceiveMessageSize(-1);
+    auto stub = mlakv::v1::KvCache::NewStub(grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args));
+    return RunDecodeStep(*stub, sequences, layers, repeats);
   }
   // Rows: ckv [rows, 512] then kpe [rows, 64], bf16, random and never zero.
   const size_t ckv_bytes = static_cast<size_t>(rows) * 512 * 2, kpe_bytes = static_cast<size_t>(rows) * 64 * 2;

@@ -230,6 +230,15 @@ int RunCuda(int repeats, bool sweep, bool same_caches, const std::string& only) 
     configs.push_back(QuantizeAppendConfig{16, 8, 8});
     configs.push_back(QuantizeAppendConfig{16, 8, 4});
     configs.push_back(QuantizeAppendConfig{1, 8, 8, /*block_ranges=*/true});
+    // Chunked-prefill sizes (16k-32k rows, issue 16): at 8 rows per lookup
+    // and 4 blocks of 8 warps per SM, 16k rows leave half the warps without
+    // a group; fewer rows per lookup or smaller blocks give every warp one.
+    for (int rpw : {1, 2, 4}) {
+      for (int bps : {4, 8}) configs.push_back(QuantizeAppendConfig{rpw, 8, bps, /*block_ranges=*/true});
+    }
+    configs.push_back(QuantizeAppendConfig{8, 4, 8, /*block_ranges=*/true});
+    configs.push_back(QuantizeAppendConfig{4, 4, 8, /*block_ranges=*/true});
+    configs.push_back(QuantizeAppendConfig{8, 2, 16, /*block_ranges=*/true});
   }
   for (const Case& c : Cases()) {
     if (!only.empty() && c.name.find(only) == std::string::npos) continue;

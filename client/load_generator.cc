@@ -141,7 +141,7 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
     seq->set_sequence(SequenceId(index, s));
     seq->set_row_count(rows);
     const size_t row0 = decode ? s : 0;
-    for (uint32_t layer = 0; layer < options_.layers; ++layer) {
+    for (uint32_t layer = 0; layer < options_.layers && !(decode && options_.compact); ++layer) {
       v1::LayerRows* l = seq->add_layers();
       l->set_layer(layer);
       l->set_ckv(worker.ckv.substr(row0 * kCkvDim * element, size_t{rows} * kCkvDim * element));
@@ -149,6 +149,16 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
       l->set_ckv_scale(ckv_scales_[layer]);
       l->set_kpe_scale(kpe_scales_[layer]);
     }
+  }
+  // The compact form: each layer's rows of all the step's sequences in one
+  // entry (sequence s's row is row s of the buffer).
+  for (uint32_t layer = 0; layer < options_.layers && decode && options_.compact; ++layer) {
+    v1::LayerRows* l = worker.batch.add_batch_layers();
+    l->set_layer(layer);
+    l->set_ckv(worker.ckv);
+    l->set_kpe(worker.kpe);
+    l->set_ckv_scale(ckv_scales_[layer]);
+    l->set_kpe_scale(kpe_scales_[layer]);
   }
   AppendRows append;
   append.pool = options_.pool;

@@ -36,6 +36,7 @@ struct LoadOptions {
   uint32_t rows_per_message = 3584;  // append: rows per request per layer (3584 x 1152 B = 3.94 MiB: one message)
   double batch_fraction = 0;       // append: share of requests sent as AppendBatch, [0, 1]
   uint32_t sequences = 256;        // decode: sequences per AppendBatch (per worker)
+  bool compact = false;            // decode: AppendBatch's compact form (one batch_layers entry per layer)
   uint32_t layers = 1;             // layers 0..layers-1 written by every request
   v1::RowDType dtype = v1::ROW_DTYPE_BFLOAT16;
   double duration_s = 10;          // stop after this many seconds (0: no time bound)

@@ -22,6 +22,10 @@
 // first pair's loads are issued before the lookup so that the two overlap.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
+#include <type_traits>
+
 #include "kernels/cuda_check.h"
 #include "kernels/quantize_append.h"
 #include "kernels/quantize_append_config.h"
@@ -154,9 +158,10 @@ __device__ __forceinline__ void QuantizeAndStore(const QuantizeAppendParams& p, 
 // 25% slower on the H200; see docs/performance.md.)
 constexpr int kMinBlocksPerSm = 1;
 
+// One layer's rows, this block's share of them (blockIdx.x of gridDim.x):
+// the body of both kernels below.
 template <DType kDType, bool kVectorized, int kRowsPerWarp>
-__global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm)
-    QuantizeAppendKernel(const QuantizeAppendParams p, bool block_ranges) {
+__device__ __forceinline__ void QuantizeAppendRows(const QuantizeAppendParams& p, bool block_ranges) {
   static_assert(kRowsPerWarp >= 1 && kRowsPerWarp <= kWarpSize, "lane r looks up row r's entry");
   const int lane = threadIdx.x % kWarpSize;
   const int warp_in_block = threadIdx.x / kWarpSize;
@@ -242,32 +247,117 @@ __global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm
 }
 
 template <DType kDType, bool kVectorized, int kRowsPerWarp>
-cudaError_t Launch(const QuantizeAppendParams& p, const QuantizeAppendConfig& config, cudaStream_t stream) {
-  int device = 0, sms = 0;
+__global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm)
+    QuantizeAppendKernel(const QuantizeAppendParams p, bool block_ranges) {
+  QuantizeAppendRows<kDType, kVectorized, kRowsPerWarp>(p, block_ranges);
+}
+
+// Grid row blockIdx.y runs layer blockIdx.y; its params are read from the
+// parameter space (constant bank) like the one-layer kernel's.
+template <DType kDType, bool kVectorized, int kRowsPerWarp>
+__global__ void __launch_bounds__(kWarpSize * kMaxWarpsPerBlock, kMinBlocksPerSm)
+    QuantizeAppendLayersKernel(const QuantizeAppendLayersParams lp) {
+  QuantizeAppendRows<kDType, kVectorized, kRowsPerWarp>(lp.layers[blockIdx.y], /*block_ranges=*/false);
+}
+
+// The SM count of the current device, looked up once per device (a
+// cudaDeviceGetAttribute per launch costs ~1 us of host time).
+cudaError_t CurrentSmCount(int* sms) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};
+  int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  // Enough blocks to fill every SM, and no more than the rows need: a
-  // grid-stride loop covers the rest. Dealt as block ranges, the grid is a
-  // whole number of blocks per SM, so that every SM gets the same rows.
-  const int64_t rows_per_block = static_cast<int64_t>(config.warps_per_block) * kRowsPerWarp;
-  int64_t wanted = (p.num_rows + rows_per_block - 1) / rows_per_block;
+  if (device >= 0 && device < kMaxDevices && cached[device].load(std::memory_order_relaxed) > 0) {
+    *sms = cached[device].load(std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && device >= 0 && device < kMaxDevices) cached[device].store(*sms, std::memory_order_relaxed);
+  return err;
+}
+
+// Blocks for `rows` rows of one layer: enough to fill every SM, and no more
+// than the rows need (a grid-stride loop covers the rest). Dealt as block
+// ranges, the grid is a whole number of blocks per SM, so that every SM gets
+// the same rows.
+int BlocksFor(int64_t rows, int rows_per_warp, const QuantizeAppendConfig& config, int sms) {
+  const int64_t rows_per_block = static_cast<int64_t>(config.warps_per_block) * rows_per_warp;
+  int64_t wanted = (rows + rows_per_block - 1) / rows_per_block;
   if (config.block_ranges) wanted = (wanted + sms - 1) / sms * sms;
-  const int blocks = static_cast<int>(std::min<int64_t>(wanted, static_cast<int64_t>(sms) * config.blocks_per_sm));
-  QuantizeAppendKernel<kDType, kVectorized, kRowsPerWarp>
-      <<<blocks, kWarpSize * config.warps_per_block, 0, stream>>>(p, config.block_ranges);
+  return static_cast<int>(std::min<int64_t>(wanted, static_cast<int64_t>(sms) * config.blocks_per_sm));
+}
+
+// One launch of either kernel: `Params` is QuantizeAppendParams (one layer)
+// or QuantizeAppendLayersParams (grid rows = layers).
+template <DType kDType, bool kVectorized, int kRowsPerWarp, typename Params>
+cudaError_t Launch(const Params& p, int64_t rows, int layers, const QuantizeAppendConfig& config,
+                   cudaStream_t stream) {
+  int sms = 0;
+  if (cudaError_t err = CurrentSmCount(&sms); err != cudaSuccess) return err;
+  const dim3 grid(BlocksFor(rows, kRowsPerWarp, config, sms), layers);
+  if constexpr (std::is_same_v<Params, QuantizeAppendLayersParams>) {
+    QuantizeAppendLayersKernel<kDType, kVectorized, kRowsPerWarp><<<grid, kWarpSize * config.warps_per_block, 0, stream>>>(p);
+  } else {
+    QuantizeAppendKernel<kDType, kVectorized, kRowsPerWarp>
+        <<<grid, kWarpSize * config.warps_per_block, 0, stream>>>(p, config.block_ranges);
+  }
   return cudaGetLastError();
 }
 
-template <DType kDType, bool kVectorized>
-cudaError_t LaunchRows(const QuantizeAppendParams& p, const QuantizeAppendConfig& config, cudaStream_t stream) {
+template <DType kDType, bool kVectorized, typename Params>
+cudaError_t LaunchRows(const Params& p, int64_t rows, int layers, const QuantizeAppendConfig& config,
+                       cudaStream_t stream) {
   switch (config.rows_per_warp) {
-    case 1: return Launch<kDType, kVectorized, 1>(p, config, stream);
-    case 2: return Launch<kDType, kVectorized, 2>(p, config, stream);
-    case 4: return Launch<kDType, kVectorized, 4>(p, config, stream);
-    case 8: return Launch<kDType, kVectorized, 8>(p, config, stream);
-    default: return Launch<kDType, kVectorized, 16>(p, config, stream);  // validated: 16
+    case 1: return Launch<kDType, kVectorized, 1>(p, rows, layers, config, stream);
+    case 2: return Launch<kDType, kVectorized, 2>(p, rows, layers, config, stream);
+    case 4: return Launch<kDType, kVectorized, 4>(p, rows, layers, config, stream);
+    case 8: return Launch<kDType, kVectorized, 8>(p, rows, layers, config, stream);
+    default: return Launch<kDType, kVectorized, 16>(p, rows, layers, config, stream);  // validated: 16
   }
+}
+
+// 16-byte loads need 16-byte aligned ckv rows and 4-byte aligned kpe pairs;
+// anything else (an odd row stride, a sliced tensor) takes the scalar path.
+bool Vectorizable(const QuantizeAppendParams& p) {
+  const auto addr = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); };
+  return addr(p.append_ckv) % 16 == 0 && (p.ckv_row_stride * 2) % 16 == 0 && addr(p.append_kpe) % 4 == 0 &&
+         (p.kpe_row_stride * 2) % 4 == 0;
+}
+
+template <typename Params>
+cudaError_t LaunchFor(const Params& p, DType dtype, bool vectorized, int64_t rows, int layers,
+                      const QuantizeAppendConfig& config, cudaStream_t stream) {
+  if (dtype == DType::kBFloat16) {
+    return vectorized ? LaunchRows<DType::kBFloat16, true>(p, rows, layers, config, stream)
+                      : LaunchRows<DType::kBFloat16, false>(p, rows, layers, config, stream);
+  }
+  return vectorized ? LaunchRows<DType::kFloat16, true>(p, rows, layers, config, stream)
+                    : LaunchRows<DType::kFloat16, false>(p, rows, layers, config, stream);
+}
+
+absl::Status CheckParams(const QuantizeAppendParams& p) {
+  if (p.page_size <= 0 || p.batch_size < 0 || p.ckv_cache == nullptr || p.ckv_sf_cache == nullptr ||
+      p.kpe_cache == nullptr || p.append_ckv == nullptr || p.append_kpe == nullptr ||
+      p.kv_indptr == nullptr || !HasPlacement(p)) {
+    return absl::InvalidArgumentError("QuantizeAppend: params are incomplete (null pointer or page_size < 1)");
+  }
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: rows must be float16 or bfloat16, got ",
+                                                   DTypeName(p.dtype)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckConfig(const QuantizeAppendConfig& config) {
+  const int rpw = config.rows_per_warp;
+  if ((rpw != 1 && rpw != 2 && rpw != 4 && rpw != 8 && rpw != 16) ||
+      config.warps_per_block < 1 || config.warps_per_block > kMaxWarpsPerBlock || config.blocks_per_sm < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: unsupported config rows_per_warp=",
+                                                   config.rows_per_warp, " warps_per_block=", config.warps_per_block,
+                                                   " blocks_per_sm=", config.blocks_per_sm));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -299,40 +389,54 @@ QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
 absl::Status QuantizeAppendWithConfig(const QuantizeAppendParams& p, const QuantizeAppendConfig& config,
                                       cudaStream_t stream) {
   if (p.num_rows == 0) return absl::OkStatus();
-  if (p.page_size <= 0 || p.batch_size < 0 || p.ckv_cache == nullptr || p.ckv_sf_cache == nullptr ||
-      p.kpe_cache == nullptr || p.append_ckv == nullptr || p.append_kpe == nullptr ||
-      p.kv_indptr == nullptr || !HasPlacement(p)) {
-    return absl::InvalidArgumentError("QuantizeAppend: params are incomplete (null pointer or page_size < 1)");
-  }
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) {
-    return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: rows must be float16 or bfloat16, got ",
-                                                   DTypeName(p.dtype)));
-  }
-  const int rpw = config.rows_per_warp;
-  if ((rpw != 1 && rpw != 2 && rpw != 4 && rpw != 8 && rpw != 16) ||
-      config.warps_per_block < 1 || config.warps_per_block > kMaxWarpsPerBlock || config.blocks_per_sm < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: unsupported config rows_per_warp=",
-                                                   config.rows_per_warp, " warps_per_block=", config.warps_per_block,
-                                                   " blocks_per_sm=", config.blocks_per_sm));
-  }
-  // 16-byte loads need 16-byte aligned ckv rows and 4-byte aligned kpe pairs;
-  // anything else (an odd row stride, a sliced tensor) takes the scalar path.
-  const auto addr = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr); };
-  const bool vectorized = addr(p.append_ckv) % 16 == 0 && (p.ckv_row_stride * 2) % 16 == 0 &&
-                          addr(p.append_kpe) % 4 == 0 && (p.kpe_row_stride * 2) % 4 == 0;
-  cudaError_t err;
-  if (p.dtype == DType::kBFloat16) {
-    err = vectorized ? LaunchRows<DType::kBFloat16, true>(p, config, stream)
-                     : LaunchRows<DType::kBFloat16, false>(p, config, stream);
-  } else {
-    err = vectorized ? LaunchRows<DType::kFloat16, true>(p, config, stream)
-                     : LaunchRows<DType::kFloat16, false>(p, config, stream);
-  }
+  if (absl::Status s = CheckParams(p); !s.ok()) return s;
+  if (absl::Status s = CheckConfig(config); !s.ok()) return s;
+  const cudaError_t err = LaunchFor(p, p.dtype, Vectorizable(p), p.num_rows, 1, config, stream);
   return CudaStatus(err, absl::StrCat("QuantizeAppendKernel launch (", p.num_rows, " rows)"));
 }
 
 absl::Status QuantizeAppend(const QuantizeAppendParams& p, cudaStream_t stream) {
   return QuantizeAppendWithConfig(p, DefaultQuantizeAppendConfig(p.num_rows), stream);
+}
+
+absl::Status QuantizeAppendLayers(const QuantizeAppendParams* layers, int count, cudaStream_t stream) {
+  for (int first = 0; first < count; first += kMaxLayersPerLaunch) {
+    const int n = std::min(count - first, kMaxLayersPerLaunch);
+    if (n == 1) {
+      if (absl::Status s = QuantizeAppend(layers[first], stream); !s.ok()) return s;
+      continue;
+    }
+    // One dtype and one load path for the launch: the kernel is templated
+    // on both. Layers that differ go one launch each.
+    const QuantizeAppendParams& head = layers[first];
+    bool uniform = true, vectorized = true;
+    int64_t rows = 0;
+    for (int i = first; i < first + n; ++i) {
+      if (absl::Status s = CheckParams(layers[i]); layers[i].num_rows > 0 && !s.ok()) return s;
+      uniform = uniform && layers[i].dtype == head.dtype;
+      vectorized = vectorized && Vectorizable(layers[i]);
+      rows = std::max(rows, layers[i].num_rows);
+    }
+    if (!uniform) {
+      for (int i = first; i < first + n; ++i) {
+        if (absl::Status s = QuantizeAppend(layers[i], stream); !s.ok()) return s;
+      }
+      continue;
+    }
+    if (rows == 0) continue;
+    QuantizeAppendLayersParams lp;
+    for (int i = 0; i < n; ++i) lp.layers[i] = layers[first + i];
+    lp.num_layers = n;
+    // The one-layer configuration of the largest layer, its rows dealt by
+    // warp (block ranges assume one layer's rows per grid).
+    QuantizeAppendConfig config = DefaultQuantizeAppendConfig(rows);
+    config.block_ranges = false;
+    const cudaError_t err = LaunchFor(lp, head.dtype, vectorized, rows, n, config, stream);
+    if (err != cudaSuccess) {
+      return CudaStatus(err, absl::StrCat("QuantizeAppendLayersKernel launch (", n, " layers of up to ", rows, " rows)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status QuantizeAppendCuda(const TensorView& append_ckv, const TensorView& append_kpe,

@@ -171,4 +171,19 @@ void QuantizeAppendHost(const QuantizeAppendParams& params, int num_threads = 1)
 // The launcher: picks the configuration, launches on `stream`, checks the launch.
 absl::Status QuantizeAppend(const QuantizeAppendParams& params, cudaStream_t stream);
 
+// Several layers' appends in one launch (a decode step writes one token of
+// every sequence into each of 61 layers: 61 launches cost ~150 us of launch
+// overhead against one). Grid row y runs layers[y]; the params travel by
+// value in the kernel's parameter space (up to 32 KB from CUDA 12.1), so a
+// block reads its layer's fields from the constant bank as the one-layer
+// kernel does. More layers than this are split into several launches.
+inline constexpr int kMaxLayersPerLaunch = 64;
+struct QuantizeAppendLayersParams {
+  QuantizeAppendParams layers[kMaxLayersPerLaunch];
+  int32_t num_layers = 0;
+};
+// Launches `count` layers' params (each as QuantizeAppend takes them; the
+// configuration is picked from the largest layer's row count).
+absl::Status QuantizeAppendLayers(const QuantizeAppendParams* layers, int count, cudaStream_t stream);
+
 }  // namespace mlakv

@@ -30,13 +30,16 @@ ABSL_FLAG(double, duration_s, 10, "bench: stop after this many seconds (0: only 
 ABSL_FLAG(int64_t, requests, 0, "bench: stop after this many requests in all (0: only --duration_s bounds the run)");
 ABSL_FLAG(int32_t, layers, 1, "bench: layers 0..N-1 written by every request");
 ABSL_FLAG(int32_t, sequences, 256, "bench decode: sequences per AppendBatch (per worker)");
+ABSL_FLAG(bool, compact, false,
+          "bench decode: send each step in AppendBatch's compact form (one batch_layers entry per layer holding "
+          "every sequence's row)");
 
 namespace mlakv::cli {
 namespace {
 
 constexpr char kUsage[] =
     "bench [--mode append|decode] [--concurrency N] [--connections C] [--rows_per_message R] [--batch_fraction F] "
-    "[--sequences S] [--layers L] [--dtype bf16|f16] [--duration_s S | --requests N] [--pool P] [--server ADDR] "
+    "[--sequences S] [--compact] [--layers L] [--dtype bf16|f16] [--duration_s S | --requests N] [--pool P] [--server ADDR] "
     "[--json]";
 
 std::atomic<bool> g_stop{false};
@@ -68,6 +71,7 @@ absl::StatusOr<LoadOptions> OptionsFromFlags() {
   options.rows_per_message = static_cast<uint32_t>(absl::GetFlag(FLAGS_rows_per_message));
   options.batch_fraction = absl::GetFlag(FLAGS_batch_fraction);
   options.sequences = static_cast<uint32_t>(absl::GetFlag(FLAGS_sequences));
+  options.compact = absl::GetFlag(FLAGS_compact);
   options.layers = static_cast<uint32_t>(absl::GetFlag(FLAGS_layers));
   options.duration_s = absl::GetFlag(FLAGS_duration_s);
   options.requests = absl::GetFlag(FLAGS_requests);
@@ -91,6 +95,7 @@ nlohmann::json ResultJson(const LoadOptions& options, const LoadResult& r, uint3
           {"connections", options.connections == 0 ? options.concurrency : options.connections},
           {"rows_per_request_per_layer", options.mode == LoadOptions::Mode::kDecode ? 1 : options.rows_per_message},
           {"sequences_per_request", options.mode == LoadOptions::Mode::kDecode ? options.sequences : 1},
+          {"compact", options.mode == LoadOptions::Mode::kDecode && options.compact},
           {"layers", options.layers},
           {"batch_fraction", options.batch_fraction},
           {"context_tokens", context_tokens},

@@ -147,6 +147,36 @@ struct CudaBackend::LayerSlots {
   const AppendSegment* direct = nullptr;
 };
 
+// The first non-empty segment when every segment's rows are device rows
+// that follow each other in memory (a layer's one run from a CUDA region, or
+// a decode step's rows of all sequences in one region range): the kernel
+// then reads them in place, no gather. Else null.
+namespace {
+
+const AppendSegment* ContiguousDeviceRows(std::span<const AppendSegment> segments) {
+  const AppendSegment* first = nullptr;
+  const char* next_ckv = nullptr;
+  const char* next_kpe = nullptr;
+  for (const AppendSegment& seg : segments) {
+    if (seg.count <= 0) continue;
+    const RowSource& r = seg.rows;
+    if (!r.on_device()) return nullptr;
+    if (first == nullptr) {
+      first = &seg;
+    } else if (r.ckv != next_ckv || r.kpe != next_kpe || r.device != first->rows.device ||
+               r.ckv_stride_bytes != first->rows.ckv_stride_bytes ||
+               r.kpe_stride_bytes != first->rows.kpe_stride_bytes || r.wait_events[0] != first->rows.wait_events[0] ||
+               r.wait_events[1] != first->rows.wait_events[1]) {
+      return nullptr;
+    }
+    next_ckv = static_cast<const char*>(r.ckv) + seg.count * r.ckv_stride_bytes;
+    next_kpe = static_cast<const char*>(r.kpe) + seg.count * r.kpe_stride_bytes;
+  }
+  return first;
+}
+
+}  // namespace
+
 // What staging produced for the launch: the params with device pointers,
 // the host copies into pinned memory, and the device rows to gather.
 struct CudaBackend::StagedAppend {
@@ -160,6 +190,25 @@ struct CudaBackend::StagedAppend {
   std::vector<Gather> gathers;
   std::vector<const void*> wait_events;
 };
+
+// Appends `job` to `jobs`, or extends the last job when `job` continues it
+// in both source and destination (the rows of consecutive segments of one
+// message or one bytes field: one memcpy instead of one per sequence).
+namespace {
+
+void AddCopy(std::vector<CopyJob>* jobs, const CopyJob& job) {
+  if (!jobs->empty()) {
+    CopyJob& last = jobs->back();
+    if (static_cast<uint8_t*>(last.dst) + last.bytes == job.dst &&
+        static_cast<const uint8_t*>(last.src) + last.bytes == job.src) {
+      last.bytes += job.bytes;
+      return;
+    }
+  }
+  jobs->push_back(job);
+}
+
+}  // namespace
 
 absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   std::vector<LayerSlots> slots;
@@ -200,11 +249,12 @@ absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> lay
     if (rows > std::numeric_limits<int32_t>::max()) {
       return absl::InternalError(absl::StrCat("cuda backend: ", rows, " rows in one layer exceed int32"));
     }
+    static_cast<void>(last);
     const size_t esize = static_cast<size_t>(DTypeSize(la.dtype));
     LayerSlots& s = (*slots)[li];
     s.rows = rows;
     s.segments = non_empty;
-    if (non_empty == 1 && last->rows.on_device()) s.direct = last;
+    s.direct = ContiguousDeviceRows(la.segments);
     s.ckv = total;
     total += s.direct ? 0 : AlignUp(rows * kCkvDim * esize);
     s.kpe = total;
@@ -250,8 +300,8 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
           out.gathers.push_back({&seg, s.ckv + r * kCkvDim * esize, s.kpe + r * kKpeDim * esize, esize});
         }
       } else {
-        out.host_copies.push_back({pinned_ + s.ckv + r * kCkvDim * esize, rows.ckv, seg.count * kCkvDim * esize});
-        out.host_copies.push_back({pinned_ + s.kpe + r * kKpeDim * esize, rows.kpe, seg.count * kKpeDim * esize});
+        AddCopy(&out.host_copies, {pinned_ + s.ckv + r * kCkvDim * esize, rows.ckv, seg.count * kCkvDim * esize});
+        AddCopy(&out.host_copies, {pinned_ + s.kpe + r * kKpeDim * esize, rows.kpe, seg.count * kKpeDim * esize});
       }
       seg_request[n] = seg.request;
       seg_start[n] = seg.start;
@@ -323,11 +373,11 @@ absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
                                                  g.seg->count, cudaMemcpyDeviceToDevice, stream_),
                                absl::StrCat("cudaMemcpy2DAsync of ", g.seg->count, " kpe rows from a CUDA region"));
   }
-  for (const QuantizeAppendParams& p : staged.params) {
-    if (absl::Status s = QuantizeAppend(p, stream_); !s.ok()) {
-      cudaStreamSynchronize(stream_);  // leave the stream idle whatever happened
-      return s;
-    }
+  // Every layer in one launch (up to kMaxLayersPerLaunch a launch).
+  if (absl::Status s = QuantizeAppendLayers(staged.params.data(), static_cast<int>(staged.params.size()), stream_);
+      !s.ok()) {
+    cudaStreamSynchronize(stream_);  // leave the stream idle whatever happened
+    return s;
   }
   MLAKV_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(skipped_host_, skipped_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream_),

@@ -18,9 +18,30 @@ void SerialExecutor::Post(absl::AnyInvocable<void() &&> task) {
   tasks_.push_back(std::move(task));
 }
 
+void SerialExecutor::RunHere(absl::FunctionRef<void()> task) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (busy_ || !tasks_.empty()) {
+      // Behind the running and queued tasks, on the worker.
+      bool done = false;
+      tasks_.push_back([&] {
+        task();
+        absl::MutexLock done_lock(&mu_);
+        done = true;
+      });
+      mu_.Await(absl::Condition(&done));
+      return;
+    }
+    busy_ = true;
+  }
+  task();
+  absl::MutexLock lock(&mu_);
+  busy_ = false;
+}
+
 size_t SerialExecutor::pending() const {
   absl::MutexLock lock(&mu_);
-  return tasks_.size() + running_;
+  return tasks_.size() + (busy_ ? 1 : 0);
 }
 
 void SerialExecutor::Loop(absl::AnyInvocable<void() &&> on_start) {
@@ -31,17 +52,17 @@ void SerialExecutor::Loop(absl::AnyInvocable<void() &&> on_start) {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](SerialExecutor* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-            return self->stopping_ || !self->tasks_.empty();
+            return self->stopping_ ? !self->busy_ : !self->tasks_.empty() && !self->busy_;
           },
           this));
       if (tasks_.empty()) return;  // stopping and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();
-      running_ = 1;
+      busy_ = true;
     }
     std::move(task)();
     absl::MutexLock lock(&mu_);
-    running_ = 0;
+    busy_ = false;
   }
 }
 

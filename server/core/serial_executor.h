@@ -1,9 +1,15 @@
-// SerialExecutor: one worker thread running posted tasks in FIFO order.
+// SerialExecutor: one worker thread running posted tasks in FIFO order, and
+// callers that may run a task on their own thread in its place.
 //
 // Each Pool owns one. Everything that touches a pool's cache memory (appends,
-// reads, restores) runs on it, so cache accesses of a pool never overlap and
-// gRPC reactions never wait for quantization or a CUDA synchronization: they
-// post the work and return.
+// reads, restores) is one of its tasks, so cache accesses of a pool never
+// overlap. gRPC reactions (callback API) never wait for quantization or a
+// CUDA synchronization: they Post the work and return. A blocking caller (a
+// synchronous-API handler) uses RunHere instead: when no task is running or
+// queued, its task runs at once on its own thread -- no wake-up of the worker
+// and back, ~20-30 us a call on the GPU host (docs/performance.md) -- and
+// otherwise it is queued like a posted one and the caller waits for it.
+// Either way tasks never overlap, and a caller's tasks run in its order.
 //
 // An optional start hook runs once on the worker thread before any task; a
 // pool on a GPU makes its device current there (Device::BindThread), so
@@ -14,6 +20,7 @@
 #include <thread>
 
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
 
 namespace mlakv::server {
@@ -29,6 +36,11 @@ class SerialExecutor {
   SerialExecutor& operator=(const SerialExecutor&) = delete;
 
   void Post(absl::AnyInvocable<void() &&> task);
+  // Runs `task` as one of the executor's tasks and returns when it is done:
+  // on the calling thread if the executor is idle, else on the worker after
+  // the tasks queued before it. The on_start hook does not run on the
+  // calling thread (CUDA backends set their device per call).
+  void RunHere(absl::FunctionRef<void()> task);
   // Tasks posted and not yet finished (for tests and metrics).
   size_t pending() const;
 
@@ -37,7 +49,7 @@ class SerialExecutor {
 
   mutable absl::Mutex mu_;
   std::deque<absl::AnyInvocable<void() &&>> tasks_ ABSL_GUARDED_BY(mu_);
-  size_t running_ ABSL_GUARDED_BY(mu_) = 0;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a task runs (on the worker or a RunHere caller)
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

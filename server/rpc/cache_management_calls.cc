@@ -19,7 +19,7 @@ std::string LeaseDetail(const std::string& pool, uint64_t lease_id) {
 
 }  // namespace
 
-grpc::ServerUnaryReactor* KvCacheService::AcquireLease(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::AcquireLease(grpc::ServerContext* ctx,
                                                        const v1::AcquireLeaseRequest* req, v1::Lease* resp) {
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -30,13 +30,11 @@ grpc::ServerUnaryReactor* KvCacheService::AcquireLease(grpc::CallbackServerConte
     ToProto(pool->name(), lease, resp);
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "AcquireLease",
-                     absl::StrCat("pool=", Quote(req->pool()), " sequence=", Quote(req->sequence()),
-                                  " holder=", Quote(req->lease().holder())),
-                     status);
+  return FinishCall("AcquireLease", [&] { return absl::StrCat("pool=", Quote(req->pool()), " sequence=", Quote(req->sequence()),
+                                  " holder=", Quote(req->lease().holder())); }, status);
 }
 
-grpc::ServerUnaryReactor* KvCacheService::RenewLease(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::RenewLease(grpc::ServerContext* ctx,
                                                      const v1::RenewLeaseRequest* req, v1::Lease* resp) {
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -46,10 +44,10 @@ grpc::ServerUnaryReactor* KvCacheService::RenewLease(grpc::CallbackServerContext
     ToProto(pool->name(), lease, resp);
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "RenewLease", LeaseDetail(req->pool(), req->lease_id()), status);
+  return FinishCall("RenewLease", [&] { return LeaseDetail(req->pool(), req->lease_id()); }, status);
 }
 
-grpc::ServerUnaryReactor* KvCacheService::ReleaseLease(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::ReleaseLease(grpc::ServerContext* ctx,
                                                        const v1::ReleaseLeaseRequest* req,
                                                        v1::ReleaseLeaseResponse* resp) {
   const absl::Status status = [&]() -> absl::Status {
@@ -59,10 +57,10 @@ grpc::ServerUnaryReactor* KvCacheService::ReleaseLease(grpc::CallbackServerConte
     resp->set_pages_freed(freed);
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "ReleaseLease", LeaseDetail(req->pool(), req->lease_id()), status);
+  return FinishCall("ReleaseLease", [&] { return LeaseDetail(req->pool(), req->lease_id()); }, status);
 }
 
-grpc::ServerUnaryReactor* KvCacheService::ListLeases(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::ListLeases(grpc::ServerContext*,
                                                      const v1::ListLeasesRequest* req, v1::ListLeasesResponse* resp) {
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -79,10 +77,10 @@ grpc::ServerUnaryReactor* KvCacheService::ListLeases(grpc::CallbackServerContext
     resp->set_total(listing.total);
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "ListLeases", absl::StrCat("pool=", Quote(req->pool())), status);
+  return FinishCall("ListLeases", [&] { return absl::StrCat("pool=", Quote(req->pool())); }, status);
 }
 
-grpc::ServerUnaryReactor* KvCacheService::MatchPrefix(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::MatchPrefix(grpc::ServerContext* ctx,
                                                       const v1::MatchPrefixRequest* req,
                                                       v1::MatchPrefixResponse* resp) {
   const absl::Status status = [&]() -> absl::Status {
@@ -101,28 +99,29 @@ grpc::ServerUnaryReactor* KvCacheService::MatchPrefix(grpc::CallbackServerContex
     if (match.lease) ToProto(pool->name(), *match.lease, resp->mutable_lease());
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "MatchPrefix",
-                     absl::StrCat("pool=", Quote(req->pool()), " hashes=", req->block_hashes_size()), status);
+  return FinishCall("MatchPrefix", [&] { return absl::StrCat("pool=", Quote(req->pool()), " hashes=", req->block_hashes_size()); }, status);
 }
 
-grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::ForkSequence(grpc::ServerContext* ctx,
                                                        const v1::ForkSequenceRequest* req,
                                                        v1::ForkSequenceResponse* resp) {
-  const std::string detail = absl::StrCat("pool=", Quote(req->pool()), " source=", Quote(req->source()),
-                                          " target=", Quote(req->target()), " length=", req->length(),
-                                          " hashes=", req->block_hashes_size());
+  auto detail = [&] {
+    return absl::StrCat("pool=", Quote(req->pool()), " source=", Quote(req->source()), " target=",
+                        Quote(req->target()), " length=", req->length(), " hashes=", req->block_hashes_size());
+  };
   absl::StatusOr<Pool*> pool = [&]() -> absl::StatusOr<Pool*> {
     MLAKV_ASSIGN_OR_RETURN(Pool * p, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("source", req->source(), kMaxSequenceIdBytes));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("target", req->target(), kMaxSequenceIdBytes));
     return p;
   }();
-  if (!pool.ok()) return FinishUnary(ctx, "ForkSequence", detail, pool.status());
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (!pool.ok()) return FinishCall("ForkSequence", detail, pool.status());
   Pool* p = *pool;
-  // On the worker: the partial last page is copied there, in order with appends.
-  p->worker().Post([this, ctx, p, req, resp, reactor, detail] {
-    const absl::Status status = [&]() -> absl::Status {
+  absl::Status status;
+  // A worker task (the partial last page is copied there, in order with
+  // appends), on this thread when the worker is idle.
+  p->worker().RunHere([&] {
+    status = [&]() -> absl::Status {
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was forked"));
       ForkRequest fork;
       fork.target = req->target();
@@ -152,10 +151,8 @@ grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerConte
       resp->set_pages_copied(result.pages_copied);
       return absl::OkStatus();
     }();
-    LogCall("ForkSequence", detail, status);
-    reactor->Finish(ToGrpcStatus(status));
   });
-  return reactor;
+  return FinishCall("ForkSequence", detail, status);
 }
 
 }  // namespace mlakv::server

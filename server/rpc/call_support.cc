@@ -19,7 +19,7 @@ absl::Status CheckFieldLength(absl::string_view field, absl::string_view value, 
                                                  max_bytes, " are accepted"));
 }
 
-absl::Status CheckCallAlive(grpc::CallbackServerContext* ctx, absl::string_view what) {
+absl::Status CheckCallAlive(grpc::ServerContextBase* ctx, absl::string_view what) {
   // The deadline first: gRPC cancels a call whose deadline passed, so a
   // cancelled call past its deadline is reported (logged, counted) as what
   // it is.
@@ -40,6 +40,13 @@ void LogCall(absl::string_view method, absl::string_view detail, const absl::Sta
     spdlog::warn("{} {}: {} {}", std::string(method), std::string(detail), absl::StatusCodeToString(status.code()),
                  std::string(status.message()));
   }
+}
+
+grpc::Status FinishCall(absl::string_view method, absl::FunctionRef<std::string()> detail,
+                        const absl::Status& status) {
+  const spdlog::level::level_enum level = status.ok() ? spdlog::level::debug : spdlog::level::warn;
+  if (spdlog::should_log(level)) LogCall(method, detail(), status);
+  return ToGrpcStatus(status);
 }
 
 grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* ctx, absl::string_view method,

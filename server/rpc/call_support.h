@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <string>
+#include "absl/functional/function_ref.h"
 #include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
@@ -31,13 +32,18 @@ absl::Status CheckFieldLength(absl::string_view field, absl::string_view value, 
 // DEADLINE_EXCEEDED when its deadline has passed; `what` says what is then
 // not done ("nothing was written"). Called right before a mutation is
 // applied, so that a call that failed is never applied.
-absl::Status CheckCallAlive(grpc::CallbackServerContext* ctx, absl::string_view what);
+absl::Status CheckCallAlive(grpc::ServerContextBase* ctx, absl::string_view what);
 
 // One line per call at debug, one per failed call at warn (detail quotes
 // client-chosen strings with Quote()).
 void LogCall(absl::string_view method, absl::string_view detail, const absl::Status& status);
 
-// Logs and finishes a unary call through its default reactor.
+// Logs a call's end (LogCall) and returns its status as gRPC's.
+// `detail` is only built when the line is logged: a successful call at info
+// level builds no string.
+grpc::Status FinishCall(absl::string_view method, absl::FunctionRef<std::string()> detail,
+                        const absl::Status& status);
+// The same for a callback-API unary call, finished through its default reactor.
 grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* ctx, absl::string_view method,
                                       absl::string_view detail, const absl::Status& status);
 

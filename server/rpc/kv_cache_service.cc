@@ -74,23 +74,23 @@ void KvCacheService::AppendEnded(const AppendOutcome& outcome) {
 
 // ---- unary queries -------------------------------------------------------------
 
-grpc::ServerUnaryReactor* KvCacheService::ListPools(grpc::CallbackServerContext* ctx, const v1::ListPoolsRequest*,
+grpc::Status KvCacheService::ListPools(grpc::ServerContext*, const v1::ListPoolsRequest*,
                                                     v1::ListPoolsResponse* resp) {
-  if (draining()) return FinishUnary(ctx, "ListPools", "", DrainingError());
+  if (draining()) return FinishCall("ListPools", [&] { return std::string(""); }, DrainingError());
   std::vector<Pool*> pools = options_.pools;
   std::sort(pools.begin(), pools.end(), [](Pool* a, Pool* b) { return a->name() < b->name(); });
   for (Pool* pool : pools) ToProto(pool->Snapshot(), resp->add_pools());
-  return FinishUnary(ctx, "ListPools", "", absl::OkStatus());
+  return FinishCall("ListPools", [&] { return std::string(""); }, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* KvCacheService::GetPool(grpc::CallbackServerContext* ctx, const v1::GetPoolRequest* req,
+grpc::Status KvCacheService::GetPool(grpc::ServerContext*, const v1::GetPoolRequest* req,
                                                   v1::Pool* resp) {
   absl::StatusOr<Pool*> pool = Prelude(req->pool());
   if (pool.ok()) ToProto((*pool)->Snapshot(), resp);
-  return FinishUnary(ctx, "GetPool", PoolDetail(req->pool()), pool.status());
+  return FinishCall("GetPool", [&] { return PoolDetail(req->pool()); }, pool.status());
 }
 
-grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::GetSequence(grpc::ServerContext* ctx,
                                                       const v1::GetSequenceRequest* req, v1::Sequence* resp) {
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -104,10 +104,10 @@ grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContex
     ToProto(pool->name(), seq, resp);
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "GetSequence", SequenceDetail(req->pool(), req->sequence()), status);
+  return FinishCall("GetSequence", [&] { return SequenceDetail(req->pool(), req->sequence()); }, status);
 }
 
-grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::ListSequences(grpc::ServerContext*,
                                                         const v1::ListSequencesRequest* req,
                                                         v1::ListSequencesResponse* resp) {
   const absl::Status status = [&]() -> absl::Status {
@@ -126,11 +126,10 @@ grpc::ServerUnaryReactor* KvCacheService::ListSequences(grpc::CallbackServerCont
     resp->set_total(listing.total);
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "ListSequences",
-                     absl::StrCat(PoolDetail(req->pool()), " page_token=", Quote(req->page_token())), status);
+  return FinishCall("ListSequences", [&] { return absl::StrCat(PoolDetail(req->pool()), " page_token=", Quote(req->page_token())); }, status);
 }
 
-grpc::ServerUnaryReactor* KvCacheService::GetPage(grpc::CallbackServerContext* ctx, const v1::GetPageRequest* req,
+grpc::Status KvCacheService::GetPage(grpc::ServerContext*, const v1::GetPageRequest* req,
                                                   v1::Page* resp) {
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -150,10 +149,10 @@ grpc::ServerUnaryReactor* KvCacheService::GetPage(grpc::CallbackServerContext* c
     resp->set_sequence_freed(page.sequence_freed);
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "GetPage", absl::StrCat(PoolDetail(req->pool()), " page=", req->page()), status);
+  return FinishCall("GetPage", [&] { return absl::StrCat(PoolDetail(req->pool()), " page=", req->page()); }, status);
 }
 
-grpc::ServerUnaryReactor* KvCacheService::FreeSequence(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::FreeSequence(grpc::ServerContext* ctx,
                                                        const v1::FreeSequenceRequest* req,
                                                        v1::FreeSequenceResponse* resp) {
   const absl::Status status = [&]() -> absl::Status {
@@ -166,10 +165,10 @@ grpc::ServerUnaryReactor* KvCacheService::FreeSequence(grpc::CallbackServerConte
     resp->set_pages_retained(freed.pages_retained);
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "FreeSequence", SequenceDetail(req->pool(), req->sequence()), status);
+  return FinishCall("FreeSequence", [&] { return SequenceDetail(req->pool(), req->sequence()); }, status);
 }
 
-grpc::ServerUnaryReactor* KvCacheService::TruncateSequence(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::TruncateSequence(grpc::ServerContext* ctx,
                                                            const v1::TruncateSequenceRequest* req,
                                                            v1::Sequence* resp) {
   const absl::Status status = [&]() -> absl::Status {
@@ -180,17 +179,16 @@ grpc::ServerUnaryReactor* KvCacheService::TruncateSequence(grpc::CallbackServerC
     ToProto(pool->name(), seq, resp);
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "TruncateSequence",
-                     absl::StrCat(SequenceDetail(req->pool(), req->sequence()), " length=", req->length()), status);
+  return FinishCall("TruncateSequence", [&] { return absl::StrCat(SequenceDetail(req->pool(), req->sequence()), " length=", req->length()); }, status);
 }
 
 // ---- AppendBatch ------------------------------------------------------------------
 
-grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
                                                       const v1::AppendBatchRequest* req,
                                                       v1::AppendBatchResponse* resp) {
   const absl::Time started = absl::Now();
-  const std::string detail = absl::StrCat(PoolDetail(req->pool()), " sequences=", req->sequences_size());
+  auto detail = [&] { return absl::StrCat(PoolDetail(req->pool()), " sequences=", req->sequences_size()); };
   // Shape checks that need no pool state, before the call is queued.
   struct Checked {
     Pool* pool;
@@ -216,29 +214,36 @@ grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContex
     }
     return Checked{pool, dtype, view};
   }();
-  if (!checked.ok()) return FinishUnary(ctx, "AppendBatch", detail, checked.status());
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (!checked.ok()) return FinishCall("AppendBatch", detail, checked.status());
   Pool* p = checked->pool;
+  const Checked& c = *checked;
   AppendStarted();
-  p->worker().Post([this, ctx, p, req, resp, reactor, detail, started, c = *checked] {
-    uint64_t row_bytes = 0;
-    const absl::Status status = [&]() -> absl::Status {
+  uint64_t row_bytes = 0;
+  absl::Status status;
+  // One of the pool's worker tasks, on this thread when the worker is idle.
+  p->worker().RunHere([&] {
+    status = [&]() -> absl::Status {
       // Queued behind other work: a call whose client gave up meanwhile is not started.
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was written"));
       AtomicAppend append(p);
       RegionHold hold;  // regions named by the rows, until the call ends
       std::vector<SequenceRowsIn> rows;
-      rows.reserve(req->sequences_size());
-      for (const v1::SequenceRows& s : req->sequences()) {
-        MLAKV_RETURN_IF_ERROR(append.Begin(s.sequence()));
-        const std::optional<uint32_t> expect =
-            s.has_expect_length() ? std::optional<uint32_t>(s.expect_length()) : std::nullopt;
-        MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn r, ToRows(s.sequence(), s.start(), s.row_count(), s.layers(), 0, expect,
-                                                        *options_.regions, *p, &hold));
-        AddCacheFields(s, &r);
-        row_bytes += static_cast<uint64_t>(r.row_count) * kRowBytes * r.layers.size();
-        rows.push_back(std::move(r));
+      if (req->batch_layers_size() > 0) {  // the compact form: each layer's rows of all sequences in one entry
+        MLAKV_ASSIGN_OR_RETURN(rows, ToCompactBatchRows(*req, *options_.regions, *p, &hold));
+        for (const v1::SequenceRows& s : req->sequences()) MLAKV_RETURN_IF_ERROR(append.Begin(s.sequence()));
+      } else {
+        rows.reserve(req->sequences_size());
+        for (const v1::SequenceRows& s : req->sequences()) {
+          MLAKV_RETURN_IF_ERROR(append.Begin(s.sequence()));
+          const std::optional<uint32_t> expect =
+              s.has_expect_length() ? std::optional<uint32_t>(s.expect_length()) : std::nullopt;
+          MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn r, ToRows(s.sequence(), s.start(), s.row_count(), s.layers(), 0,
+                                                          expect, *options_.regions, *p, &hold));
+          AddCacheFields(s, &r);
+          rows.push_back(std::move(r));
+        }
       }
+      for (const SequenceRowsIn& r : rows) row_bytes += static_cast<uint64_t>(r.row_count) * kRowBytes * r.layers.size();
       std::vector<const SequenceRowsIn*> row_ptrs;
       for (const SequenceRowsIn& r : rows) row_ptrs.push_back(&r);
       MLAKV_RETURN_IF_ERROR(append.Stage(row_ptrs, c.dtype));
@@ -277,17 +282,15 @@ grpc::ServerUnaryReactor* KvCacheService::AppendBatch(grpc::CallbackServerContex
       resp->set_pages_allocated(pages);
       return absl::OkStatus();
     }();
-    if (!status.ok()) resp->Clear();
-    LogCall("AppendBatch", absl::StrCat(detail, " rows=", resp->rows_written()), status);
-    AppendEnded({.method = "AppendBatch",
-                 .pool = p->name(),
-                 .ok = status.ok(),
-                 .rows = resp->rows_written(),
-                 .bytes = status.ok() ? row_bytes : 0,
-                 .seconds = absl::ToDoubleSeconds(absl::Now() - started)});
-    reactor->Finish(ToGrpcStatus(status));
   });
-  return reactor;
+  if (!status.ok()) resp->Clear();
+  AppendEnded({.method = "AppendBatch",
+               .pool = p->name(),
+               .ok = status.ok(),
+               .rows = resp->rows_written(),
+               .bytes = status.ok() ? row_bytes : 0,
+               .seconds = absl::ToDoubleSeconds(absl::Now() - started)});
+  return FinishCall("AppendBatch", [&] { return absl::StrCat(detail(), " rows=", resp->rows_written()); }, status);
 }
 
 // ---- streams ---------------------------------------------------------------------
@@ -357,27 +360,27 @@ grpc::ServerUnaryReactor* KvCacheService::RegisterCudaRegion(grpc::CallbackServe
   return reactor;
 }
 
-grpc::ServerUnaryReactor* KvCacheService::UnregisterRegion(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::UnregisterRegion(grpc::ServerContext*,
                                                            const v1::UnregisterRegionRequest* req,
                                                            v1::UnregisterRegionResponse* resp) {
   const std::string detail = absl::StrCat("name=", Quote(req->name()));
-  if (draining()) return FinishUnary(ctx, "UnregisterRegion", detail, DrainingError());
+  if (draining()) return FinishCall("UnregisterRegion", [&] { return std::string(detail); }, DrainingError());
   absl::StatusOr<uint32_t> holders = options_.regions->Unregister(req->name());  // releases on the registry's worker
   if (holders.ok()) resp->set_appends_in_flight(*holders);
-  return FinishUnary(ctx, "UnregisterRegion", detail, holders.status());
+  return FinishCall("UnregisterRegion", [&] { return std::string(detail); }, holders.status());
 }
 
-grpc::ServerUnaryReactor* KvCacheService::ListRegions(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::ListRegions(grpc::ServerContext*,
                                                       const v1::ListRegionsRequest*, v1::ListRegionsResponse* resp) {
-  if (draining()) return FinishUnary(ctx, "ListRegions", "", DrainingError());
+  if (draining()) return FinishCall("ListRegions", [&] { return std::string(""); }, DrainingError());
   absl::StatusOr<std::vector<RegionInfo>> regions = options_.regions->List();
   if (regions.ok()) {
     for (const RegionInfo& r : *regions) *resp->add_regions() = ToProto(r);
   }
-  return FinishUnary(ctx, "ListRegions", "", regions.status());
+  return FinishCall("ListRegions", [&] { return std::string(""); }, regions.status());
 }
 
-grpc::ServerUnaryReactor* KvCacheService::ExportPool(grpc::CallbackServerContext* ctx,
+grpc::Status KvCacheService::ExportPool(grpc::ServerContext*,
                                                      const v1::ExportPoolRequest* req, v1::ExportPoolResponse* resp) {
   const absl::Status status = [&]() -> absl::Status {
     if (draining()) return DrainingError();
@@ -412,7 +415,7 @@ grpc::ServerUnaryReactor* KvCacheService::ExportPool(grpc::CallbackServerContext
     }
     return absl::OkStatus();
   }();
-  return FinishUnary(ctx, "ExportPool", PoolDetail(req->pool()), status);
+  return FinishCall("ExportPool", [&] { return PoolDetail(req->pool()); }, status);
 }
 
 }  // namespace mlakv::server

@@ -1,12 +1,18 @@
-// KvCacheService: the RPC surface of mlakv.v1.KvCache (callback API).
+// KvCacheService: the RPC surface of mlakv.v1.KvCache.
 //
-// Unary queries (ListPools, GetPool, GetSequence, ListSequences, GetPage,
-// FreeSequence, TruncateSequence) touch metadata under a pool's mutex for a
-// moment and finish inline through context->DefaultReactor(). Everything that
-// touches cache memory -- Append (AppendReactor, one per stream), AppendBatch
-// and ReadSequence (ReadReactor) -- runs on the pool's worker, and region
-// registrations on the region registry's worker, so no reaction ever waits
-// on quantization, a CUDA synchronization, an mmap or an IPC open.
+// Two gRPC APIs in one service, each where it is faster or needed
+// (docs/performance.md "The RPC floor"):
+//  * Unary calls use the synchronous API: gRPC's polling thread that reads
+//    the request runs the handler and writes the response, with no hop to
+//    another thread (the callback API's executor costs ~40 us a call on the
+//    GPU host). Queries touch metadata under a pool's mutex for a moment.
+//    Calls that touch cache memory (AppendBatch, ForkSequence) run as one
+//    of the pool's worker tasks on the calling thread when the worker is
+//    idle (SerialExecutor::RunHere), else queued behind the running task.
+//  * Streams (Append: AppendReactor, ReadSequence: ReadReactor) and region
+//    registrations (on the region registry's worker: shm_open + mmap,
+//    cudaIpcOpenMemHandle) use the callback API, so no reaction waits on
+//    quantization, a CUDA synchronization or an IPC open.
 //
 // Append is a raw method (ByteBuffer in and out): the reactor parses each
 // message itself, so that a message that does not parse fails the stream
@@ -41,7 +47,12 @@ struct AppendOutcome {
   double seconds = 0;        // from the call's start to its status
 };
 
-class KvCacheService final : public mlakv::v1::KvCache::WithRawCallbackMethod_Append<mlakv::v1::KvCache::CallbackService> {
+// Synchronous unary methods; the streams and the region registrations
+// callback methods.
+using KvCacheServiceBase = v1::KvCache::WithRawCallbackMethod_Append<v1::KvCache::WithCallbackMethod_ReadSequence<
+    v1::KvCache::WithCallbackMethod_RegisterShmRegion<v1::KvCache::WithCallbackMethod_RegisterCudaRegion<v1::KvCache::Service>>>>;
+
+class KvCacheService final : public KvCacheServiceBase {
  public:
   struct Options {
     std::vector<Pool*> pools;   // not owned; outlive the service
@@ -79,25 +90,25 @@ class KvCacheService final : public mlakv::v1::KvCache::WithRawCallbackMethod_Ap
   void AppendStarted() { appends_in_flight_.fetch_add(1); }
   void AppendEnded(const AppendOutcome& outcome);
 
-  grpc::ServerUnaryReactor* ListPools(grpc::CallbackServerContext* ctx, const v1::ListPoolsRequest* req,
+  grpc::Status ListPools(grpc::ServerContext* ctx, const v1::ListPoolsRequest* req,
                                       v1::ListPoolsResponse* resp) override;
-  grpc::ServerUnaryReactor* GetPool(grpc::CallbackServerContext* ctx, const v1::GetPoolRequest* req,
+  grpc::Status GetPool(grpc::ServerContext* ctx, const v1::GetPoolRequest* req,
                                     v1::Pool* resp) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
                                                     grpc::ByteBuffer* resp) override;
-  grpc::ServerUnaryReactor* AppendBatch(grpc::CallbackServerContext* ctx, const v1::AppendBatchRequest* req,
+  grpc::Status AppendBatch(grpc::ServerContext* ctx, const v1::AppendBatchRequest* req,
                                         v1::AppendBatchResponse* resp) override;
-  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* ctx, const v1::GetSequenceRequest* req,
+  grpc::Status GetSequence(grpc::ServerContext* ctx, const v1::GetSequenceRequest* req,
                                         v1::Sequence* resp) override;
-  grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* ctx, const v1::ListSequencesRequest* req,
+  grpc::Status ListSequences(grpc::ServerContext* ctx, const v1::ListSequencesRequest* req,
                                           v1::ListSequencesResponse* resp) override;
-  grpc::ServerUnaryReactor* GetPage(grpc::CallbackServerContext* ctx, const v1::GetPageRequest* req,
+  grpc::Status GetPage(grpc::ServerContext* ctx, const v1::GetPageRequest* req,
                                     v1::Page* resp) override;
   grpc::ServerWriteReactor<v1::ReadSequenceResponse>* ReadSequence(grpc::CallbackServerContext* ctx,
                                                                    const v1::ReadSequenceRequest* req) override;
-  grpc::ServerUnaryReactor* FreeSequence(grpc::CallbackServerContext* ctx, const v1::FreeSequenceRequest* req,
+  grpc::Status FreeSequence(grpc::ServerContext* ctx, const v1::FreeSequenceRequest* req,
                                          v1::FreeSequenceResponse* resp) override;
-  grpc::ServerUnaryReactor* TruncateSequence(grpc::CallbackServerContext* ctx,
+  grpc::Status TruncateSequence(grpc::ServerContext* ctx,
                                              const v1::TruncateSequenceRequest* req, v1::Sequence* resp) override;
   // Regions: opened and closed on the registry's worker (shm_open + mmap,
   // cudaIpcOpenMemHandle), finished from there.
@@ -105,26 +116,26 @@ class KvCacheService final : public mlakv::v1::KvCache::WithRawCallbackMethod_Ap
                                               v1::Region* resp) override;
   grpc::ServerUnaryReactor* RegisterCudaRegion(grpc::CallbackServerContext* ctx,
                                                const v1::RegisterCudaRegionRequest* req, v1::Region* resp) override;
-  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx, const v1::UnregisterRegionRequest* req,
+  grpc::Status UnregisterRegion(grpc::ServerContext* ctx, const v1::UnregisterRegionRequest* req,
                                              v1::UnregisterRegionResponse* resp) override;
-  grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx, const v1::ListRegionsRequest* req,
+  grpc::Status ListRegions(grpc::ServerContext* ctx, const v1::ListRegionsRequest* req,
                                         v1::ListRegionsResponse* resp) override;
-  grpc::ServerUnaryReactor* ExportPool(grpc::CallbackServerContext* ctx, const v1::ExportPoolRequest* req,
+  grpc::Status ExportPool(grpc::ServerContext* ctx, const v1::ExportPoolRequest* req,
                                        v1::ExportPoolResponse* resp) override;
   // Cache management (cache_management_calls.cc): leases and MatchPrefix
   // under the pool's mutex, inline; ForkSequence on the pool's worker (it
   // may copy a partial page).
-  grpc::ServerUnaryReactor* AcquireLease(grpc::CallbackServerContext* ctx, const v1::AcquireLeaseRequest* req,
+  grpc::Status AcquireLease(grpc::ServerContext* ctx, const v1::AcquireLeaseRequest* req,
                                          v1::Lease* resp) override;
-  grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* ctx, const v1::RenewLeaseRequest* req,
+  grpc::Status RenewLease(grpc::ServerContext* ctx, const v1::RenewLeaseRequest* req,
                                        v1::Lease* resp) override;
-  grpc::ServerUnaryReactor* ReleaseLease(grpc::CallbackServerContext* ctx, const v1::ReleaseLeaseRequest* req,
+  grpc::Status ReleaseLease(grpc::ServerContext* ctx, const v1::ReleaseLeaseRequest* req,
                                          v1::ReleaseLeaseResponse* resp) override;
-  grpc::ServerUnaryReactor* ListLeases(grpc::CallbackServerContext* ctx, const v1::ListLeasesRequest* req,
+  grpc::Status ListLeases(grpc::ServerContext* ctx, const v1::ListLeasesRequest* req,
                                        v1::ListLeasesResponse* resp) override;
-  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* ctx, const v1::ForkSequenceRequest* req,
+  grpc::Status ForkSequence(grpc::ServerContext* ctx, const v1::ForkSequenceRequest* req,
                                          v1::ForkSequenceResponse* resp) override;
-  grpc::ServerUnaryReactor* MatchPrefix(grpc::CallbackServerContext* ctx, const v1::MatchPrefixRequest* req,
+  grpc::Status MatchPrefix(grpc::ServerContext* ctx, const v1::MatchPrefixRequest* req,
                                         v1::MatchPrefixResponse* resp) override;
 
  private:

@@ -133,6 +133,35 @@ uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t page
          (1 + VarintBytes(page_ids) + page_ids) + (1 + VarintBytes(lengths) + lengths) + 6 * 6 + 11 + 6 + 2 + 6 + 6;
 }
 
+namespace {
+
+// `lr` as the registry takes it.
+LayerRowsRequest ToLayerRowsRequest(const v1::LayerRows& lr) {
+  LayerRowsRequest in{.layer = static_cast<int32_t>(std::min<uint32_t>(lr.layer(), INT32_MAX)),
+                      .ckv = lr.ckv(),
+                      .kpe = lr.kpe(),
+                      .ckv_scale = lr.ckv_scale(),
+                      .kpe_scale = lr.kpe_scale()};
+  if (lr.has_ckv_ref()) in.ckv_ref = RegionRef{lr.ckv_ref().region(), lr.ckv_ref().offset(), lr.ckv_ref().row_stride_bytes()};
+  if (lr.has_kpe_ref()) in.kpe_ref = RegionRef{lr.kpe_ref().region(), lr.kpe_ref().offset(), lr.kpe_ref().row_stride_bytes()};
+  return in;
+}
+
+// Rows [first, first + count) of `whole` (resolved rows of one layer).
+LayerRows SliceRows(const LayerRows& whole, uint64_t first, uint32_t count) {
+  constexpr uint64_t kCkvRow = format::kCkvDim * 2, kKpeRow = format::kKpeDim * 2;  // both dtypes: 2 bytes
+  LayerRows out = whole;
+  const uint64_t ckv_stride = whole.source.on_device() ? whole.source.ckv_stride_bytes : kCkvRow;
+  const uint64_t kpe_stride = whole.source.on_device() ? whole.source.kpe_stride_bytes : kKpeRow;
+  out.source.ckv = static_cast<const char*>(whole.source.ckv) + first * ckv_stride;
+  out.source.kpe = static_cast<const char*>(whole.source.kpe) + first * kpe_stride;
+  out.ckv_bytes = count * kCkvRow;
+  out.kpe_bytes = count * kKpeRow;
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t start, uint32_t row_count,
                                       const google::protobuf::RepeatedPtrField<v1::LayerRows>& layers,
                                       uint32_t reserve_tokens, std::optional<uint32_t> expect_length,
@@ -149,19 +178,62 @@ absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t star
   r.expect_length = expect_length;
   r.layers.reserve(layers.size());
   for (const v1::LayerRows& lr : layers) {
-    LayerRowsRequest in{.layer = static_cast<int32_t>(std::min<uint32_t>(lr.layer(), INT32_MAX)),
-                        .ckv = lr.ckv(),
-                        .kpe = lr.kpe(),
-                        .ckv_scale = lr.ckv_scale(),
-                        .kpe_scale = lr.kpe_scale()};
-    if (lr.has_ckv_ref()) in.ckv_ref = RegionRef{lr.ckv_ref().region(), lr.ckv_ref().offset(), lr.ckv_ref().row_stride_bytes()};
-    if (lr.has_kpe_ref()) in.kpe_ref = RegionRef{lr.kpe_ref().region(), lr.kpe_ref().offset(), lr.kpe_ref().row_stride_bytes()};
     LayerRows out;
-    MLAKV_RETURN_IF_ERROR(regions.ResolveRows(absl::StrCat("sequence ", Quote(sequence), " layer ", lr.layer()), in,
-                                              row_count, pool.device(), &out, hold));
+    MLAKV_RETURN_IF_ERROR(regions.ResolveRows(absl::StrCat("sequence ", Quote(sequence), " layer ", lr.layer()),
+                                              ToLayerRowsRequest(lr), row_count, pool.device(), &out, hold));
     r.layers.push_back(out);
   }
   return r;
+}
+
+absl::StatusOr<std::vector<SequenceRowsIn>> ToCompactBatchRows(const v1::AppendBatchRequest& req,
+                                                               const RegionRegistry& regions, const Pool& pool,
+                                                               RegionHold* hold) {
+  constexpr uint64_t kCkvRow = format::kCkvDim * 2, kKpeRow = format::kKpeDim * 2;
+  if (req.batch_layers_size() > pool.num_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat(req.batch_layers_size(), " batch_layers entries but pool ",
+                                                   Quote(pool.name()), " has ", pool.num_layers(),
+                                                   " layers; send one entry per layer"));
+  }
+  uint64_t total = 0;
+  for (const v1::SequenceRows& s : req.sequences()) {
+    if (s.layers_size() > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", Quote(s.sequence()), " carries ", s.layers_size(),
+          " layers entries in an AppendBatch that uses batch_layers; send every sequence's rows one way"));
+    }
+    total += s.row_count();
+  }
+  if (total > static_cast<uint64_t>(INT32_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat("the batch's row_count values sum to ", total,
+                                                   " rows per layer, over 2^31 - 1; send fewer rows per call"));
+  }
+  std::vector<LayerRows> whole(req.batch_layers_size());
+  for (int k = 0; k < req.batch_layers_size(); ++k) {
+    const v1::LayerRows& lr = req.batch_layers(k);
+    const std::string who = absl::StrCat("batch_layers[", k, "] (layer ", lr.layer(), ")");
+    MLAKV_RETURN_IF_ERROR(regions.ResolveRows(who, ToLayerRowsRequest(lr), static_cast<uint32_t>(total), pool.device(),
+                                              &whole[k], hold));
+    if (whole[k].ckv_bytes != total * kCkvRow || whole[k].kpe_bytes != total * kKpeRow) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": holds ", whole[k].ckv_bytes, " ckv and ", whole[k].kpe_bytes, " kpe bytes; the batch's ", total,
+          " rows (the sum of its row_count values) need ", total * kCkvRow, " and ", total * kKpeRow));
+    }
+  }
+  std::vector<SequenceRowsIn> out(req.sequences_size());
+  uint64_t first = 0;
+  for (int i = 0; i < req.sequences_size(); ++i) {
+    const v1::SequenceRows& s = req.sequences(i);
+    SequenceRowsIn& r = out[i];
+    r.start = s.start();
+    r.row_count = s.row_count();
+    if (s.has_expect_length()) r.expect_length = s.expect_length();
+    r.layers.reserve(whole.size());
+    for (const LayerRows& w : whole) r.layers.push_back(SliceRows(w, first, s.row_count()));
+    AddCacheFields(s, &r);
+    first += s.row_count();
+  }
+  return out;
 }
 
 v1::Region ToProto(const RegionInfo& region) {

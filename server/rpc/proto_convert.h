@@ -55,6 +55,14 @@ SequenceRef RefOf(const Request& req) {
   return ref;
 }
 
+// The rows of AppendBatchRequest's compact form: for each of `sequences`
+// (none may carry `layers`), its slice of every `batch_layers` entry. Each
+// entry is resolved once (bytes, or its region ranges), checked to hold
+// exactly sum(row_count) rows, and cut at the sequences' row offsets.
+absl::StatusOr<std::vector<SequenceRowsIn>> ToCompactBatchRows(const v1::AppendBatchRequest& req,
+                                                               const RegionRegistry& regions, const Pool& pool,
+                                                               RegionHold* hold);
+
 // A registered region as the wire describes it.
 v1::Region ToProto(const RegionInfo& region);
 

@@ -6,6 +6,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/dequantize.h"
@@ -349,6 +351,74 @@ TEST(CudaSegmentBounds, BadSegmentIsSkippedAndCounted) {
   EXPECT_EQ(gpu.ckv_cache, cpu.ckv_cache);
   EXPECT_EQ(gpu.ckv_sf_cache, cpu.ckv_sf_cache);
   EXPECT_EQ(gpu.kpe_cache, cpu.kpe_cache);
+}
+
+// One layer's scenario on the device, by segment, for QuantizeAppendLayers.
+struct DeviceLayer {
+  explicit DeviceLayer(PagedScenario& s)
+      : ckv(s.ckv), kpe(s.kpe), indices(s.kv_indices), indptr(s.kv_indptr), seg_indptr(s.segment_indptr),
+        seg_request(s.segment_request), seg_start(s.segment_start), cc(s.ckv_cache), sf(s.ckv_sf_cache),
+        kc(s.kpe_cache) {
+    params = s.SegmentHostParams();
+    params.append_ckv = ckv.get();
+    params.append_kpe = kpe.get();
+    params.kv_indices = indices.get();
+    params.kv_indptr = indptr.get();
+    params.segment_indptr = seg_indptr.get();
+    params.segment_request = seg_request.get();
+    params.segment_start = seg_start.get();
+    params.ckv_cache = cc.get();
+    params.ckv_sf_cache = sf.get();
+    params.kpe_cache = kc.get();
+  }
+  DeviceVector<uint16_t> ckv, kpe;
+  DeviceVector<int32_t> indices, indptr, seg_indptr, seg_request, seg_start;
+  DeviceVector<uint8_t> cc, sf, kc;
+  QuantizeAppendParams params;
+};
+
+// All layers in one launch (grid row = layer) write exactly what one launch
+// per layer writes, whatever each layer's rows, pages, page size and row
+// stride: 3 layers; 70 (two launches: 64 + 6); a layer with no rows; a
+// float16 layer among bfloat16 ones (launched on its own).
+TEST(CudaLayersLaunch, WritesWhatOneLaunchPerLayerWrites) {
+  SKIP_WITHOUT_GPU();
+  for (const int layers : {3, 70}) {
+    std::vector<PagedScenario> cpu, gpu_cases;
+    for (int l = 0; l < layers; ++l) {
+      ScenarioOptions o;
+      o.page_size = (l % 3 == 0) ? 16 : (l % 3 == 1) ? 1 : 64;
+      o.batch = 1 + l % 7;
+      o.max_new_tokens = l == 1 ? 3000 : 1 + (l * 13) % 40;  // one layer big enough for 8 rows per lookup
+      o.extra_row_stride = l % 5 == 2 ? 3 : 24;                // some layers take the scalar path
+      o.dtype = (layers == 3 && l == 2) ? DType::kFloat16 : DType::kBFloat16;
+      o.seed = 500 + l;
+      cpu.push_back(MakeScenario(o));
+      gpu_cases.push_back(MakeScenario(o));
+      gpu_cases.back().BuildSegments();
+    }
+    std::vector<std::unique_ptr<DeviceLayer>> dev;
+    std::vector<QuantizeAppendParams> params;
+    DeviceVector<unsigned int> skipped(std::vector<unsigned int>{0});
+    for (int l = 0; l < layers; ++l) {
+      dev.push_back(std::make_unique<DeviceLayer>(gpu_cases[l]));
+      dev.back()->params.skipped_rows = skipped.get();
+      params.push_back(dev.back()->params);
+    }
+    params[layers - 1].num_rows = 0;  // the last layer: nothing to write, its caches untouched
+    const absl::Status st = QuantizeAppendLayers(params.data(), layers, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(skipped.ToHost()[0], 0u);
+    for (int l = 0; l < layers; ++l) {
+      if (l != layers - 1) {
+        ASSERT_TRUE(cpu[l].RunCpu().ok());
+      }
+      EXPECT_EQ(dev[l]->cc.ToHost(), cpu[l].ckv_cache) << layers << " layers, layer " << l;
+      EXPECT_EQ(dev[l]->sf.ToHost(), cpu[l].ckv_sf_cache) << layers << " layers, layer " << l;
+      EXPECT_EQ(dev[l]->kc.ToHost(), cpu[l].kpe_cache) << layers << " layers, layer " << l;
+    }
+  }
 }
 
 TEST(CudaDequantize, MatchesCpuBitForBit) {

@@ -8,6 +8,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <tuple>
+
 #include <atomic>
 #include <chrono>
 #include <thread>
@@ -385,6 +388,158 @@ TEST_F(ServiceTest, AppendBatchWritesSixtyFourSequencesInOneCall) {
                  Expected(step[i], kCkvScale, kKpeScale));
     if (prefix[i].n > 0) ExpectStored("seq" + std::to_string(i), 0, 0, Expected(prefix[i], kCkvScale, kKpeScale));
   }
+}
+
+// The compact form (a decode step): each layer's rows of every sequence in
+// one batch_layers entry. It stores exactly what the per-sequence form
+// stores, sequence by sequence, and layers may be written in any order.
+TEST_F(ServiceTest, AppendBatchCompactFormStoresWhatThePerSequenceFormStores) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 4 page_size: 16 num_pages: 512");
+  constexpr int kSequences = 40;
+  const std::vector<uint32_t> layers = {3, 0, 1};
+  std::vector<int64_t> prefix(kSequences), step(kSequences);
+  for (int i = 0; i < kSequences; ++i) {
+    prefix[i] = i % 19;
+    step[i] = i % 5 == 4 ? 0 : 1 + i % 3;  // some sequences add no row this step
+  }
+  int64_t total = 0;
+  for (int i = 0; i < kSequences; ++i) total += step[i];
+  const Rows prefix_rows = RandomRows(18, 300);
+  std::vector<Rows> per_layer;  // [layer k] total rows, sequence i's at its offset
+  for (size_t k = 0; k < layers.size(); ++k) per_layer.push_back(RandomRows(total, 310 + static_cast<uint32_t>(k)));
+  v1::AppendBatchRequest compact, per_sequence;
+  for (v1::AppendBatchRequest* r : {&compact, &per_sequence}) r->set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  int64_t offset = 0;
+  for (int i = 0; i < kSequences; ++i) {
+    for (const char* prefix_of : {"c", "p"}) {
+      const std::string id = prefix_of + std::to_string(i);
+      if (prefix[i] > 0) {
+        grpc::Status s = AppendRows(id, 0, RandomRows(prefix[i], 400 + i), {0, 1, 2, 3}, kCkvScale, kKpeScale);
+        ASSERT_TRUE(s.ok()) << Describe(s);
+      }
+    }
+    for (v1::AppendBatchRequest* r : {&compact, &per_sequence}) {
+      v1::SequenceRows* sr = r->add_sequences();
+      sr->set_sequence((r == &compact ? "c" : "p") + std::to_string(i));
+      sr->set_start(static_cast<uint32_t>(prefix[i]));
+      sr->set_row_count(static_cast<uint32_t>(step[i]));
+      sr->set_expect_length(static_cast<uint32_t>(prefix[i]));
+    }
+    for (size_t k = 0; k < layers.size(); ++k) {
+      v1::LayerRows* lr = per_sequence.mutable_sequences(i)->add_layers();
+      lr->set_layer(layers[k]);
+      lr->set_ckv(per_layer[k].ckv_bytes(offset, step[i]));
+      lr->set_kpe(per_layer[k].kpe_bytes(offset, step[i]));
+    }
+    offset += step[i];
+  }
+  for (size_t k = 0; k < layers.size(); ++k) {
+    v1::LayerRows* lr = compact.add_batch_layers();
+    lr->set_layer(layers[k]);
+    lr->set_ckv(per_layer[k].ckv_bytes());
+    lr->set_kpe(per_layer[k].kpe_bytes());
+  }
+  for (v1::AppendBatchRequest* r : {&compact, &per_sequence}) {
+    grpc::ClientContext ctx;
+    v1::AppendBatchResponse resp;
+    const grpc::Status s = stub().AppendBatch(&ctx, *r, &resp);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    EXPECT_EQ(resp.rows_written(), static_cast<uint64_t>(total) * layers.size());
+    ASSERT_EQ(resp.sequences_size(), kSequences);
+    for (int i = 0; i < kSequences; ++i) {
+      EXPECT_EQ(resp.sequences(i).layer_lengths(3), prefix[i] + step[i]) << i;
+      EXPECT_EQ(resp.sequences(i).layer_lengths(2), prefix[i]) << i;  // not written
+    }
+  }
+  for (int i = 0; i < kSequences; ++i) {
+    if (prefix[i] + step[i] == 0) continue;
+    // The prefixes differ (random per id), so compare the step's positions only.
+    for (uint32_t l : layers) {
+      Stored c = Read("c" + std::to_string(i), l, static_cast<uint32_t>(prefix[i]), static_cast<uint32_t>(step[i]));
+      Stored p = Read("p" + std::to_string(i), l, static_cast<uint32_t>(prefix[i]), static_cast<uint32_t>(step[i]));
+      if (step[i] == 0) continue;
+      ASSERT_TRUE(c.status.ok() && p.status.ok()) << Describe(c.status) << " / " << Describe(p.status);
+      EXPECT_EQ(mlakv::testing::DescribeMismatch(p.rows, c.rows), "") << "sequence " << i << " layer " << l;
+    }
+  }
+}
+
+// Every malformed compact batch is refused before anything is written, with
+// a message that says what to send instead.
+TEST_F(ServiceTest, AppendBatchCompactFormErrorsWriteNothing) {
+  MustAppend("a", 0, RandomRows(3, 61), {0, 1});
+  const QuantizedRows before = Read("a", 0, 0, 3).rows;
+  const uint32_t pages_before = GetPool().pages_used();
+  const Rows rows = RandomRows(3, 62);  // "a" 1 row + "b" 2 rows
+  auto request = [&] {
+    v1::AppendBatchRequest req;
+    req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+    for (const auto& [id, start, count] : {std::tuple<const char*, uint32_t, uint32_t>{"a", 3, 1}, {"b", 0, 2}}) {
+      v1::SequenceRows* sr = req.add_sequences();
+      sr->set_sequence(id);
+      sr->set_start(start);
+      sr->set_row_count(count);
+    }
+    for (uint32_t l : {0u, 1u}) {
+      v1::LayerRows* lr = req.add_batch_layers();
+      lr->set_layer(l);
+      lr->set_ckv(rows.ckv_bytes());
+      lr->set_kpe(rows.kpe_bytes());
+    }
+    return req;
+  };
+  struct Case {
+    const char* what;
+    std::function<void(v1::AppendBatchRequest&)> change;
+    grpc::StatusCode code;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {"one row short in a layer", [&](v1::AppendBatchRequest& r) { r.mutable_batch_layers(1)->set_ckv(rows.ckv_bytes(0, 2)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "batch_layers[1] (layer 1): holds 2048 ckv"},
+      {"a sequence with its own layers", [&](v1::AppendBatchRequest& r) {
+         v1::LayerRows* lr = r.mutable_sequences(1)->add_layers();
+         lr->set_layer(2);
+       }, grpc::StatusCode::INVALID_ARGUMENT, "send every sequence's rows one way"},
+      {"more entries than layers", [&](v1::AppendBatchRequest& r) {
+         for (int i = 0; i < 3; ++i) *r.add_batch_layers() = r.batch_layers(0);
+       }, grpc::StatusCode::INVALID_ARGUMENT, "5 batch_layers entries but pool 'default' has 4 layers"},
+      {"a layer twice", [&](v1::AppendBatchRequest& r) { r.mutable_batch_layers(1)->set_layer(0); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer 0 appears twice"},
+      {"a layer outside the pool", [&](v1::AppendBatchRequest& r) { r.mutable_batch_layers(1)->set_layer(9); },
+       grpc::StatusCode::OUT_OF_RANGE, "layer 9 is outside"},
+      {"a stale expect_length", [&](v1::AppendBatchRequest& r) { r.mutable_sequences(0)->set_expect_length(2); },
+       grpc::StatusCode::FAILED_PRECONDITION, "'a'"},
+      {"a position past the end", [&](v1::AppendBatchRequest& r) { r.mutable_sequences(1)->set_start(1); },
+       grpc::StatusCode::OUT_OF_RANGE, "'b'"},
+      {"a region without --allow_ipc", [&](v1::AppendBatchRequest& r) {
+         r.mutable_batch_layers(0)->clear_ckv();
+         r.mutable_batch_layers(0)->mutable_ckv_ref()->set_region("r");
+       }, grpc::StatusCode::PERMISSION_DENIED, "allow_ipc"},
+  };
+  for (const Case& c : cases) {
+    v1::AppendBatchRequest req = request();
+    c.change(req);
+    grpc::ClientContext ctx;
+    v1::AppendBatchResponse resp;
+    const grpc::Status s = stub().AppendBatch(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), c.code) << c.what << ": " << Describe(s);
+    EXPECT_NE(s.error_message().find(c.says), std::string::npos) << c.what << ": " << s.error_message();
+    EXPECT_EQ(GetPool().pages_used(), pages_before) << c.what;
+    v1::Sequence seq;
+    EXPECT_EQ(GetSequence("b", &seq).error_code(), grpc::StatusCode::NOT_FOUND) << c.what;
+    ASSERT_TRUE(GetSequence("a", &seq).ok());
+    EXPECT_EQ(seq.layer_lengths(0), 3u) << c.what;
+    EXPECT_EQ(seq.layer_lengths(1), 3u) << c.what;
+  }
+  EXPECT_EQ(mlakv::testing::DescribeMismatch(before, Read("a", 0, 0, 3).rows), "");
+  // And the unchanged request goes through.
+  grpc::ClientContext ctx;
+  v1::AppendBatchResponse resp;
+  const grpc::Status s = stub().AppendBatch(&ctx, request(), &resp);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.rows_written(), 6u);
 }
 
 TEST_F(ServiceTest, HealthServesUntilShutdown) {
