@@ -93,15 +93,28 @@ MLAKV_HOST_DEVICE int32_t LoadIndex(const int32_t* ptr) {
 }
 
 // The cache entry of row `row` in either placement form, or -1 when out of
-// bounds. By segment, the row's segment is found by binary search over
-// segment_indptr (one step for a single run; the kernel does it once per
-// 8 rows). Never reads outside the index arrays, whatever their contents.
+// bounds. By segment, the row's segment is found by a first probe where
+// equal segments would put it, then binary search over segment_indptr (one
+// step for a single run; the kernel does it once per 8 rows). Never reads outside the index arrays, whatever their contents.
 MLAKV_HOST_DEVICE int64_t CacheEntryOfRowIndex(const QuantizeAppendParams& p, int64_t row) {
   if (p.segment_indptr == nullptr) {
     return CacheEntryOfRow(p, LoadIndex(p.batch_indices + row), LoadIndex(p.positions + row));
   }
   int32_t lo = 0, hi = p.num_segments;  // segment_indptr[lo] <= row < segment_indptr[hi]
-  if (hi <= 0 || row < LoadIndex(p.segment_indptr) || row >= LoadIndex(p.segment_indptr + hi)) return -1;
+  const int32_t first = hi > 0 ? LoadIndex(p.segment_indptr) : 0, end = hi > 0 ? LoadIndex(p.segment_indptr + hi) : 0;
+  if (hi <= 0 || row < first || row >= end) return -1;
+  // First probe where equal segments would put the row: a decode step (one
+  // row per segment) finds its segment there in two loads instead of
+  // log2(segments) dependent ones; any other split narrows from there.
+  if (hi > 1) {
+    const int32_t guess = static_cast<int32_t>((row - first) * hi / (end - first));
+    if (LoadIndex(p.segment_indptr + guess) <= row) {
+      lo = guess;
+      if (guess + 1 < hi && row < LoadIndex(p.segment_indptr + guess + 1)) hi = guess + 1;
+    } else {
+      hi = guess;
+    }
+  }
   while (hi - lo > 1) {
     const int32_t mid = lo + (hi - lo) / 2;
     if (LoadIndex(p.segment_indptr + mid) <= row) {

@@ -144,26 +144,27 @@ absl::Status ValidateSegmentPlacement(const QuantizeAppendParams& p) {
                                                 end, " < segment_indptr[", s, "] = ", begin));
     }
     if (end == begin) continue;
-    const std::string where = absl::StrCat("segment ", s, " (rows ", begin, "..", end - 1, ")");
+    // Built only for a message: a decode step validates 256 segments per layer.
+    const auto where = [&] { return absl::StrCat("segment ", s, " (rows ", begin, "..", end - 1, ")"); };
     const int32_t b = p.segment_request[s], start = p.segment_start[s];
     if (b < 0 || b >= p.batch_size) {
-      return absl::OutOfRangeError(absl::StrCat(where, ": batch index ", b, " is outside [0, ", p.batch_size, ")"));
+      return absl::OutOfRangeError(absl::StrCat(where(), ": batch index ", b, " is outside [0, ", p.batch_size, ")"));
     }
-    if (start < 0) return absl::OutOfRangeError(absl::StrCat(where, ": start position ", start, " is negative"));
+    if (start < 0) return absl::OutOfRangeError(absl::StrCat(where(), ": start position ", start, " is negative"));
     const int64_t last = static_cast<int64_t>(start) + (end - begin) - 1;
     if (last > std::numeric_limits<int32_t>::max()) {
-      return absl::OutOfRangeError(absl::StrCat(where, ": positions ", start, "..", last, " overflow int32"));
+      return absl::OutOfRangeError(absl::StrCat(where(), ": positions ", start, "..", last, " overflow int32"));
     }
     const int64_t first_page = p.kv_indptr[b] + start / p.page_size, last_page = p.kv_indptr[b] + last / p.page_size;
     if (last_page >= p.kv_indptr[b + 1]) {
-      return absl::OutOfRangeError(absl::StrCat(where, ": position ", last, " of request ", b, " needs page ",
+      return absl::OutOfRangeError(absl::StrCat(where(), ": position ", last, " of request ", b, " needs page ",
                                                 last / p.page_size, " but the request owns ",
                                                 p.kv_indptr[b + 1] - p.kv_indptr[b], " pages of ", p.page_size,
                                                 " tokens"));
     }
     for (int64_t i = first_page; i <= last_page; ++i) {
       if (p.kv_indices[i] < 0 || p.kv_indices[i] >= p.num_pages) {
-        return absl::OutOfRangeError(absl::StrCat(where, ": page id ", p.kv_indices[i], " (page ",
+        return absl::OutOfRangeError(absl::StrCat(where(), ": page id ", p.kv_indices[i], " (page ",
                                                   i - p.kv_indptr[b], " of request ", b, ") is outside [0, ",
                                                   p.num_pages, ")"));
       }

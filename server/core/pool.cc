@@ -44,7 +44,9 @@ struct Pool::StagePlan {
     float kpe_scale = 0.0f;
     size_t owner = 0;  // index of the transaction that named them (its Abort unsets them)
   };
-  std::map<int32_t, NewScales> new_scales;  // layer -> scales this call sets
+  // [num_layers] the scales this call sets per layer (vectors, not maps: a
+  // decode step looks each layer up once per sequence).
+  std::vector<std::optional<NewScales>> new_scales;
   std::vector<int64_t> new_pages;           // [txns] pages each transaction needs beyond what it holds
   // [txns] page-table entries of existing pages the rows write that are
   // shared, to copy first (ascending; usually none).
@@ -55,7 +57,7 @@ struct Pool::StagePlan {
   // The copies to make before the writes (from the shared page to the new one).
   std::vector<AppendTransaction::CopyOnWrite> copies;
   // The writes: per layer its segments, against one page table for the call.
-  std::map<int32_t, std::vector<AppendSegment>> segments;
+  std::vector<std::vector<AppendSegment>> segments;  // [num_layers]
   std::vector<int32_t> kv_indptr{0}, kv_indices;
   std::vector<LayerAppend> appends;
   std::vector<AppendTransaction::Undo*> undo_to_capture;
@@ -185,33 +187,35 @@ absl::StatusOr<std::unique_ptr<AppendTransaction>> Pool::BeginAppend(const std::
   return txn;
 }
 
-absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r, std::optional<DType> dtype) const {
+absl::Status Pool::ValidateShape(const std::string& id, const SequenceRowsIn& r, std::optional<DType> dtype) const {
+  const auto who = [&] { return Who(id); };  // built only for a message
   if (r.row_count > 0 && r.layers.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(who, ": row_count is ", r.row_count, " but no layers carry rows; add LayerRows entries"));
+        absl::StrCat(who(), ": row_count is ", r.row_count, " but no layers carry rows; add LayerRows entries"));
   }
   if (!r.layers.empty() && !dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(who, ": dtype is unset; set ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
+    return absl::InvalidArgumentError(absl::StrCat(who(), ": dtype is unset; set ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
   }
-  absl::flat_hash_set<int64_t> seen;
+  std::vector<bool> seen(r.layers.empty() ? 0 : options_.num_layers, false);
   for (const LayerRows& lr : r.layers) {
     if (lr.layer < 0 || lr.layer >= options_.num_layers) {
-      return absl::OutOfRangeError(absl::StrCat(who, ": layer ", lr.layer, " is outside [0, ", options_.num_layers,
+      return absl::OutOfRangeError(absl::StrCat(who(), ": layer ", lr.layer, " is outside [0, ", options_.num_layers,
                                                 ") of pool ", Quote(name())));
     }
-    if (!seen.insert(lr.layer).second) {
+    if (seen[lr.layer]) {
       return absl::InvalidArgumentError(
-          absl::StrCat(who, ": layer ", lr.layer, " appears twice in one message; send one entry per layer"));
+          absl::StrCat(who(), ": layer ", lr.layer, " appears twice in one message; send one entry per layer"));
     }
+    seen[lr.layer] = true;
     const int esize = DTypeSize(*dtype);
     const uint64_t ckv_row = static_cast<uint64_t>(kCkvDim) * esize, kpe_row = static_cast<uint64_t>(kKpeDim) * esize;
     if (lr.ckv_bytes != r.row_count * ckv_row) {
-      return absl::InvalidArgumentError(absl::StrCat(who, " layer ", lr.layer, ": ckv bytes ", lr.ckv_bytes,
+      return absl::InvalidArgumentError(absl::StrCat(who(), " layer ", lr.layer, ": ckv bytes ", lr.ckv_bytes,
                                                      " is not rows(", r.row_count, ") x ", ckv_row, " for ",
                                                      ShortDTypeName(*dtype)));
     }
     if (lr.kpe_bytes != r.row_count * kpe_row) {
-      return absl::InvalidArgumentError(absl::StrCat(who, " layer ", lr.layer, ": kpe bytes ", lr.kpe_bytes,
+      return absl::InvalidArgumentError(absl::StrCat(who(), " layer ", lr.layer, ": kpe bytes ", lr.kpe_bytes,
                                                      " is not rows(", r.row_count, ") x ", kpe_row, " for ",
                                                      ShortDTypeName(*dtype)));
     }
@@ -221,7 +225,7 @@ absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r
            {std::pair<float, const char*>{lr.ckv_scale, "ckv_scale"}, {lr.kpe_scale, "kpe_scale"}}) {
         if (absl::StatusOr<float> s = CheckDecodeScale(value, what); !s.ok()) {
           return absl::InvalidArgumentError(absl::StrCat(
-              who, " layer ", lr.layer, ": ", s.status().message(),
+              who(), " layer ", lr.layer, ": ", s.status().message(),
               value == 0.0f ? "; name both ckv_scale and kpe_scale, or neither to use the layer's" : ""));
         }
       }
@@ -230,20 +234,20 @@ absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r
   if (r.block_hashes.size() > static_cast<size_t>(options_.num_pages) ||
       static_cast<uint64_t>(r.block_hashes_first_page) + r.block_hashes.size() >
           static_cast<uint64_t>(options_.num_pages)) {
-    return absl::InvalidArgumentError(absl::StrCat(who, ": block hashes for page-table entries [",
+    return absl::InvalidArgumentError(absl::StrCat(who(), ": block hashes for page-table entries [",
                                                    r.block_hashes_first_page, ", ",
                                                    static_cast<uint64_t>(r.block_hashes_first_page) + r.block_hashes.size(),
                                                    ") pass the pool's ", options_.num_pages, " pages"));
   }
   for (size_t i = 0; i < r.block_hashes.size(); ++i) {
     if (r.block_hashes[i].empty() || r.block_hashes[i].size() > kMaxBlockHashBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(who, ": block hash ", i, " is ", r.block_hashes[i].size(),
+      return absl::InvalidArgumentError(absl::StrCat(who(), ": block hash ", i, " is ", r.block_hashes[i].size(),
                                                      " bytes; each must be 1..", kMaxBlockHashBytes));
     }
   }
   // Byte counts first (they say what the message is), then where it lands.
   if (static_cast<uint64_t>(r.start) + r.row_count > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
-    return absl::OutOfRangeError(absl::StrCat(who, ": start ", r.start, " + row_count ", r.row_count,
+    return absl::OutOfRangeError(absl::StrCat(who(), ": start ", r.start, " + row_count ", r.row_count,
                                               " passes position 2^31 - 1 (positions are int32)"));
   }
   return absl::OkStatus();
@@ -251,10 +255,10 @@ absl::Status Pool::ValidateShape(const std::string& who, const SequenceRowsIn& r
 
 absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const SequenceRowsIn& r,
                               StagePlan& plan) const {
-  const std::string who = Who(txn.id_);
+  const auto who = [&] { return Who(txn.id_); };  // built only for a message
   if (r.expect_generation) {
     if (txn.created_) {
-      return absl::NotFoundError(absl::StrCat(who, " not found in pool ", Quote(name()), "; expect_generation ",
+      return absl::NotFoundError(absl::StrCat(who(), " not found in pool ", Quote(name()), "; expect_generation ",
                                               *r.expect_generation, " names an incarnation that no longer exists",
                                               " (nothing was written)"));
     }
@@ -263,7 +267,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
   if (const uint32_t protect = txn.sequence_->protected_tokens(); protect > 0 && r.row_count > 0 &&
                                                                    !r.layers.empty() && r.start < protect) {
     return absl::FailedPreconditionError(absl::StrCat(
-        who, ": rows [", r.start, ", ", static_cast<uint64_t>(r.start) + r.row_count, ") would rewrite tokens below ",
+        who(), ": rows [", r.start, ", ", static_cast<uint64_t>(r.start) + r.row_count, ") would rewrite tokens below ",
         protect, ", which ", txn.sequence_->lease_tokens().size(),
         " lease(s) protect; append at or after position ", protect, " or end the leases first (ListLeases)"));
   }
@@ -271,7 +275,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
     // The layers these rows write, or the sequence as a whole.
     auto mismatch = [&](uint32_t have, const std::string& what) {
       return absl::FailedPreconditionError(absl::StrCat(
-          who, " ", what, " holds ", have, " tokens, not the ", *r.expect_length,
+          who(), " ", what, " holds ", have, " tokens, not the ", *r.expect_length,
           " this append expects (expect_length); nothing was written. An earlier attempt of this append may "
           "have committed: read the sequence before retrying"));
     };
@@ -288,34 +292,32 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
     const int32_t layer = static_cast<int32_t>(lr.layer);
     const bool named = lr.ckv_scale != 0.0f || lr.kpe_scale != 0.0f;
     const LayerState& st = layers_[layer];
-    auto decided = plan.new_scales.find(layer);
-    if (decided != plan.new_scales.end()) {
-      if (named && (!SameBits(lr.ckv_scale, decided->second.ckv_scale) ||
-                    !SameBits(lr.kpe_scale, decided->second.kpe_scale))) {
+    if (const std::optional<StagePlan::NewScales>& decided = plan.new_scales[layer]; decided) {
+      if (named && (!SameBits(lr.ckv_scale, decided->ckv_scale) || !SameBits(lr.kpe_scale, decided->kpe_scale))) {
         return absl::FailedPreconditionError(absl::StrCat(
-            who, " layer ", layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale,
-            " but another sequence of this call names ckv_scale ", decided->second.ckv_scale, " kpe_scale ",
-            decided->second.kpe_scale, "; one layer has one pair of scales"));
+            who(), " layer ", layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale,
+            " but another sequence of this call names ckv_scale ", decided->ckv_scale, " kpe_scale ",
+            decided->kpe_scale, "; one layer has one pair of scales"));
       }
     } else if (st.scales_set) {
       if (named && (!SameBits(lr.ckv_scale, st.ckv_scale) || !SameBits(lr.kpe_scale, st.kpe_scale))) {
         const bool replaceable = !st.scales_from_config && st.tokens == 0 && st.staged_users == 0;
         if (!replaceable) {
           return absl::FailedPreconditionError(absl::StrCat(
-              who, " layer ", layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale, " but layer ",
+              who(), " layer ", layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale, " but layer ",
               layer, " of pool ", Quote(name()), " has ckv_scale ", st.ckv_scale, " kpe_scale ", st.kpe_scale,
               st.scales_from_config
                   ? " fixed by configuration"
                   : absl::StrCat(" and stores ", st.tokens, " tokens (scales change only while a layer is empty)"),
               "; append with the layer's scales or leave them unset"));
         }
-        plan.new_scales[layer] = {lr.ckv_scale, lr.kpe_scale, index};
+        plan.new_scales[layer] = StagePlan::NewScales{lr.ckv_scale, lr.kpe_scale, index};
       }
     } else if (named) {
-      plan.new_scales[layer] = {lr.ckv_scale, lr.kpe_scale, index};
+      plan.new_scales[layer] = StagePlan::NewScales{lr.ckv_scale, lr.kpe_scale, index};
     } else if (r.row_count > 0) {
       return absl::FailedPreconditionError(absl::StrCat(
-          who, " layer ", layer, ": layer ", layer, " of pool ", Quote(name()),
+          who(), " layer ", layer, ": layer ", layer, " of pool ", Quote(name()),
           " has no scales yet; name ckv_scale and kpe_scale in the first append to it (or configure them)"));
     }
     // No holes: start at or before what the layer holds (committed, or
@@ -323,7 +325,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
     if (r.row_count > 0) {
       const uint32_t have = std::max(txn.committed_[layer], txn.staged_end_[layer]);
       if (r.start > have) {
-        return absl::OutOfRangeError(absl::StrCat(who, " layer ", layer, ": start ", r.start,
+        return absl::OutOfRangeError(absl::StrCat(who(), " layer ", layer, ": start ", r.start,
                                                   " would leave a hole; the layer holds ", have,
                                                   " tokens, so an append must start at or before ", have));
       }
@@ -333,7 +335,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
   const uint64_t end = static_cast<uint64_t>(r.start) + r.row_count;
   const uint64_t needed_tokens = std::max<uint64_t>(r.row_count == 0 || r.layers.empty() ? 0 : end, r.reserve_tokens);
   if (needed_tokens > static_cast<uint64_t>(max_tokens_)) {
-    return absl::ResourceExhaustedError(absl::StrCat(who, " would need ", needed_tokens, " tokens but pool ",
+    return absl::ResourceExhaustedError(absl::StrCat(who(), " would need ", needed_tokens, " tokens but pool ",
                                                      Quote(name()), " holds at most ", max_tokens_, " (",
                                                      options_.num_pages, " pages of ", options_.page_size,
                                                      "); nothing was written"));
@@ -391,7 +393,9 @@ void Pool::Reserve(std::span<AppendTransaction* const> txns, StagePlan& plan) {
     next += plan.new_pages[i];
     txn.pages_allocated_ += static_cast<uint32_t>(plan.new_pages[i] + plan.cows[i].size());
   }
-  for (const auto& [layer, scales] : plan.new_scales) {
+  for (int32_t layer = 0; layer < static_cast<int32_t>(plan.new_scales.size()); ++layer) {
+    if (!plan.new_scales[layer]) continue;
+    const StagePlan::NewScales& scales = *plan.new_scales[layer];
     LayerState& st = layers_[layer];
     txns[scales.owner]->scales_before_.push_back(
         {.layer = layer, .set = st.scales_set, .ckv_scale = st.ckv_scale, .kpe_scale = st.kpe_scale});
@@ -416,7 +420,9 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
         txn.touched_[l] = true;
         ++layers_[l].staged_users;
       }
-      plan.segments[l].push_back({.rows = lr.source,
+      std::vector<AppendSegment>& segments = plan.segments[l];
+      if (segments.empty()) segments.reserve(txns.size());
+      segments.push_back({.rows = lr.source,
                                   .count = static_cast<int32_t>(r.row_count),
                                   .request = static_cast<int32_t>(i),
                                   .start = static_cast<int32_t>(r.start)});
@@ -445,7 +451,9 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
       if (!u.captured) plan.undo_to_capture.push_back(&u);
     }
   }
-  for (auto& [layer, segments] : plan.segments) {
+  for (int32_t layer = 0; layer < static_cast<int32_t>(plan.segments.size()); ++layer) {
+    const std::vector<AppendSegment>& segments = plan.segments[layer];
+    if (segments.empty()) continue;
     const LayerState& st = layers_[layer];
     plan.appends.push_back({.layer = layer,
                             .dtype = dtype.value_or(DType::kBFloat16),
@@ -499,9 +507,11 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
   if (txns.size() != rows.size()) return absl::InternalError("Pool::Stage: txns and rows differ in length");
   for (size_t i = 0; i < txns.size(); ++i) {
     if (txns[i]->finished_) return absl::InternalError("Pool::Stage on a finished transaction");
-    MLAKV_RETURN_IF_ERROR(ValidateShape(Who(txns[i]->id_), *rows[i], dtype));
+    MLAKV_RETURN_IF_ERROR(ValidateShape(txns[i]->id_, *rows[i], dtype));
   }
   StagePlan plan;
+  plan.new_scales.resize(options_.num_layers);
+  plan.segments.resize(options_.num_layers);
   plan.new_pages.assign(txns.size(), 0);
   plan.cows.resize(txns.size());
   plan.rewritten.resize(txns.size());

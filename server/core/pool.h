@@ -399,7 +399,7 @@ class Pool {
 
   // ---- the steps of Stage ----
   // Shape of one sequence's rows; needs no state.
-  absl::Status ValidateShape(const std::string& who, const SequenceRowsIn& rows, std::optional<DType> dtype) const;
+  absl::Status ValidateShape(const std::string& id, const SequenceRowsIn& rows, std::optional<DType> dtype) const;
   // Against the pool's state: scales, holes, expect_length; records scales
   // to set and pages to allocate in `plan`.
   absl::Status CheckState(size_t index, const AppendTransaction& txn, const SequenceRowsIn& rows, StagePlan& plan) const

@@ -100,4 +100,85 @@ TEST(SerialExecutorTest, ConcurrentPostersHandOverTheirData) {
 }
 
 }  // namespace
+// RunHere on an idle executor runs the task on the calling thread, at once.
+TEST(SerialExecutorTest, RunHereOnAnIdleExecutorRunsOnTheCallersThread) {
+  SerialExecutor executor;
+  std::thread::id ran_on;
+  executor.RunHere([&] { ran_on = std::this_thread::get_id(); });
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(executor.pending(), 0u);
+}
+
+// While a task runs (or tasks are queued), RunHere queues its task behind
+// them, on the worker, and returns only when it has run: never beside
+// another task, and after what was posted before it.
+TEST(SerialExecutorTest, RunHereOnABusyExecutorWaitsItsTurnOnTheWorker) {
+  SerialExecutor executor;
+  absl::Notification started, release;
+  std::vector<int> order;  // touched by tasks only, which never overlap
+  std::thread::id worker_id, ran_on;
+  executor.Post([&] {
+    worker_id = std::this_thread::get_id();
+    started.Notify();
+    release.WaitForNotification();
+    order.push_back(0);
+  });
+  executor.Post([&] { order.push_back(1); });
+  started.WaitForNotification();
+  std::thread caller([&] {
+    executor.RunHere([&] {
+      ran_on = std::this_thread::get_id();
+      order.push_back(2);
+    });
+    order.push_back(3);  // after RunHere returned: its task has run
+  });
+  while (executor.pending() < 3) std::this_thread::yield();  // the caller's task is queued
+  release.Notify();
+  caller.join();
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ran_on, worker_id);
+}
+
+// Posters and RunHere callers on many threads: no two tasks ever overlap,
+// every task runs once, and each caller's tasks run in its order.
+TEST(SerialExecutorTest, RunHereAndPostNeverOverlap) {
+  SerialExecutor executor;
+  std::atomic<int> inside{0}, overlaps{0}, ran{0};
+  auto task = [&] {
+    if (inside.fetch_add(1) != 0) overlaps.fetch_add(1);
+    for (volatile int spin = 0; spin < 200; ++spin) {
+    }
+    inside.fetch_sub(1);
+    ran.fetch_add(1);
+  };
+  constexpr int kThreads = 6, kTasks = 300;
+  std::vector<std::vector<int>> seen(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kTasks; ++i) {
+        if (t % 2 == 0) {
+          executor.RunHere([&, t, i] {
+            task();
+            seen[t].push_back(i);
+          });
+        } else {
+          executor.Post([&, t, i] {
+            task();
+            seen[t].push_back(i);
+          });
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  while (executor.pending() != 0) std::this_thread::yield();
+  EXPECT_EQ(overlaps.load(), 0);
+  EXPECT_EQ(ran.load(), kThreads * kTasks);
+  for (int t = 0; t < kThreads; ++t) {
+    ASSERT_EQ(seen[t].size(), static_cast<size_t>(kTasks)) << t;
+    for (int i = 0; i < kTasks; ++i) EXPECT_EQ(seen[t][i], i) << t;
+  }
+}
+
 }  // namespace mlakv::server

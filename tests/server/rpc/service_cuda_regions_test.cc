@@ -115,6 +115,68 @@ TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
 }
 
+// AppendBatch's compact form from one CUDA region range per layer: the rows
+// of three sequences lie one after another, so each layer's rows are read in
+// place (no gather) and all four layers go in one kernel launch. Layers 0-1
+// name the packed copy, layers 2-3 the strided one; every sequence stores
+// exactly its slice of the same rows sent as bytes.
+TEST_F(CudaRegionServiceTest, CompactBatchFromOneRangePerLayerStoresEachSequencesSlice) {
+  const Rows rows = RandomRows(300, 29);
+  const ProducerLayout layout = MakeProducerLayout(rows);
+  IpcProducerProcess producer(layout.bytes);
+  ASSERT_TRUE(RegisterCuda("r", producer.mem_handle(), layout.bytes.size()).ok());
+  grpc::Status s = AppendRows("bytes", 0, rows, {0, 1, 2, 3}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  const uint32_t counts[] = {100, 150, 50};
+  v1::AppendBatchRequest req;
+  req.set_dtype(ProtoDType(rows.dtype));
+  for (int i = 0; i < 3; ++i) {
+    v1::SequenceRows* sr = req.add_sequences();
+    sr->set_sequence("c" + std::to_string(i));
+    sr->set_row_count(counts[i]);
+  }
+  for (uint32_t l = 0; l < 4; ++l) {
+    v1::LayerRows* lr = req.add_batch_layers();
+    lr->set_layer(l);
+    if (l < 2) {
+      *lr->mutable_ckv_ref() = Ref("r", 0);
+      *lr->mutable_kpe_ref() = Ref("r", layout.kpe_off);
+    } else {
+      *lr->mutable_ckv_ref() = Ref("r", layout.strided_off, layout.stride);
+      *lr->mutable_kpe_ref() = Ref("r", layout.strided_off + kCkvRow, layout.stride);
+    }
+  }
+  v1::AppendBatchResponse resp;
+  {
+    grpc::ClientContext ctx;
+    s = stub().AppendBatch(&ctx, req, &resp);
+  }
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.rows_written(), 4u * 300);
+  for (uint32_t l = 0; l < 4; ++l) {
+    Stored all = Read("bytes", l, 0, 300);
+    ASSERT_TRUE(all.status.ok()) << Describe(all.status);
+    uint64_t first = 0;
+    for (int i = 0; i < 3; ++i) {
+      Stored one = Read("c" + std::to_string(i), l, 0, counts[i]);
+      ASSERT_TRUE(one.status.ok()) << Describe(one.status);
+      ExpectRowsOf(one.rows, all.rows, first, counts[i]);
+      first += counts[i];
+    }
+  }
+  // A range that ends past the region: OUT_OF_RANGE, nothing written.
+  req.mutable_batch_layers(3)->mutable_kpe_ref()->set_offset(layout.bytes.size() - 100 * layout.stride);
+  for (int i = 0; i < 3; ++i) req.mutable_sequences(i)->set_sequence("far" + std::to_string(i));
+  {
+    grpc::ClientContext ctx;
+    s = stub().AppendBatch(&ctx, req, &resp);
+  }
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+  EXPECT_NE(s.error_message().find("batch_layers[3] (layer 3)"), std::string::npos) << s.error_message();
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("far0", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
 TEST_F(CudaRegionServiceTest, ExportPoolDecodeSideReadsTheStoredBytes) {
   const Rows rows = RandomRows(40, 23);
   grpc::Status s = AppendRows("dec", 0, rows, {2}, kCkvScale, kKpeScale);
