@@ -14,18 +14,10 @@ using grpc::experimental::InterceptionHookPoints;
 class MetricsInterceptor : public grpc::experimental::Interceptor {
  public:
   MetricsInterceptor(grpc::experimental::ServerRpcInfo* info, ServerMetrics* metrics)
-      : metrics_(metrics), start_(std::chrono::steady_clock::now()) {
-    // "/package.Service/Method"
-    std::string full = info->method() ? info->method() : "";
-    size_t slash = full.rfind('/');
-    if (slash != std::string::npos && slash > 0) {
-      service_ = full.substr(1, slash - 1);
-      method_ = full.substr(slash + 1);
-    } else {
-      service_ = "unknown";
-      method_ = full.empty() ? "unknown" : full;
-    }
-    metrics_->RpcStarted(service_, method_);
+      : metrics_(metrics),
+        children_(metrics->ChildrenOf(info->method() ? info->method() : "")),
+        start_(std::chrono::steady_clock::now()) {
+    metrics_->RpcStarted(children_);
   }
 
   ~MetricsInterceptor() override {
@@ -44,12 +36,12 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
   void Finish(grpc::StatusCode code) {
     finished_ = true;
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    metrics_->RpcFinished(service_, method_, code, seconds);
+    metrics_->RpcFinished(children_, code, seconds);
   }
 
   ServerMetrics* const metrics_;
+  ServerMetrics::RpcChildren& children_;  // resolved once per method, owned by metrics_
   const std::chrono::steady_clock::time_point start_;
-  std::string service_, method_;
   bool finished_ = false;
 };
 

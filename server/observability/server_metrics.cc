@@ -1,6 +1,9 @@
 #include "server/observability/server_metrics.h"
 
+#include <array>
+#include <atomic>
 #include <exception>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -185,20 +188,76 @@ std::string ServerMetrics::PoolLabel(const std::string& pool) const {
   return pools_.contains(p) ? p : kUnknown;
 }
 
+// One (service, method) label pair's children; the per-code counters are
+// added on first use (a family child per code ever seen, as before).
+struct ServerMetrics::RpcChildren {
+  static constexpr int kCodes = static_cast<int>(grpc::StatusCode::UNAUTHENTICATED) + 2;  // + UNKNOWN's slot
+  std::string service, method;  // the label values
+  prometheus::Gauge* in_flight = nullptr;
+  prometheus::Histogram* latency = nullptr;
+  std::array<std::atomic<prometheus::Counter*>, kCodes> rpcs{}, errors{};
+};
+
+ServerMetrics::RpcChildren& ServerMetrics::ChildrenOfLabels(const std::string& service, const std::string& method) {
+  auto made = std::make_unique<RpcChildren>();
+  made->service = service;
+  made->method = method;
+  made->in_flight = &families_->in_flight.Get({service, method});
+  made->latency = &families_->rpc_latency.Get({service, method});
+  RpcChildren& out = *made;
+  if (service == kUnknown) {
+    unknown_children_ = std::move(made);
+  } else {
+    children_.emplace(absl::StrCat("/", service, "/", method), std::move(made));
+  }
+  return out;
+}
+
+ServerMetrics::RpcChildren& ServerMetrics::ChildrenOf(absl::string_view path) {
+  {
+    absl::ReaderMutexLock lock(&children_mu_);
+    if (auto it = children_.find(path); it != children_.end()) return *it->second;
+  }
+  // "/package.Service/Method"
+  std::string service = kUnknown, method = kUnknown;
+  const size_t slash = path.rfind('/');
+  if (path.size() > 1 && path[0] == '/' && slash != absl::string_view::npos && slash > 1) {
+    std::tie(service, method) = RpcLabels(std::string(path.substr(1, slash - 1)), std::string(path.substr(slash + 1)));
+  }
+  absl::MutexLock lock(&children_mu_);
+  if (service == kUnknown) {  // every other path shares one entry: the map stays bounded
+    return unknown_children_ ? *unknown_children_ : ChildrenOfLabels(kUnknown, kUnknown);
+  }
+  if (auto it = children_.find(path); it != children_.end()) return *it->second;
+  return ChildrenOfLabels(service, method);
+}
+
+void ServerMetrics::RpcStarted(RpcChildren& c) { c.in_flight->Increment(); }
+
+void ServerMetrics::RpcFinished(RpcChildren& c, grpc::StatusCode code, double seconds) {
+  c.in_flight->Decrement();
+  const int n = static_cast<int>(code);
+  const int slot = n >= 0 && n < RpcChildren::kCodes - 1 ? n : RpcChildren::kCodes - 1;
+  auto counter = [&](std::atomic<prometheus::Counter*>& cached, Counters& family) -> prometheus::Counter& {
+    prometheus::Counter* p = cached.load(std::memory_order_acquire);
+    if (p == nullptr) {
+      p = &family.Get({c.service, c.method, StatusCodeName(code)});  // the same child whoever races here
+      cached.store(p, std::memory_order_release);
+    }
+    return *p;
+  };
+  counter(c.rpcs[slot], families_->rpcs).Increment();
+  if (code != grpc::StatusCode::OK) counter(c.errors[slot], families_->rpc_errors).Increment();
+  c.latency->Observe(seconds);
+}
+
 void ServerMetrics::RpcStarted(const std::string& service, const std::string& method) {
-  auto [s, m] = RpcLabels(service, method);
-  families_->in_flight.Get({s, m}).Increment();
+  RpcStarted(ChildrenOf(absl::StrCat("/", service, "/", method)));
 }
 
 void ServerMetrics::RpcFinished(const std::string& service, const std::string& method, grpc::StatusCode code,
                                 double seconds) {
-  auto [s, m] = RpcLabels(service, method);
-  Families& f = *families_;
-  f.in_flight.Get({s, m}).Decrement();
-  const std::string name = StatusCodeName(code);
-  f.rpcs.Get({s, m, name}).Increment();
-  if (code != grpc::StatusCode::OK) f.rpc_errors.Get({s, m, name}).Increment();
-  f.rpc_latency.Get({s, m}).Observe(seconds);
+  RpcFinished(ChildrenOf(absl::StrCat("/", service, "/", method)), code, seconds);
 }
 
 void ServerMetrics::AppendFinished(const std::string& method, const std::string& pool, bool ok, uint64_t rows,

@@ -41,7 +41,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/support/status.h"
@@ -82,6 +84,14 @@ class ServerMetrics {
   // a pair outside RpcMethodSet::Served() counts as ("unknown", "unknown").
   void RpcStarted(const std::string& service, const std::string& method);
   void RpcFinished(const std::string& service, const std::string& method, grpc::StatusCode code, double seconds);
+  // The same through a method's metric children, resolved once per method
+  // from its path ("/service/method") and kept: the per-call path does no
+  // label lookup and no allocation (the interceptor's; every unary call pays
+  // it, docs/performance.md "The RPC floor").
+  struct RpcChildren;
+  RpcChildren& ChildrenOf(absl::string_view path);
+  void RpcStarted(RpcChildren& children);
+  void RpcFinished(RpcChildren& children, grpc::StatusCode code, double seconds);
   // One Append / AppendBatch call, reported by the service
   // (KvCacheService::Options::on_append); rows and bytes count only when ok.
   // `pool` empty means the default pool; a pool that is not configured
@@ -102,7 +112,14 @@ class ServerMetrics {
   std::pair<std::string, std::string> RpcLabels(const std::string& service, const std::string& method) const;
   std::string PoolLabel(const std::string& pool) const;
 
+  RpcChildren& ChildrenOfLabels(const std::string& service, const std::string& method)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(children_mu_);
+
   const RpcMethodSet methods_ = RpcMethodSet::Served();
+  // Children per served path, and one entry every other path shares.
+  absl::Mutex children_mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<RpcChildren>> children_ ABSL_GUARDED_BY(children_mu_);
+  std::unique_ptr<RpcChildren> unknown_children_ ABSL_GUARDED_BY(children_mu_);
   std::shared_ptr<ScrapeTimeCollector> scrape_time_;
   std::unique_ptr<Families> families_;
   mutable absl::Mutex pools_mu_;
