@@ -142,10 +142,35 @@ struct CudaBackend::LayerSlots {
   size_t ckv = 0, kpe = 0, placement = 0, indptr = 0, indices = 0;  // offsets in the staging buffer
   int64_t rows = 0;
   int32_t segments = 0;  // non-empty segments
-  // The layer's only segment lives in device memory (a CUDA region): the
-  // kernel reads it in place, no ckv/kpe slots.
+  // The layer's rows live in device memory, one contiguous run (a CUDA
+  // region): the kernel reads them in place, no ckv/kpe slots.
   const AppendSegment* direct = nullptr;
+  // An earlier layer with the same placement against the same page table
+  // (a decode step's 61 layers): this layer's placement, indptr and indices
+  // slots are that layer's, written and validated once. -1: its own.
+  int shares_placement_with = -1;
 };
+
+namespace {
+
+// The same non-empty runs (count, request, start) in the same order.
+bool SamePlacement(std::span<const AppendSegment> a, std::span<const AppendSegment> b) {
+  size_t i = 0, j = 0;
+  while (true) {
+    while (i < a.size() && a[i].count <= 0) ++i;
+    while (j < b.size() && b[j].count <= 0) ++j;
+    if (i == a.size() || j == b.size()) return i == a.size() && j == b.size();
+    if (a[i].count != b[j].count || a[i].request != b[j].request || a[i].start != b[j].start) return false;
+    ++i;
+    ++j;
+  }
+}
+
+bool SameSpan(std::span<const int32_t> a, std::span<const int32_t> b) {
+  return a.data() == b.data() && a.size() == b.size();
+}
+
+}  // namespace
 
 // The first non-empty segment when every segment's rows are device rows
 // that follow each other in memory (a layer's one run from a CUDA region, or
@@ -259,6 +284,19 @@ absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> lay
     total += s.direct ? 0 : AlignUp(rows * kCkvDim * esize);
     s.kpe = total;
     total += s.direct ? 0 : AlignUp(rows * kKpeDim * esize);
+    // The previous layer's placement, when this one's is the same.
+    if (li > 0 && rows > 0) {
+      const size_t prev = (*slots)[li - 1].shares_placement_with >= 0 ? (*slots)[li - 1].shares_placement_with : li - 1;
+      const LayerAppend& p = layers[prev];
+      if ((*slots)[prev].rows == rows && SameSpan(p.kv_indptr, la.kv_indptr) && SameSpan(p.kv_indices, la.kv_indices) &&
+          SamePlacement(p.segments, la.segments)) {
+        s.shares_placement_with = static_cast<int>(prev);
+        s.placement = (*slots)[prev].placement;
+        s.indptr = (*slots)[prev].indptr;
+        s.indices = (*slots)[prev].indices;
+        continue;
+      }
+    }
     s.placement = total;
     total += AlignUp((3 * static_cast<size_t>(non_empty) + 1) * sizeof(int32_t));
     s.indptr = total;
@@ -281,10 +319,11 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
     const LayerSlots& s = slots[li];
     if (s.rows == 0) continue;
     const size_t esize = static_cast<size_t>(DTypeSize(la.dtype));
+    const bool own_placement = s.shares_placement_with < 0;  // else written (and validated) with that layer
     auto* seg_indptr = reinterpret_cast<int32_t*>(pinned_ + s.placement);
     int32_t* seg_request = seg_indptr + s.segments + 1;
     int32_t* seg_start = seg_request + s.segments;
-    seg_indptr[0] = 0;
+    if (own_placement) seg_indptr[0] = 0;
     int32_t n = 0;
     int64_t r = 0;
     for (const AppendSegment& seg : la.segments) {
@@ -303,13 +342,18 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
         AddCopy(&out.host_copies, {pinned_ + s.ckv + r * kCkvDim * esize, rows.ckv, seg.count * kCkvDim * esize});
         AddCopy(&out.host_copies, {pinned_ + s.kpe + r * kKpeDim * esize, rows.kpe, seg.count * kKpeDim * esize});
       }
-      seg_request[n] = seg.request;
-      seg_start[n] = seg.start;
       r += seg.count;
-      seg_indptr[++n] = static_cast<int32_t>(r);
+      if (own_placement) {
+        seg_request[n] = seg.request;
+        seg_start[n] = seg.start;
+        seg_indptr[n + 1] = static_cast<int32_t>(r);
+      }
+      ++n;
     }
-    std::memcpy(pinned_ + s.indptr, la.kv_indptr.data(), la.kv_indptr.size() * sizeof(int32_t));
-    std::memcpy(pinned_ + s.indices, la.kv_indices.data(), la.kv_indices.size() * sizeof(int32_t));
+    if (own_placement) {
+      std::memcpy(pinned_ + s.indptr, la.kv_indptr.data(), la.kv_indptr.size() * sizeof(int32_t));
+      std::memcpy(pinned_ + s.indices, la.kv_indices.data(), la.kv_indices.size() * sizeof(int32_t));
+    }
 
     const LayerCaches& c = layers_[la.layer];
     QuantizeAppendParams p = LayerParams(la, g, c.ckv, c.sf, c.kpe);
@@ -324,7 +368,7 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
     host.num_segments = s.segments;
     host.kv_indptr = reinterpret_cast<const int32_t*>(pinned_ + s.indptr);
     host.kv_indices = reinterpret_cast<const int32_t*>(pinned_ + s.indices);
-    if (absl::Status st = ValidateRowPlacement(host); !st.ok()) {
+    if (absl::Status st = own_placement ? ValidateRowPlacement(host) : absl::OkStatus(); !st.ok()) {
       return absl::InternalError(absl::StrCat("cuda backend: row placement rejected (a server bug): ", st.message()));
     }
     if (!CheckDecodeScale(p.ckv_scale, "ckv_scale").ok() || !CheckDecodeScale(p.kpe_scale, "kpe_scale").ok()) {

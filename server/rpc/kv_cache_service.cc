@@ -1,6 +1,7 @@
 #include "server/rpc/kv_cache_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <optional>
 #include <tuple>
 
@@ -220,8 +221,14 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
   AppendStarted();
   uint64_t row_bytes = 0;
   absl::Status status;
+  // Where the call's time went (logged with the call at debug level):
+  // waiting for the pool, rows resolved and sequences begun, staged (the
+  // backend's write included), committed, response filled.
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point t_queued = Clock::now(), t_started, t_prepared, t_staged, t_committed, t_done;
   // One of the pool's worker tasks, on this thread when the worker is idle.
   p->worker().RunHere([&] {
+    t_started = t_prepared = t_staged = t_committed = Clock::now();
     status = [&]() -> absl::Status {
       // Queued behind other work: a call whose client gave up meanwhile is not started.
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was written"));
@@ -246,7 +253,9 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       for (const SequenceRowsIn& r : rows) row_bytes += static_cast<uint64_t>(r.row_count) * kRowBytes * r.layers.size();
       std::vector<const SequenceRowsIn*> row_ptrs;
       for (const SequenceRowsIn& r : rows) row_ptrs.push_back(&r);
+      t_prepared = Clock::now();
       MLAKV_RETURN_IF_ERROR(append.Stage(row_ptrs, c.dtype));
+      t_staged = Clock::now();
       hold.gathered.clear();
       // The response must fit the send limit: refused now, before the commit,
       // rather than failing at the client after every sequence was written.
@@ -275,6 +284,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       const uint64_t rows_written = append.rows_written();
       const uint32_t pages = append.pages_allocated();
       MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append.Commit(last_check));
+      t_committed = Clock::now();
       for (size_t i = 0; i < after.size(); ++i) {
         ToProto(p->name(), after[i], resp->add_sequences(), c.view, first_new[i]);
       }
@@ -282,6 +292,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       resp->set_pages_allocated(pages);
       return absl::OkStatus();
     }();
+    t_done = Clock::now();
   });
   if (!status.ok()) resp->Clear();
   AppendEnded({.method = "AppendBatch",
@@ -290,7 +301,17 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
                .rows = resp->rows_written(),
                .bytes = status.ok() ? row_bytes : 0,
                .seconds = absl::ToDoubleSeconds(absl::Now() - started)});
-  return FinishCall("AppendBatch", [&] { return absl::StrCat(detail(), " rows=", resp->rows_written()); }, status);
+  return FinishCall(
+      "AppendBatch",
+      [&] {
+        auto us = [](Clock::time_point a, Clock::time_point b) {
+          return std::chrono::duration_cast<std::chrono::microseconds>(b - a).count();
+        };
+        return absl::StrCat(detail(), " rows=", resp->rows_written(), " us: wait=", us(t_queued, t_started),
+                            " prepare=", us(t_started, t_prepared), " stage=", us(t_prepared, t_staged),
+                            " commit=", us(t_staged, t_committed), " respond=", us(t_committed, t_done));
+      },
+      status);
 }
 
 // ---- streams ---------------------------------------------------------------------
