@@ -189,6 +189,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
                                                       const v1::AppendBatchRequest* req,
                                                       v1::AppendBatchResponse* resp) {
   const absl::Time started = absl::Now();
+  const std::chrono::steady_clock::time_point t_entered = std::chrono::steady_clock::now();
   auto detail = [&] { return absl::StrCat(PoolDetail(req->pool()), " sequences=", req->sequences_size()); };
   // Shape checks that need no pool state, before the call is queued.
   struct Checked {
@@ -221,9 +222,9 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
   AppendStarted();
   uint64_t row_bytes = 0;
   absl::Status status;
-  // Where the call's time went (logged with the call at debug level):
-  // waiting for the pool, rows resolved and sequences begun, staged (the
-  // backend's write included), committed, response filled.
+  // Where the call's time went (logged with the call at debug level): the
+  // shape checks, waiting for the pool, rows resolved and sequences begun,
+  // staged (the backend's write included), committed, response filled.
   using Clock = std::chrono::steady_clock;
   Clock::time_point t_queued = Clock::now(), t_started, t_prepared, t_staged, t_committed, t_done;
   // One of the pool's worker tasks, on this thread when the worker is idle.
@@ -307,7 +308,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
         auto us = [](Clock::time_point a, Clock::time_point b) {
           return std::chrono::duration_cast<std::chrono::microseconds>(b - a).count();
         };
-        return absl::StrCat(detail(), " rows=", resp->rows_written(), " us: wait=", us(t_queued, t_started),
+        return absl::StrCat(detail(), " rows=", resp->rows_written(), " us: checks=", us(t_entered, t_queued), " wait=", us(t_queued, t_started),
                             " prepare=", us(t_started, t_prepared), " stage=", us(t_prepared, t_staged),
                             " commit=", us(t_staged, t_committed), " respond=", us(t_committed, t_done));
       },
