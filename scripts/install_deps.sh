@@ -24,6 +24,7 @@ build_packages=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev
   libabsl-dev libspdlog-dev nlohmann-json3-dev
   prometheus-cpp-dev libcivetweb-dev
+  libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 # Tools the tests run: the Python client's dependencies, promtool (package
@@ -32,7 +33,7 @@ build_packages=(
 # libFuzzer runtimes and llvm-symbolizer for the sanitizer builds and fuzz
 # targets (scripts/sanitize.sh, scripts/fuzz.sh).
 test_packages=(
-  python3 python3-grpcio python3-numpy python3-protobuf python3-yaml
+  python3 python3-grpcio python3-numpy python3-protobuf python3-yaml python3-zmq python3-msgpack
   prometheus openssl
   clang-14 libclang-rt-14-dev llvm-14
 )
