@@ -29,6 +29,15 @@ ABSL_FLAG(std::string, log_level, "info", "trace, debug (one line per request), 
 ABSL_FLAG(int32_t, drain_grace_s, 10,
           "on SIGTERM/SIGINT, how long calls in flight may run before they are cancelled (keep it below the pod's "
           "terminationGracePeriodSeconds)");
+ABSL_FLAG(std::string, server_id, "",
+          "this server's id in GetPool, ListPools and its KV events (empty: the host name; in Kubernetes the pod "
+          "name, docs/deploy.md)");
+ABSL_FLAG(std::string, kv_events_endpoint, "",
+          "publish KV events on ZeroMQ in vLLM's KV event format (msgpack batches on a PUB socket), e.g. "
+          "tcp://*:5557 (docs/events.md); empty: off");
+ABSL_FLAG(std::string, kv_events_replay_endpoint, "",
+          "with --kv_events_endpoint: a ROUTER socket answering replay requests for missed batches, e.g. tcp://*:5558");
+ABSL_FLAG(std::string, kv_events_topic, "", "with --kv_events_endpoint: the topic frame of every message");
 ABSL_FLAG(bool, allow_ipc, false,
           "accept RegisterShmRegion / RegisterCudaRegion and appends naming regions: the server then reads memory "
           "of other processes on this host (docs/server.md \"Regions\"); off: those calls are PERMISSION_DENIED");
@@ -74,8 +83,12 @@ ServerFlags FlagsFromCommandLine() {
           .listen = absl::GetFlag(FLAGS_listen),
           .device = absl::GetFlag(FLAGS_device),
           .allow_ipc = absl::GetFlag(FLAGS_allow_ipc),
+          .server_id = absl::GetFlag(FLAGS_server_id),
           .metrics_listen = absl::GetFlag(FLAGS_metrics_listen),
           .health_listen = absl::GetFlag(FLAGS_health_listen),
+          .kv_events_endpoint = absl::GetFlag(FLAGS_kv_events_endpoint),
+          .kv_events_replay_endpoint = absl::GetFlag(FLAGS_kv_events_replay_endpoint),
+          .kv_events_topic = absl::GetFlag(FLAGS_kv_events_topic),
           .tls_cert = absl::GetFlag(FLAGS_tls_cert),
           .tls_key = absl::GetFlag(FLAGS_tls_key),
           .tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca),

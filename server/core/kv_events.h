@@ -45,6 +45,9 @@ struct KvEvent {
   // One per page (empty string: the client gave that page no hash), or
   // empty when none of the pages has one.
   std::vector<std::string> block_hashes;
+  // kStored: the hash of the page-table entry before first_page_index, when
+  // there is one and it has a hash (a router's chain link).
+  std::string parent_block_hash;
   // kRemoved: "free", "truncate", "rewrite", "evict", "ttl", "lease_end".
   std::string reason;
 };

@@ -127,6 +127,7 @@ Pool::Pool(const Options& options, std::unique_ptr<CacheBackend> backend, std::u
       layers_(options.num_layers),
       prefix_(options.num_pages),
       ended_(options.eviction.remember_ended),
+      page_stored_(options.num_pages, 0),
       // The worker makes the pool's GPU current once, before its first task.
       worker_(std::make_unique<SerialExecutor>([device = device_] { device.BindThread(); })) {
   for (size_t l = 0; l < options.layer_scales.size(); ++l) {
@@ -148,12 +149,31 @@ int64_t Pool::EntryOf(const Sequence& seq, uint32_t position) const {
 
 int64_t Pool::NowNs() const { return absl::ToUnixNanos(options_.clock ? options_.clock() : absl::Now()); }
 
-uint32_t Pool::ReleasePages(std::span<const int32_t> pages) {
+uint32_t Pool::ReleasePages(std::span<const int32_t> pages, const char* reason, const std::string& sequence) {
   std::vector<int32_t> freed;
   if (absl::Status s = allocator_->Unref(pages, &freed); !s.ok()) {
     spdlog::error("pool {}: {}", Quote(name()), std::string(s.message()));  // a bug; the pages stay used rather than corrupt the list
   }
-  for (int32_t page : freed) prefix_.ErasePage(page);
+  // The freed pages that were announced stored: one removed event.
+  KvEvent removed;
+  bool any_hash = false;
+  for (int32_t page : freed) {
+    if (page_stored_[page]) {
+      page_stored_[page] = 0;
+      removed.pages.push_back(page);
+      const std::string* hash = prefix_.HashOf(page);
+      removed.block_hashes.push_back(hash == nullptr ? std::string() : *hash);
+      any_hash = any_hash || hash != nullptr;
+    }
+    prefix_.ErasePage(page);
+  }
+  if (options_.events != nullptr && !removed.pages.empty()) {
+    removed.kind = KvEvent::Kind::kRemoved;
+    removed.sequence = sequence;
+    removed.reason = reason;
+    if (!any_hash) removed.block_hashes.clear();
+    RecordEvent(std::move(removed));
+  }
   return static_cast<uint32_t>(freed.size());
 }
 
@@ -569,6 +589,10 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
     if (!pending.empty()) pending.erase(pending.lower_bound(rw.first), pending.lower_bound(rw.last));
   }
   for (auto& [index, hash] : txn.hashes_) seq.pending_hashes()[index] = std::move(hash);
+  // KV events: rewritten announced pages are withdrawn (their bytes
+  // changed), then every page complete now and not announced is.
+  for (const AppendTransaction::PageRange& rw : txn.rewritten_pages_) WithdrawPages(&seq, rw.first, rw.last, "rewrite");
+  AnnounceStoredPages(&seq);
   IndexCompletePages(&seq);
   if (txn.created_) {
     ended_.Forget(seq.id());
@@ -784,10 +808,10 @@ absl::StatusOr<FreeResult> Pool::FreeSequence(const SequenceRef& ref) {
   return FreeResult{.pages_freed = EraseSequence(seq)};
 }
 
-uint32_t Pool::EraseSequence(Sequence* seq, SequencesById::node_type* storage) {
+uint32_t Pool::EraseSequence(Sequence* seq, SequencesById::node_type* storage, const char* reason) {
   for (int32_t l = 0; l < options_.num_layers; ++l) layers_[l].tokens -= seq->layer_length(l);
   std::vector<int32_t> cut = sequences_.DetachTail(seq, 0);
-  const uint32_t freed = ReleasePages(cut);
+  const uint32_t freed = ReleasePages(cut, reason, seq->id());
   SequencesById::node_type node = sequences_.Extract(seq);
   if (storage != nullptr) *storage = std::move(node);
   return freed;
@@ -811,7 +835,7 @@ int Pool::FreeIdle(absl::Time now, int max_batch) {
         ended_.Record(oldest->id(), oldest->generation(), now, EndedSequences::Reason::kIdle);
         ++counters_.idle_freed;
         storage.emplace_back();
-        pages += EraseSequence(oldest, &storage.back());
+        pages += EraseSequence(oldest, &storage.back(), "ttl");
       }
     }
     const int batch = static_cast<int>(storage.size());
@@ -849,6 +873,10 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const SequenceRef& ref, 
   // change, so their hashes go (a page another holder shares is unchanged
   // and keeps its hash; the next write to it copies it first).
   const uint32_t complete = length / static_cast<uint32_t>(options_.page_size);
+  // KV events first, while the hashes are known: every announced page from
+  // the first incomplete one on is withdrawn (the partial one keeps its
+  // page, the rest are released below), unless another holder shares it.
+  WithdrawPages(seq, complete, seq->pages().size(), "truncate");
   for (size_t i = complete; i < seq->pages().size(); ++i) {
     if (allocator_->refs(seq->pages()[i]) == 1) prefix_.ErasePage(seq->pages()[i]);
   }
@@ -860,7 +888,8 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const SequenceRef& ref, 
       seq->set_layer_length(l, length);
     }
   }
-  ReleasePages(sequences_.DetachTail(seq, static_cast<size_t>(CeilDiv(length, options_.page_size))));
+  ReleasePages(sequences_.DetachTail(seq, static_cast<size_t>(CeilDiv(length, options_.page_size))), "truncate",
+               seq->id());
   SequenceSnapshot snapshot = SnapshotOf(*seq);
   if (seq->empty()) {
     sequences_.Erase(seq);  // cut to nothing: not kept (docs/server.md "Model")

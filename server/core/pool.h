@@ -44,6 +44,7 @@
 #include "server/backend/rows.h"
 #include "server/core/append_transaction.h"
 #include "server/core/ended_sequences.h"
+#include "server/core/kv_events.h"
 #include "server/core/lease_table.h"
 #include "server/core/page_allocator.h"
 #include "server/core/prefix_index.h"
@@ -267,6 +268,9 @@ class Pool {
     absl::Duration default_lease_duration = absl::Seconds(30);
     // The clock of TTLs, leases and eviction records (tests set it); null: absl::Now.
     std::function<absl::Time()> clock;
+    // Where the pool records its KV events (pages stored / removed,
+    // server/core/kv_events.h); not owned, outlives the pool; null: none.
+    EventLog* events = nullptr;
     // ---- operations: wraps the backend once created (metrics' kernel timing,
     // InstrumentedBackend); null leaves it as is.
     std::function<std::unique_ptr<CacheBackend>(std::unique_ptr<CacheBackend>)> wrap_backend;
@@ -430,12 +434,25 @@ class Pool {
   int64_t NowNs() const;
   // Drops one reference from each page; pages left with none are free and
   // leave the prefix index. Returns how many became free.
-  uint32_t ReleasePages(std::span<const int32_t> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `reason` and `sequence` describe the release in the removed event of
+  // the freed pages that were announced stored (pool_events.cc).
+  uint32_t ReleasePages(std::span<const int32_t> pages, const char* reason = "free",
+                        const std::string& sequence = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases a committed, idle sequence's pages and tokens and erases it;
   // `storage` (if given) receives the sequence's node to destroy later.
   // Returns the pages that became free.
-  uint32_t EraseSequence(Sequence* seq, SequencesById::node_type* storage = nullptr)
+  uint32_t EraseSequence(Sequence* seq, SequencesById::node_type* storage = nullptr, const char* reason = "free")
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ---- KV events (pool_events.cc) ----
+  // Announces the pages of `seq` that became complete in every layer and
+  // were not announced yet (one stored event per run of them).
+  void AnnounceStoredPages(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Page-table entries [first, last) of `seq` keep their pages but not the
+  // bytes that were announced (rewritten, truncated into): a removed event
+  // for those announced, which the next completion announces again.
+  void WithdrawPages(Sequence* seq, size_t first, size_t last, const char* reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordEvent(KvEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- cache management steps (pool_leases.cc, pool_sharing.cc, pool_eviction.cc)
   // The shape of a lease request (holder, duration), checked before any
   // state is read; returns the duration in ms (the default for zero).
@@ -476,6 +493,8 @@ class Pool {
   // (page -> count), released at Commit / restored at Abort.
   std::map<int32_t, int32_t> cow_held_ ABSL_GUARDED_BY(mu_);
   PoolSnapshot::Counters counters_ ABSL_GUARDED_BY(mu_);
+  // [num_pages] 1 while a page's bytes are announced stored (KV events).
+  std::vector<uint8_t> page_stored_ ABSL_GUARDED_BY(mu_);
 
   // Last member: destroyed first, so queued tasks finish while the rest lives.
   std::unique_ptr<SerialExecutor> worker_;

@@ -15,7 +15,7 @@ namespace mlakv::server {
 void Pool::Evict(Sequence* seq, SequencesById::node_type* storage) {
   ended_.Record(seq->id(), seq->generation(), absl::FromUnixNanos(NowNs()), EndedSequences::Reason::kEvicted);
   ++counters_.evictions;
-  counters_.evicted_pages += EraseSequence(seq, storage);
+  counters_.evicted_pages += EraseSequence(seq, storage, "evict");
 }
 
 absl::Status Pool::MakeRoom(int64_t needed, const std::string& what) {

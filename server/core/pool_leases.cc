@@ -129,16 +129,16 @@ absl::StatusOr<uint32_t> Pool::ReleaseLease(uint64_t lease_id) {
 
 uint32_t Pool::EndLease(uint64_t lease_id) {
   Lease lease = leases_.Remove(lease_id);
-  uint32_t freed = lease.pages.empty() ? 0 : ReleasePages(lease.pages);
+  uint32_t freed = lease.pages.empty() ? 0 : ReleasePages(lease.pages, "lease_end");
   Sequence* seq = lease.sequence;
   if (seq == nullptr) return freed;
   sequences_.RemoveLease(seq, lease.tokens, NowNs());
   if (seq->lease_tokens().empty() && !seq->lease_held_pages().empty()) {
-    freed += ReleasePages(seq->lease_held_pages());
+    freed += ReleasePages(seq->lease_held_pages(), "lease_end", seq->id());
     seq->lease_held_pages().clear();
   }
   if (seq->retained() && seq->lease_tokens().empty()) {
-    freed += ReleasePages(sequences_.DetachTail(seq, 0));
+    freed += ReleasePages(sequences_.DetachTail(seq, 0), "lease_end", seq->id());
     retained_.erase(seq);  // destroys the sequence
   }
   return freed;
@@ -181,7 +181,7 @@ FreeResult Pool::RetainForLeases(Sequence* seq) {
     seq->set_layer_length(l, std::min(seq->layer_length(l), protect));
   }
   FreeResult result;
-  result.pages_freed = ReleasePages(sequences_.DetachTail(seq, keep));
+  result.pages_freed = ReleasePages(sequences_.DetachTail(seq, keep), "free", seq->id());
   result.leases = static_cast<uint32_t>(seq->lease_tokens().size());
   result.pages_retained = static_cast<uint32_t>(seq->pages().size());
   seq->pending_hashes().clear();

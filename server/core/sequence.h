@@ -95,6 +95,10 @@ class Sequence {
   // Block hashes the client gave for pages not yet complete in every layer
   // (page index -> hash); indexed by the pool once they are.
   std::map<uint32_t, std::string>& pending_hashes() { return pending_hashes_; }
+  // Page-table entries below this are announced stored or shared with a
+  // holder that announced them (KV events); the next scan starts here.
+  uint32_t pages_announced() const { return pages_announced_; }
+  void set_pages_announced(uint32_t n) { pages_announced_ = n; }
 
  private:
   friend class SequenceTable;
@@ -113,6 +117,7 @@ class Sequence {
   bool retained_ = false;
   std::multiset<uint32_t> lease_tokens_;
   std::map<uint32_t, std::string> pending_hashes_;
+  uint32_t pages_announced_ = 0;
   uint32_t rewrite_floor_ = UINT32_MAX;
   bool cow_in_flight_ = false;
   std::vector<int32_t> lease_held_pages_;

@@ -36,8 +36,12 @@ std::string WithPort(const std::string& listen, int port) {
 absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Options& options) {
   MLAKV_ASSIGN_OR_RETURN(std::vector<Pool::Options> pool_options, PoolOptionsFromConfig(options.config, options.default_device));
   std::unique_ptr<KvCacheServer> server(new KvCacheServer());
+  const v1::EventsConfig& ev = options.config.events();
+  server->events_ = std::make_unique<EventLog>(EventLog::Options{
+      .replay_capacity = ev.replay_capacity() == 0 ? kDefaultEventReplayCapacity : ev.replay_capacity()});
   KvCacheService::Options service_options;
   for (Pool::Options& po : pool_options) {
+    po.events = server->events_.get();
     if (options.metrics != nullptr) {  // operations: time every quantize-append
       po.wrap_backend = [metrics = options.metrics, name = po.name](std::unique_ptr<CacheBackend> b) {
         return std::unique_ptr<CacheBackend>(std::make_unique<InstrumentedBackend>(std::move(b), name, metrics));
@@ -77,6 +81,12 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
       metrics->AppendFinished(o.method, o.pool, o.ok, o.rows, o.bytes, o.seconds);
     };
   }
+  service_options.events = server->events_.get();
+  service_options.server_id = options.server_id;
+  service_options.max_watchers = ev.max_watchers() == 0 ? kDefaultMaxWatchers : static_cast<int>(ev.max_watchers());
+  // A new server holds nothing: its first event says so, for routers that
+  // knew an earlier process under the same id.
+  server->events_->Record(KvEvent{.kind = KvEvent::Kind::kCleared});
   server->service_ = std::make_unique<KvCacheService>(service_options);
 
   grpc::ServerBuilder builder;
@@ -169,6 +179,7 @@ void KvCacheServer::Shutdown(absl::Duration grace) {
                absl::ToDoubleSeconds(grace));
   server_->GetHealthCheckService()->SetServingStatus(false);
   service_->StartDraining();
+  events_->Close();  // WatchEvents streams end now (UNAVAILABLE), not at the grace's end
   // Appends in flight get the grace period to finish while the server keeps
   // answering new calls itself (UNAVAILABLE, "shutting down"); only then does
   // the grpc::Server shut down, with what is left of the grace for the rest.

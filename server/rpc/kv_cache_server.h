@@ -32,6 +32,7 @@ class KvCacheServer {
     std::string listen;                  // host:port; port 0 picks a free port; empty: in-process only
     std::string default_device = "auto";  // for pools without a device: auto | cpu | cuda:N
     bool allow_ipc = false;  // --allow_ipc: shm / CUDA IPC regions (else their calls are PERMISSION_DENIED)
+    std::string server_id;   // --server_id: in GetPool / ListPools and every event (empty: none)
     // ---- operations (docs/deploy.md) ----
     // Credentials of the listening port (server_credentials.h); null: plaintext.
     std::shared_ptr<grpc::ServerCredentials> credentials;
@@ -52,6 +53,7 @@ class KvCacheServer {
   const std::vector<std::unique_ptr<Pool>>& pools() const { return pools_; }
   KvCacheService& service() { return *service_; }
   const RegionRegistry& regions() const { return *regions_; }
+  EventLog& events() { return *events_; }
 
   // Graceful drain: health NOT_SERVING, new calls refused (UNAVAILABLE), calls
   // in flight finish (or are cancelled after `grace`), then the pools' workers
@@ -61,6 +63,9 @@ class KvCacheServer {
  private:
   KvCacheServer() = default;
 
+  // The KV events the pools record (before the pools: they record into it
+  // until they are gone).
+  std::unique_ptr<EventLog> events_;
   std::vector<std::unique_ptr<Pool>> pools_;
   std::unique_ptr<RegionRegistry> regions_;  // released after the service, before the pools
   std::unique_ptr<KvCacheService> service_;

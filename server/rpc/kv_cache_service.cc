@@ -18,6 +18,7 @@
 #include "server/rpc/grpc_status.h"
 #include "server/rpc/proto_convert.h"
 #include "server/rpc/read_reactor.h"
+#include "server/rpc/watch_events_reactor.h"
 
 namespace mlakv::server {
 namespace {
@@ -80,14 +81,21 @@ grpc::Status KvCacheService::ListPools(grpc::ServerContext*, const v1::ListPools
   if (draining()) return FinishCall("ListPools", [&] { return std::string(""); }, DrainingError());
   std::vector<Pool*> pools = options_.pools;
   std::sort(pools.begin(), pools.end(), [](Pool* a, Pool* b) { return a->name() < b->name(); });
-  for (Pool* pool : pools) ToProto(pool->Snapshot(), resp->add_pools());
+  for (Pool* pool : pools) {
+    v1::Pool* out = resp->add_pools();
+    ToProto(pool->Snapshot(), out);
+    out->set_server_id(options_.server_id);
+  }
   return FinishCall("ListPools", [&] { return std::string(""); }, absl::OkStatus());
 }
 
 grpc::Status KvCacheService::GetPool(grpc::ServerContext*, const v1::GetPoolRequest* req,
                                                   v1::Pool* resp) {
   absl::StatusOr<Pool*> pool = Prelude(req->pool());
-  if (pool.ok()) ToProto((*pool)->Snapshot(), resp);
+  if (pool.ok()) {
+    ToProto((*pool)->Snapshot(), resp);
+    resp->set_server_id(options_.server_id);
+  }
   return FinishCall("GetPool", [&] { return PoolDetail(req->pool()); }, pool.status());
 }
 
@@ -320,6 +328,22 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::Append(grpc::CallbackServerContext* ctx,
                                                                   grpc::ByteBuffer* resp) {
   return new AppendReactor(this, ctx, resp);
+}
+
+grpc::ServerWriteReactor<v1::WatchEventsResponse>* KvCacheService::WatchEvents(grpc::CallbackServerContext*,
+                                                                               const v1::WatchEventsRequest* req) {
+  absl::Status refused;
+  if (draining()) {
+    refused = DrainingError();
+  } else if (options_.events == nullptr) {
+    refused = absl::UnimplementedError("this server records no KV events");
+  } else if (watchers_.load() >= options_.max_watchers) {
+    refused = absl::ResourceExhaustedError(absl::StrCat(options_.max_watchers,
+                                                        " WatchEvents streams are open, this server's limit; close one "
+                                                        "(routers need one stream per server)"));
+  }
+  watchers_.fetch_add(1);
+  return new WatchEventsReactor(req, options_.events, options_.server_id, &watchers_, refused);
 }
 
 grpc::ServerWriteReactor<v1::ReadSequenceResponse>* KvCacheService::ReadSequence(

@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
+#include "server/core/kv_events.h"
 #include "server/core/pool.h"
 #include "server/regions/region_registry.h"
 #include "server/core/serial_executor.h"
@@ -50,7 +51,8 @@ struct AppendOutcome {
 // Synchronous unary methods; the streams and the region registrations
 // callback methods.
 using KvCacheServiceBase = v1::KvCache::WithRawCallbackMethod_Append<v1::KvCache::WithCallbackMethod_ReadSequence<
-    v1::KvCache::WithCallbackMethod_RegisterShmRegion<v1::KvCache::WithCallbackMethod_RegisterCudaRegion<v1::KvCache::Service>>>>;
+    v1::KvCache::WithCallbackMethod_RegisterShmRegion<v1::KvCache::WithCallbackMethod_RegisterCudaRegion<
+        v1::KvCache::WithCallbackMethod_WatchEvents<v1::KvCache::Service>>>>>;
 
 class KvCacheService final : public KvCacheServiceBase {
  public:
@@ -64,6 +66,12 @@ class KvCacheService final : public KvCacheServiceBase {
     absl::Duration append_idle_timeout = absl::Seconds(60);
     // Called once per Append / AppendBatch call when it ends (metrics); may be empty.
     std::function<void(const AppendOutcome&)> on_append;
+    // The KV events WatchEvents streams (not owned; null: WatchEvents is
+    // UNIMPLEMENTED), the server's id they carry, and how many streams may
+    // be open at once.
+    EventLog* events = nullptr;
+    std::string server_id;
+    int max_watchers = 64;
   };
 
   explicit KvCacheService(Options options);
@@ -106,6 +114,11 @@ class KvCacheService final : public KvCacheServiceBase {
                                     v1::Page* resp) override;
   grpc::ServerWriteReactor<v1::ReadSequenceResponse>* ReadSequence(grpc::CallbackServerContext* ctx,
                                                                    const v1::ReadSequenceRequest* req) override;
+  // KV events: one thread per open stream follows the event log
+  // (WatchEventsReactor).
+  grpc::ServerWriteReactor<v1::WatchEventsResponse>* WatchEvents(grpc::CallbackServerContext* ctx,
+                                                                 const v1::WatchEventsRequest* req) override;
+  int watchers() const { return watchers_.load(); }
   grpc::Status FreeSequence(grpc::ServerContext* ctx, const v1::FreeSequenceRequest* req,
                                          v1::FreeSequenceResponse* resp) override;
   grpc::Status TruncateSequence(grpc::ServerContext* ctx,
@@ -146,6 +159,7 @@ class KvCacheService final : public KvCacheServiceBase {
   const Options options_;
   std::atomic<bool> draining_{false};
   std::atomic<int> appends_in_flight_{0};
+  std::atomic<int> watchers_{0};
   std::unique_ptr<SerialExecutor> control_;
   std::unique_ptr<StreamWatchdog> watchdog_;  // after control_: destroyed first
 };

@@ -1,5 +1,7 @@
 #include "server/rpc/server_process.h"
 
+#include <unistd.h>
+
 #include <utility>
 #include <vector>
 
@@ -38,7 +40,18 @@ absl::StatusOr<PreparedServer> PrepareServer(const ServerFlags& flags) {
   }
   p.device = flags.device;
   p.allow_ipc = flags.allow_ipc;
+  p.server_id = flags.server_id;
+  if (p.server_id.empty()) {
+    char host[256] = {};
+    p.server_id = gethostname(host, sizeof(host) - 1) == 0 ? host : "unknown";
+  }
   p.metrics_listen = flags.metrics_listen;
+  p.kv_events_endpoint = flags.kv_events_endpoint;
+  p.kv_events_replay_endpoint = flags.kv_events_replay_endpoint;
+  p.kv_events_topic = flags.kv_events_topic;
+  if (p.kv_events_endpoint.empty() && !p.kv_events_replay_endpoint.empty()) {
+    return absl::InvalidArgumentError("--kv_events_replay_endpoint needs --kv_events_endpoint");
+  }
   p.health_listen = flags.health_listen;
 
   absl::StatusOr<std::unique_ptr<ServerMetrics>> metrics = ServerMetrics::Create(flags.version);
@@ -62,6 +75,7 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(PreparedServ
   process->ConnectPoolGauges();
   MLAKV_RETURN_IF_ERROR(process->StartMetricsEndpoint());
   MLAKV_RETURN_IF_ERROR(process->StartHealthProbe());
+  MLAKV_RETURN_IF_ERROR(process->StartEventPublisher());
   return process;
 }
 
@@ -70,6 +84,7 @@ ServerProcess::~ServerProcess() {
   // the normal path; an early return from Start gets here).
   metrics_endpoint_.reset();
   health_probe_.reset();
+  events_publisher_.reset();  // follows the server's event log
   server_.reset();
 }
 
@@ -79,10 +94,21 @@ absl::Status ServerProcess::StartKvCacheServer() {
                              .listen = prepared_.listen,
                              .default_device = prepared_.device,
                              .allow_ipc = prepared_.allow_ipc,
+                             .server_id = prepared_.server_id,
                              .credentials = prepared_.credentials,
                              .metrics = prepared_.metrics.get()});
   if (!server.ok()) return WithPrefix("cannot start: ", server.status());
   server_ = std::move(*server);
+  return absl::OkStatus();
+}
+
+absl::Status ServerProcess::StartEventPublisher() {
+  if (prepared_.kv_events_endpoint.empty()) return absl::OkStatus();
+  ZmqEventPublisher::Options o{.endpoint = prepared_.kv_events_endpoint,
+                               .replay_endpoint = prepared_.kv_events_replay_endpoint,
+                               .topic = prepared_.kv_events_topic};
+  for (const auto& pool : server_->pools()) o.medium_of_pool[pool->name()] = pool->device().is_cuda() ? "GPU" : "CPU";
+  MLAKV_ASSIGN_OR_RETURN(events_publisher_, ZmqEventPublisher::Start(std::move(o), &server_->events()));
   return absl::OkStatus();
 }
 
@@ -143,6 +169,7 @@ void ServerProcess::Drain(absl::Duration grace) {
   server_->Shutdown(grace);
   metrics_endpoint_.reset();
   health_probe_.reset();
+  events_publisher_.reset();  // follows the server's event log
   server_.reset();
 }
 

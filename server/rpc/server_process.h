@@ -22,6 +22,7 @@
 #include "server/observability/metrics_endpoint.h"
 #include "server/observability/server_metrics.h"
 #include "server/rpc/kv_cache_server.h"
+#include "server/events/zmq_publisher.h"
 #include "server/security/server_credentials.h"
 
 namespace mlakv::server {
@@ -32,8 +33,12 @@ struct ServerFlags {
   std::string listen{};       // empty: the config's listen, else kDefaultListen
   std::string device = "auto";
   bool allow_ipc = false;
+  std::string server_id{};       // empty: the host name
   std::string metrics_listen{};  // empty: no /metrics endpoint
   std::string health_listen{};   // empty: no probe port
+  // KV events on ZeroMQ in vLLM's format (server/events/zmq_publisher.h);
+  // empty endpoint: none.
+  std::string kv_events_endpoint{}, kv_events_replay_endpoint{}, kv_events_topic{};
   std::string tls_cert{}, tls_key{}, tls_client_ca{}, auth_token_file{};
   std::string version{};  // the build's version, for logs and mlakv_build_info
 };
@@ -45,7 +50,9 @@ struct PreparedServer {
   std::string listen;
   std::string device;
   bool allow_ipc = false;
+  std::string server_id;
   std::string metrics_listen, health_listen;
+  std::string kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic;
   std::string version;
   std::unique_ptr<ServerMetrics> metrics;
   ServerSecurityOptions security;  // its on_auth_failure counts into `metrics`
@@ -84,11 +91,13 @@ class ServerProcess {
   void ConnectPoolGauges();
   absl::Status StartMetricsEndpoint();
   absl::Status StartHealthProbe();
+  absl::Status StartEventPublisher();
 
   PreparedServer prepared_;
   std::unique_ptr<KvCacheServer> server_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;  // null: --metrics_listen empty
   std::unique_ptr<HealthProbeServer> health_probe_;    // null: --health_listen empty
+  std::unique_ptr<ZmqEventPublisher> events_publisher_;  // null: --kv_events_endpoint empty; before server_ goes
 };
 
 }  // namespace mlakv::server

@@ -38,8 +38,10 @@ ALLOWED = {
     "mlakv_security": {"mlakv_common"},
     # The proto only for the service's method names (bounded metric labels).
     "mlakv_observability": {"mlakv_core", "mlakv_backend", "mlakv_proto", "mlakv_common"},
+    # KV events on ZeroMQ in vLLM's format: the core's event log only.
+    "mlakv_events": {"mlakv_core", "mlakv_backend", "mlakv_common"},
     "mlakv_rpc": {"mlakv_core", "mlakv_backend", "mlakv_regions", "mlakv_observability", "mlakv_security",
-                  "mlakv_proto", "mlakv_kernels", "mlakv_common"},
+                  "mlakv_events", "mlakv_proto", "mlakv_kernels", "mlakv_common"},
     # The client speaks only the proto.
     "mlakv_client": {"mlakv_proto", "mlakv_common"},
     "mlakv_load_generator": {"mlakv_client"},
@@ -50,7 +52,7 @@ TESTING = re.compile(r"^mlakv_.*(testing|_support)$")
 
 # Room folder -> include prefixes its sources must not use.
 SERVER_ROOMS = ["server/core", "server/backend", "server/regions", "server/rpc", "server/observability",
-                "server/security"]
+                "server/security", "server/events"]
 GRPC_AND_PROTO = ["grpc/", "grpcpp/", "grpc++/", "google/protobuf/", "mlakv/v1/"]
 CUDA_RUNTIME = ["cuda_runtime", "cuda.h", "cuda_runtime_api.h"]
 FORBIDDEN_INCLUDES = {
@@ -61,6 +63,7 @@ FORBIDDEN_INCLUDES = {
     "server/regions": GRPC_AND_PROTO + ["server/rpc", "server/observability", "server/security"],
     "server/security": ["server/core", "server/backend", "server/regions", "server/rpc", "server/observability"],
     "server/observability": ["server/rpc", "server/regions", "server/security"],
+    "server/events": GRPC_AND_PROTO + ["server/rpc", "server/regions", "server/security", "server/observability"],
 }
 # The client library's own files (client/cli and the row-file helpers use kernels).
 CLIENT_LIBRARY = ["client/kv_cache_client.h", "client/kv_cache_client.cc", "client/append_stream.h",

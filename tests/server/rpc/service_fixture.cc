@@ -14,6 +14,7 @@ void ServiceFixture::StartServer(const std::string& device, const std::string& p
   options.listen = listen;
   options.default_device = device;
   options.allow_ipc = allow_ipc_;
+  options.server_id = "test-server";
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Create(options);
   ASSERT_TRUE(server.ok()) << server.status();
   server_ = std::move(*server);

@@ -1,0 +1,66 @@
+// ZmqEventPublisher: the server's KV events (server/core/kv_events.h) on
+// ZeroMQ in the wire format of vLLM's ZmqEventPublisher, so KV-aware routers
+// built for vLLM (and Mooncake, which publishes the same) can follow an
+// mlakv fleet unchanged (docs/events.md "vLLM's format").
+//
+// One thread follows the EventLog and publishes each read as one batch:
+//   PUB socket (endpoint):       multipart [topic, seq (8 bytes, big-endian), payload]
+//   ROUTER socket (replay):      a request [client, "", start_seq (8 bytes)] is answered
+//                                with [client, "", seq, payload] for every kept batch
+//                                numbered >= start_seq, then [client, "", -1 (8 bytes), ""]
+// payload: msgpack of vLLM's KVEventBatch, array-like (msgspec's encoding):
+//   [ts: float seconds, [event, ...]]
+//   event: ["BlockStored", [hash, ...], parent_hash | nil, [] (token ids), block_size, nil (lora id), medium]
+//        | ["BlockRemoved", [hash, ...], medium]
+//        | ["AllBlocksCleared"]
+// Hashes are the clients' block hashes, as bytes; pages without one are
+// left out (a router keys blocks by hash), and an event left with none is
+// not sent. medium: "GPU" for a cuda pool, "CPU" for a cpu pool.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "server/core/kv_events.h"
+
+namespace mlakv::server {
+
+class ZmqEventPublisher {
+ public:
+  struct Options {
+    std::string endpoint;         // PUB, e.g. tcp://*:5557
+    std::string replay_endpoint;  // ROUTER, e.g. tcp://*:5558; empty: no replay
+    std::string topic;            // first frame of every message; "" as vLLM's default
+    size_t replay_batches = 10000;  // batches kept for replay
+    std::map<std::string, std::string> medium_of_pool;  // pool -> "GPU" / "CPU"
+  };
+
+  // Binds the sockets (an endpoint that cannot be bound: INVALID_ARGUMENT
+  // naming it) and starts publishing from the log's oldest event.
+  static absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> Start(Options options, EventLog* log);
+  ~ZmqEventPublisher();  // stops the thread; unsent events are dropped
+
+  // The vLLM encoding of one batch (what the PUB socket sends as payload).
+  static std::string EncodeBatch(const std::vector<KvEvent>& events, const std::map<std::string, std::string>& medium,
+                                 double ts);
+  uint64_t batches_sent() const { return sent_.load(); }
+
+ private:
+  struct Sockets;
+  ZmqEventPublisher(Options options, EventLog* log);
+  void Run();
+
+  const Options options_;
+  EventLog* const log_;
+  std::unique_ptr<Sockets> sockets_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> sent_{0};
+  std::thread thread_;
+};
+
+}  // namespace mlakv::server

@@ -1,0 +1,135 @@
+#include "server/rpc/watch_events_reactor.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "server/rpc/call_support.h"
+#include "server/rpc/grpc_status.h"
+
+namespace mlakv::server {
+namespace {
+
+constexpr uint32_t kDefaultBatch = 256;
+constexpr uint32_t kMaxBatch = 4096;
+constexpr absl::Duration kPoll = absl::Milliseconds(200);
+
+}  // namespace
+
+void WatchEventsReactor::ToProto(const KvEvent& e, v1::KvEvent* out) {
+  out->set_number(e.number);
+  out->set_time_unix_nanos(e.time_unix_ns);
+  out->set_pool(e.pool);
+  switch (e.kind) {
+    case KvEvent::Kind::kStored: {
+      v1::PagesStored* s = out->mutable_stored();
+      s->set_sequence(e.sequence);
+      s->set_first_page_index(e.first_page_index);
+      for (int32_t p : e.pages) s->add_pages(static_cast<uint32_t>(p));
+      for (const std::string& h : e.block_hashes) s->add_block_hashes(h);
+      s->set_page_size(e.page_size);
+      break;
+    }
+    case KvEvent::Kind::kRemoved: {
+      v1::PagesRemoved* r = out->mutable_removed();
+      r->set_sequence(e.sequence);
+      for (int32_t p : e.pages) r->add_pages(static_cast<uint32_t>(p));
+      for (const std::string& h : e.block_hashes) r->add_block_hashes(h);
+      r->set_reason(e.reason);
+      break;
+    }
+    case KvEvent::Kind::kCleared:
+      out->mutable_cleared();
+      break;
+  }
+}
+
+WatchEventsReactor::WatchEventsReactor(const v1::WatchEventsRequest* req, EventLog* log, std::string server_id,
+                                       std::atomic<int>* watchers, absl::Status refused)
+    : log_(log), server_id_(std::move(server_id)), watchers_(watchers) {
+  if (!refused.ok()) {
+    LogCall("WatchEvents", absl::StrCat("from=", req->from()), refused);
+    Finish(ToGrpcStatus(refused));
+    return;
+  }
+  const uint64_t next = log_->next();
+  uint64_t from = req->from() == 0 ? next : req->from();
+  const uint32_t max_batch = req->max_batch() == 0 ? kDefaultBatch : std::min(req->max_batch(), kMaxBatch);
+  if (from > next) {
+    LogCall("WatchEvents", absl::StrCat("from=", req->from()), absl::OutOfRangeError(""));
+    Finish(ToGrpcStatus(absl::OutOfRangeError(absl::StrCat(
+        "event ", from, " has not happened: this server's events so far are ", log_->oldest(), "..", next - 1,
+        " (numbers restart at 1 when a server restarts; its event 1 is \"all cleared\": resynchronize)"))));
+    return;
+  }
+  std::thread([this, from, max_batch] { Run(from, max_batch); }).detach();
+}
+
+void WatchEventsReactor::Run(uint64_t from, uint32_t max_batch) {
+  std::shared_ptr<State> state = state_;  // the reactor may go once Finish is called
+  absl::Status status;
+  uint64_t cursor = from;
+  bool started = false;
+  std::vector<KvEvent> events;
+  while (true) {
+    {
+      absl::MutexLock lock(&state->mu);
+      if (state->cancelled) {
+        status = absl::CancelledError("the watcher cancelled the stream");
+        break;
+      }
+      if (state->write_failed) {
+        status = absl::UnavailableError("the stream broke while an event batch was written");
+        break;
+      }
+    }
+    events.clear();
+    absl::Status read = log_->Read(cursor, max_batch, kPoll, &events);
+    if (!read.ok()) {
+      if (absl::IsOutOfRange(read) && started) {
+        status = absl::ResourceExhaustedError(absl::StrCat(
+            "this watcher fell behind: event ", cursor, " left the server's replay buffer (", log_->capacity(),
+            " events) before it was sent; events were not slowed for it. Resume with from=", log_->oldest(),
+            " after resynchronizing, and read faster"));
+      } else {
+        status = read;
+      }
+      break;
+    }
+    started = true;
+    if (events.empty()) continue;
+    response_.Clear();
+    response_.set_server_id(server_id_);
+    for (const KvEvent& e : events) ToProto(e, response_.add_events());
+    cursor = events.back().number + 1;
+    {
+      absl::MutexLock lock(&state->mu);
+      if (state->cancelled) continue;  // the loop's check finishes it
+      state->writing = true;
+    }
+    StartWrite(&response_);
+    absl::MutexLock lock(&state->mu);
+    state->mu.Await(absl::Condition(
+        +[](State* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return !s->writing; }, state.get()));
+  }
+  LogCall("WatchEvents", absl::StrCat("from=", from, " reached=", cursor), status);
+  Finish(ToGrpcStatus(status));  // the last touch of the reactor
+}
+
+void WatchEventsReactor::OnWriteDone(bool ok) {
+  absl::MutexLock lock(&state_->mu);
+  state_->writing = false;
+  if (!ok) state_->write_failed = true;
+}
+
+void WatchEventsReactor::OnCancel() {
+  absl::MutexLock lock(&state_->mu);
+  state_->cancelled = true;
+}
+
+void WatchEventsReactor::OnDone() {
+  watchers_->fetch_sub(1);
+  delete this;
+}
+
+}  // namespace mlakv::server

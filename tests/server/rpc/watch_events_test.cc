@@ -1,0 +1,180 @@
+// WatchEvents end to end over an in-process server: "all cleared" first,
+// then stored/removed events of a known workload with their hashes and the
+// server's id, numbers without gaps; a watcher resuming by number gets what
+// it missed; numbers outside what the server has are OUT_OF_RANGE; a
+// watcher that stops reading is ended with RESOURCE_EXHAUSTED while the
+// appends go on at full speed; draining ends every stream with UNAVAILABLE;
+// the watcher limit. Under TSan (label tsan) the watcher threads too.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "tests/server/rpc/service_fixture.h"
+
+namespace mlakv::server::testing {
+namespace {
+
+class WatchEventsTest : public ::testing::Test, public ServiceFixture {
+ protected:
+  void SetUp() override { StartServer("cpu", "name: 'default' num_layers: 2 page_size: 4 num_pages: 256"); }
+
+  // Events from `from` until `count` arrived (or the stream ended).
+  struct Watched {
+    std::vector<v1::KvEvent> events;
+    std::string server_id;
+    grpc::Status status;
+  };
+  Watched Watch(uint64_t from, size_t count, uint32_t max_batch = 0) {
+    Watched w;
+    grpc::ClientContext ctx;
+    v1::WatchEventsRequest req;
+    req.set_from(from);
+    req.set_max_batch(max_batch);
+    auto reader = stub().WatchEvents(&ctx, req);
+    v1::WatchEventsResponse resp;
+    while (w.events.size() < count && reader->Read(&resp)) {
+      w.server_id = resp.server_id();
+      for (const v1::KvEvent& e : resp.events()) w.events.push_back(e);
+    }
+    if (w.events.size() >= count) ctx.TryCancel();
+    w.status = reader->Finish();
+    return w;
+  }
+
+  void AppendPages(const std::string& id, int pages, const std::vector<std::string>& hashes = {}) {
+    v1::AppendRequest m = AppendMessage(id, 0, RandomRows(4 * pages, 7), 0, 4 * pages, {0, 1}, 0.25f, 0.5f);
+    for (const std::string& h : hashes) m.add_block_hashes(h);
+    const grpc::Status s = ServiceFixture::Append({m});
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
+
+  void Free(const std::string& id) {
+    grpc::ClientContext ctx;
+    v1::FreeSequenceRequest req;
+    req.set_sequence(id);
+    v1::FreeSequenceResponse resp;
+    ASSERT_TRUE(stub().FreeSequence(&ctx, req, &resp).ok());
+  }
+};
+
+TEST_F(WatchEventsTest, AKnownWorkloadArrivesInOrderWithHashesAndTheServersId) {
+  AppendPages("a", 3, {"ha0", "ha1", "ha2"});
+  AppendPages("b", 2);
+  Free("a");
+  Watched w = Watch(1, 4);
+  ASSERT_EQ(w.events.size(), 4u) << Describe(w.status);
+  EXPECT_EQ(w.server_id, "test-server");
+  for (size_t i = 0; i < w.events.size(); ++i) EXPECT_EQ(w.events[i].number(), i + 1) << "numbers without gaps";
+  EXPECT_TRUE(w.events[0].has_cleared()) << "a server's first event: all cleared";
+  ASSERT_TRUE(w.events[1].has_stored());
+  EXPECT_EQ(w.events[1].pool(), "default");
+  EXPECT_EQ(w.events[1].stored().sequence(), "a");
+  EXPECT_EQ(w.events[1].stored().pages_size(), 3);
+  EXPECT_EQ(w.events[1].stored().page_size(), 4u);
+  ASSERT_EQ(w.events[1].stored().block_hashes_size(), 3);
+  EXPECT_EQ(w.events[1].stored().block_hashes(2), "ha2");
+  ASSERT_TRUE(w.events[2].has_stored());
+  EXPECT_EQ(w.events[2].stored().block_hashes_size(), 0) << "no hashes given: none sent";
+  ASSERT_TRUE(w.events[3].has_removed());
+  EXPECT_EQ(w.events[3].removed().sequence(), "a");
+  EXPECT_EQ(w.events[3].removed().reason(), "free");
+  EXPECT_EQ(w.events[3].removed().pages_size(), 3);
+  EXPECT_EQ(w.events[3].removed().block_hashes(0), "ha0");
+  // Resuming from 3 replays 3 and 4; a live watcher (from 0) sees only new ones.
+  Watched resumed = Watch(3, 2);
+  ASSERT_EQ(resumed.events.size(), 2u);
+  EXPECT_EQ(resumed.events[0].number(), 3u);
+  std::thread later([this] {
+    absl::SleepFor(absl::Milliseconds(100));
+    AppendPages("c", 1);
+  });
+  Watched live = Watch(0, 1);
+  later.join();
+  ASSERT_EQ(live.events.size(), 1u);
+  EXPECT_EQ(live.events[0].number(), 5u);
+  EXPECT_EQ(live.events[0].stored().sequence(), "c");
+}
+
+TEST_F(WatchEventsTest, NumbersTheServerDoesNotHaveAreOutOfRange) {
+  StopServer();
+  StartServer("cpu", "name: 'default' num_layers: 2 page_size: 4 num_pages: 256", "events { replay_capacity: 4 }");
+  for (int i = 0; i < 6; ++i) AppendPages("s" + std::to_string(i), 1);  // events 1..7; kept: 4..7
+  Watched old = Watch(2, 1);
+  EXPECT_EQ(old.status.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(old.status);
+  EXPECT_TRUE(absl::StrContains(old.status.error_message(), "the oldest is 4")) << old.status.error_message();
+  Watched future = Watch(99, 1);
+  EXPECT_EQ(future.status.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(future.status);
+  EXPECT_TRUE(absl::StrContains(future.status.error_message(), "4..7")) << future.status.error_message();
+  Watched kept = Watch(4, 4);
+  ASSERT_EQ(kept.events.size(), 4u) << Describe(kept.status);
+  EXPECT_EQ(kept.events.back().number(), 7u);
+}
+
+// A watcher that stops reading: the server's writes stall on flow control,
+// its next event leaves the ring, and it is ended with RESOURCE_EXHAUSTED
+// naming that event; the appends meanwhile run as fast as without it.
+TEST_F(WatchEventsTest, AWatcherThatFallsBehindIsEndedAndNeverSlowsAppends) {
+  StopServer();
+  StartServer("cpu", "name: 'default' num_layers: 1 page_size: 1 num_pages: 8192", "events { replay_capacity: 32 }");
+  grpc::ClientContext ctx;
+  v1::WatchEventsRequest req;
+  req.set_from(1);
+  req.set_max_batch(1);  // one event per message: the HTTP/2 window fills after a few hundred
+  auto reader = stub().WatchEvents(&ctx, req);
+  v1::WatchEventsResponse resp;
+  ASSERT_TRUE(reader->Read(&resp));  // the stream is up
+  const std::string long_id(900, 'x');  // ~1 KB per event
+  const absl::Time t0 = absl::Now();
+  for (int i = 0; i < 600; ++i) {
+    v1::AppendRequest m = AppendMessage(long_id + std::to_string(i), 0, RandomRows(1, i), 0, 1, {0}, 0.25f, 0.5f);
+    const grpc::Status s = ServiceFixture::Append({m});
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
+  const absl::Duration appending = absl::Now() - t0;
+  uint64_t last = resp.events(0).number();
+  int read = 1;
+  while (reader->Read(&resp)) {
+    for (const v1::KvEvent& e : resp.events()) {
+      EXPECT_EQ(e.number(), last + 1) << "no gap before the end";
+      last = e.number();
+      ++read;
+    }
+  }
+  const grpc::Status s = reader->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << Describe(s);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "fell behind")) << s.error_message();
+  EXPECT_LT(read, 601) << "it cannot have seen every event";
+  EXPECT_LT(appending, absl::Seconds(30));
+}
+
+TEST_F(WatchEventsTest, DrainingEndsStreamsAndNewOnesAreRefused) {
+  grpc::ClientContext ctx;
+  v1::WatchEventsRequest req;
+  auto reader = stub().WatchEvents(&ctx, req);  // live only: nothing to read yet
+  std::thread stopper([this] {
+    absl::SleepFor(absl::Milliseconds(100));
+    server().Shutdown(absl::Seconds(5));
+  });
+  v1::WatchEventsResponse resp;
+  while (reader->Read(&resp)) {
+  }
+  const grpc::Status s = reader->Finish();
+  stopper.join();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << Describe(s);
+}
+
+TEST_F(WatchEventsTest, TheWatcherLimitIsEnforced) {
+  StopServer();
+  StartServer("cpu", "name: 'default' num_layers: 1 page_size: 4 num_pages: 16", "events { max_watchers: 1 }");
+  grpc::ClientContext first_ctx;
+  auto first = stub().WatchEvents(&first_ctx, v1::WatchEventsRequest());
+  for (int i = 0; i < 100 && server().service().watchers() < 1; ++i) absl::SleepFor(absl::Milliseconds(5));
+  Watched second = Watch(0, 1);
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << Describe(second.status);
+  first_ctx.TryCancel();
+  EXPECT_EQ(first->Finish().error_code(), grpc::StatusCode::CANCELLED);
+}
+
+}  // namespace
+}  // namespace mlakv::server::testing
