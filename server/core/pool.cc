@@ -157,15 +157,33 @@ uint32_t Pool::ReleasePages(std::span<const int32_t> pages, const char* reason, 
   // The freed pages that were announced stored: one removed event.
   KvEvent removed;
   bool any_hash = false;
+  const auto withdraw = [&](int32_t page) {
+    page_stored_[page] = 0;
+    removed.pages.push_back(page);
+    const std::string* hash = prefix_.HashOf(page);
+    removed.block_hashes.push_back(hash == nullptr ? std::string() : *hash);
+    any_hash = any_hash || hash != nullptr;
+  };
   for (int32_t page : freed) {
-    if (page_stored_[page]) {
-      page_stored_[page] = 0;
-      removed.pages.push_back(page);
-      const std::string* hash = prefix_.HashOf(page);
-      removed.block_hashes.push_back(hash == nullptr ? std::string() : *hash);
-      any_hash = any_hash || hash != nullptr;
-    }
+    if (page_stored_[page]) withdraw(page);
     prefix_.ErasePage(page);
+  }
+  // A stored page that stays allocated but that no remaining holder has
+  // complete (a truncation cut into it while it was shared, and the holder
+  // that had it complete let go now): nothing claims those bytes any more
+  // and the next append writes over them in place, so they go now. A page
+  // a lease (or an in-flight copy) also references keeps them.
+  for (int32_t page : pages) {
+    if (!page_stored_[page] || allocator_->refs(page) == 0) continue;
+    const SequenceTable::Holders& holders = sequences_.HoldersOf(page);
+    if (holders.size() != static_cast<size_t>(allocator_->refs(page))) continue;
+    const bool claimed = std::any_of(holders.begin(), holders.end(), [&](const SequenceTable::Owner& o) {
+      return o.page_index < o.sequence->length() / static_cast<uint32_t>(options_.page_size);
+    });
+    if (!claimed) {
+      withdraw(page);
+      prefix_.ErasePage(page);
+    }
   }
   if (options_.events != nullptr && !removed.pages.empty()) {
     removed.kind = KvEvent::Kind::kRemoved;
@@ -434,6 +452,19 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
     for (int32_t page : seq.pages()) plan.kv_indices.push_back(page);
     plan.kv_indptr.push_back(static_cast<int32_t>(plan.kv_indices.size()));
     if (r.row_count == 0) continue;
+    // The page the rows start in may still hold bytes past the sequence's
+    // end that were complete (announced, indexed) when another holder
+    // shared it: a truncation cut into it then, and the other holder has
+    // let go since, so it is written in place. Those bytes go now, before
+    // the write: withdrawn from the events and the prefix index.
+    if (const size_t first = r.start / static_cast<uint32_t>(options_.page_size);
+        first < txn.original_pages() && !std::binary_search(plan.cows[i].begin(), plan.cows[i].end(), first)) {
+      const int32_t page = seq.pages()[first];
+      if (allocator_->refs(page) == 1 && (page_stored_[page] || prefix_.HashOf(page) != nullptr)) {
+        WithdrawPages(txn.sequence_, first, first + 1, "rewrite");
+        prefix_.ErasePage(page);
+      }
+    }
     for (const LayerRows& lr : r.layers) {
       const int32_t l = static_cast<int32_t>(lr.layer);
       if (!txn.touched_[l]) {

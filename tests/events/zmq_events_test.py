@@ -20,6 +20,7 @@ Run by ctest (label `events`) with MLAKV_SERVER, MLAKV_PY_GEN and PYTHONPATH set
 import os
 import socket
 import sys
+import tempfile
 import time
 import unittest
 
@@ -55,7 +56,11 @@ class ZmqEventsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.pub_port, cls.replay_port = free_port(), free_port()
+        cls.config = tempfile.NamedTemporaryFile("w", suffix=".txtpb", delete=False)
+        cls.config.write("pools { name: 'default' num_layers: 2 page_size: %d num_pages: 256 }" % PAGE)
+        cls.config.close()
         cls.server = ServerProcess(
+            "--config", cls.config.name,
             "--kv_events_endpoint", "tcp://127.0.0.1:%d" % cls.pub_port,
             "--kv_events_replay_endpoint", "tcp://127.0.0.1:%d" % cls.replay_port,
             "--kv_events_topic", "kv@test", "--server_id", "events-test").start()
@@ -68,6 +73,7 @@ class ZmqEventsTest(unittest.TestCase):
         cls.channel.close()
         cls.server.stop()
         cls.ctx.term()
+        os.unlink(cls.config.name)
 
     def subscriber(self):
         sub = self.ctx.socket(zmq.SUB)

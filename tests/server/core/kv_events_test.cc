@@ -16,6 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "server/core/pool.h"
 #include "tests/server/core/random_rows.h"
 
@@ -325,34 +326,47 @@ TEST_F(PoolEventsTest, RandomWorkloadTheEventsTrackTheCompletePages) {
     std::mt19937 rng(seed);
     std::set<int32_t> announced;
     const std::vector<std::string> ids = {"a", "b", "c", "d", "e"};
+    std::string ops;  // what the steps did, for a failure's message
     for (int step = 0; step < 150; ++step) {
       const std::string id = ids[rng() % ids.size()];
       absl::StatusOr<SequenceSnapshot> seq = pool_->GetSequence(SequenceRef(id));
       const uint32_t len0 = seq.ok() ? seq->layer_lengths[0] : 0, len1 = seq.ok() ? seq->layer_lengths[1] : 0;
       switch (rng() % 6) {
         case 0:
-        case 1:  // append to both layers at the end (or rewrite a little before it)
-          Append(id, std::min(len0, len1) - (std::min(len0, len1) > 0 && rng() % 4 == 0 ? 1 : 0), 1 + rng() % 9)
-              .IgnoreError();
+        case 1: {  // append to both layers at the end (or rewrite a little before it)
+          const uint32_t start = std::min(len0, len1) - (std::min(len0, len1) > 0 && rng() % 4 == 0 ? 1 : 0);
+          const uint32_t n = 1 + rng() % 9;
+          const absl::Status s = Append(id, start, n);
+          absl::StrAppend(&ops, step, ": append ", id, " ", start, "+", n, " ", s.ok() ? "ok" : s.ToString(), "\n");
           break;
-        case 2:  // one layer only
-          Append(id, len0, 1 + rng() % 5, {0}).IgnoreError();
+        }
+        case 2: {  // one layer only
+          const uint32_t n = 1 + rng() % 5;
+          const absl::Status s = Append(id, len0, n, {0});
+          absl::StrAppend(&ops, step, ": append layer 0 ", id, " ", len0, "+", n, " ", s.ok() ? "ok" : s.ToString(), "\n");
           break;
+        }
         case 3:
-          pool_->FreeSequence(SequenceRef(id)).IgnoreError();
+          absl::StrAppend(&ops, step, ": free ", id, " ", pool_->FreeSequence(SequenceRef(id)).status().ToString(), "\n");
           break;
         case 4:
-          if (seq.ok()) pool_->TruncateSequence(SequenceRef(id), seq->length > 0 ? rng() % seq->length : 0).IgnoreError();
+          if (seq.ok()) {
+            const uint32_t to = seq->length > 0 ? rng() % seq->length : 0;
+            absl::StrAppend(&ops, step, ": truncate ", id, " to ", to, " ",
+                            pool_->TruncateSequence(SequenceRef(id), to).status().ToString(), "\n");
+          }
           break;
         case 5: {
           ForkRequest fork;
           fork.target = ids[rng() % ids.size()];
           fork.source = SequenceRef(id);
-          pool_->Fork(fork).IgnoreError();
+          absl::StrAppend(&ops, step, ": fork ", id, " -> ", fork.target, " ", pool_->Fork(fork).status().ToString(), "\n");
           break;
         }
       }
       for (const KvEvent& e : New()) {
+        absl::StrAppend(&ops, "   event ", e.number, e.kind == KvEvent::Kind::kStored ? " stored " : " removed ", e.sequence,
+                        " ", e.reason, " [", absl::StrJoin(e.pages, ","), "]\n");
         for (int32_t p : e.pages) {
           if (e.kind == KvEvent::Kind::kStored) {
             EXPECT_TRUE(announced.insert(p).second) << "seed " << seed << " step " << step << ": page " << p << " announced twice";
@@ -367,7 +381,8 @@ TEST_F(PoolEventsTest, RandomWorkloadTheEventsTrackTheCompletePages) {
         if (!s.ok()) continue;
         for (size_t i = 0; i < s->length / 4 && i < s->kv_indices.size(); ++i) complete.insert(s->kv_indices[i]);
       }
-      ASSERT_EQ(announced, complete) << "seed " << seed << " step " << step;
+      ASSERT_EQ(announced, complete) << "seed " << seed << " step " << step << "; the steps:\n"
+                                     << ops.substr(ops.size() > 30000 ? ops.size() - 30000 : 0);
     }
   }
 }
