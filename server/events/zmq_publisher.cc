@@ -148,7 +148,8 @@ void ZmqEventPublisher::Run() {
       const std::string client = request[0].to_string();
       for (const auto& [seq, payload] : kept) {
         if (seq < start) continue;
-        std::array<zmq::const_buffer, 4> reply = {zmq::buffer(client), zmq::str_buffer(""), zmq::buffer(SeqBytes(seq)),
+        const std::string seq_bytes = SeqBytes(seq);  // named: the buffers below only point at it
+        std::array<zmq::const_buffer, 4> reply = {zmq::buffer(client), zmq::str_buffer(""), zmq::buffer(seq_bytes),
                                                   zmq::buffer(payload)};
         zmq::send_multipart(s.replay, reply);
       }
