@@ -49,6 +49,7 @@ class MetricsInterceptor : public grpc::experimental::Interceptor {
 
 grpc::experimental::Interceptor* MetricsInterceptorFactory::CreateServerInterceptor(
     grpc::experimental::ServerRpcInfo* info) {
+  if (info->method() != nullptr && recorded_elsewhere_.contains(absl::string_view(info->method()))) return nullptr;
   return new MetricsInterceptor(info, metrics_);
 }
 

@@ -330,6 +330,7 @@ absl::Status AppendReactor::CommitStream() {
   MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append_->Commit(last_check));
   v1::AppendResponse response;
   ToProto(pool_->name(), after.front(), response.mutable_sequence(), view_, first_new);
+  response.mutable_sequence()->set_server_id(service_->options().server_id);
   response.set_rows_written(rows);
   response.set_pages_allocated(allocated);
   bool own = false;

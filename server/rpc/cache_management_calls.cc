@@ -21,6 +21,7 @@ std::string LeaseDetail(const std::string& pool, uint64_t lease_id) {
 
 grpc::Status KvCacheService::AcquireLease(grpc::ServerContext* ctx,
                                                        const v1::AcquireLeaseRequest* req, v1::Lease* resp) {
+  RpcScope scope = StartRpc(kRpcAcquireLease);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
@@ -30,12 +31,13 @@ grpc::Status KvCacheService::AcquireLease(grpc::ServerContext* ctx,
     ToProto(pool->name(), lease, resp);
     return absl::OkStatus();
   }();
-  return FinishCall("AcquireLease", [&] { return absl::StrCat("pool=", Quote(req->pool()), " sequence=", Quote(req->sequence()),
-                                  " holder=", Quote(req->lease().holder())); }, status);
+  return scope.Done(FinishCall("AcquireLease", [&] { return absl::StrCat("pool=", Quote(req->pool()), " sequence=", Quote(req->sequence()),
+                                  " holder=", Quote(req->lease().holder())); }, status));
 }
 
 grpc::Status KvCacheService::RenewLease(grpc::ServerContext* ctx,
                                                      const v1::RenewLeaseRequest* req, v1::Lease* resp) {
+  RpcScope scope = StartRpc(kRpcRenewLease);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "the lease was not renewed"));
@@ -44,12 +46,13 @@ grpc::Status KvCacheService::RenewLease(grpc::ServerContext* ctx,
     ToProto(pool->name(), lease, resp);
     return absl::OkStatus();
   }();
-  return FinishCall("RenewLease", [&] { return LeaseDetail(req->pool(), req->lease_id()); }, status);
+  return scope.Done(FinishCall("RenewLease", [&] { return LeaseDetail(req->pool(), req->lease_id()); }, status));
 }
 
 grpc::Status KvCacheService::ReleaseLease(grpc::ServerContext* ctx,
                                                        const v1::ReleaseLeaseRequest* req,
                                                        v1::ReleaseLeaseResponse* resp) {
+  RpcScope scope = StartRpc(kRpcReleaseLease);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "the lease was not released"));
@@ -57,11 +60,12 @@ grpc::Status KvCacheService::ReleaseLease(grpc::ServerContext* ctx,
     resp->set_pages_freed(freed);
     return absl::OkStatus();
   }();
-  return FinishCall("ReleaseLease", [&] { return LeaseDetail(req->pool(), req->lease_id()); }, status);
+  return scope.Done(FinishCall("ReleaseLease", [&] { return LeaseDetail(req->pool(), req->lease_id()); }, status));
 }
 
 grpc::Status KvCacheService::ListLeases(grpc::ServerContext*,
                                                      const v1::ListLeasesRequest* req, v1::ListLeasesResponse* resp) {
+  RpcScope scope = StartRpc(kRpcListLeases);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     uint64_t after = 0;
@@ -77,12 +81,13 @@ grpc::Status KvCacheService::ListLeases(grpc::ServerContext*,
     resp->set_total(listing.total);
     return absl::OkStatus();
   }();
-  return FinishCall("ListLeases", [&] { return absl::StrCat("pool=", Quote(req->pool())); }, status);
+  return scope.Done(FinishCall("ListLeases", [&] { return absl::StrCat("pool=", Quote(req->pool())); }, status));
 }
 
 grpc::Status KvCacheService::MatchPrefix(grpc::ServerContext* ctx,
                                                       const v1::MatchPrefixRequest* req,
                                                       v1::MatchPrefixResponse* resp) {
+  RpcScope scope = StartRpc(kRpcMatchPrefix);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     std::optional<LeaseRequest> lease;
@@ -99,12 +104,13 @@ grpc::Status KvCacheService::MatchPrefix(grpc::ServerContext* ctx,
     if (match.lease) ToProto(pool->name(), *match.lease, resp->mutable_lease());
     return absl::OkStatus();
   }();
-  return FinishCall("MatchPrefix", [&] { return absl::StrCat("pool=", Quote(req->pool()), " hashes=", req->block_hashes_size()); }, status);
+  return scope.Done(FinishCall("MatchPrefix", [&] { return absl::StrCat("pool=", Quote(req->pool()), " hashes=", req->block_hashes_size()); }, status));
 }
 
 grpc::Status KvCacheService::ForkSequence(grpc::ServerContext* ctx,
                                                        const v1::ForkSequenceRequest* req,
                                                        v1::ForkSequenceResponse* resp) {
+  RpcScope scope = StartRpc(kRpcForkSequence);
   auto detail = [&] {
     return absl::StrCat("pool=", Quote(req->pool()), " source=", Quote(req->source()), " target=",
                         Quote(req->target()), " length=", req->length(), " hashes=", req->block_hashes_size());
@@ -115,7 +121,7 @@ grpc::Status KvCacheService::ForkSequence(grpc::ServerContext* ctx,
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("target", req->target(), kMaxSequenceIdBytes));
     return p;
   }();
-  if (!pool.ok()) return FinishCall("ForkSequence", detail, pool.status());
+  if (!pool.ok()) return scope.Done(FinishCall("ForkSequence", detail, pool.status()));
   Pool* p = *pool;
   absl::Status status;
   // A worker task (the partial last page is copied there, in order with
@@ -146,13 +152,16 @@ grpc::Status KvCacheService::ForkSequence(grpc::ServerContext* ctx,
         return absl::OkStatus();
       };
       MLAKV_ASSIGN_OR_RETURN(ForkResult result, p->Fork(fork));
-      if (result.sequence) ToProto(p->name(), *result.sequence, resp->mutable_sequence());
+      if (result.sequence) {
+        ToProto(p->name(), *result.sequence, resp->mutable_sequence());
+        resp->mutable_sequence()->set_server_id(options_.server_id);
+      }
       resp->set_pages_shared(result.pages_shared);
       resp->set_pages_copied(result.pages_copied);
       return absl::OkStatus();
     }();
   });
-  return FinishCall("ForkSequence", detail, status);
+  return scope.Done(FinishCall("ForkSequence", detail, status));
 }
 
 }  // namespace mlakv::server

@@ -83,6 +83,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   }
   service_options.events = server->events_.get();
   service_options.server_id = options.server_id;
+  service_options.metrics = options.metrics;
   service_options.max_watchers = ev.max_watchers() == 0 ? kDefaultMaxWatchers : static_cast<int>(ev.max_watchers());
   // A new server holds nothing: its first event says so, for routers that
   // knew an earlier process under the same id.
@@ -110,7 +111,8 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
     for (const auto& pool : server->pools_) pool_names.push_back(pool->name());
     options.metrics->SetPools(pool_names);
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-    interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(options.metrics));
+    interceptors.push_back(
+        std::make_unique<MetricsInterceptorFactory>(options.metrics, KvCacheService::SelfRecordedPaths()));
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
   // gRPC sets SO_REUSEPORT on Linux listeners by default, which lets a

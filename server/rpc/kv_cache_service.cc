@@ -43,10 +43,38 @@ std::string SequenceDetail(const std::string& pool, const std::string& sequence)
 
 }  // namespace
 
+std::vector<std::string> KvCacheService::SelfRecordedPaths() {
+  static constexpr const char* kNames[kRpcMethods] = {
+      "ListPools",        "GetPool",          "AppendBatch", "GetSequence",  "ListSequences", "GetPage",
+      "FreeSequence",     "TruncateSequence", "UnregisterRegion", "ListRegions", "ExportPool", "AcquireLease",
+      "RenewLease",       "ReleaseLease",     "ListLeases",  "ForkSequence", "MatchPrefix"};
+  std::vector<std::string> out;
+  for (const char* name : kNames) out.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/", name));
+  return out;
+}
+
+KvCacheService::RpcScope::RpcScope(ServerMetrics* metrics, ServerMetrics::RpcChildren* children)
+    : metrics_(metrics), children_(children), start_(std::chrono::steady_clock::now()) {
+  if (metrics_ != nullptr) metrics_->RpcStarted(*children_);
+}
+
+grpc::Status KvCacheService::RpcScope::Done(grpc::Status status) {
+  if (metrics_ != nullptr) {
+    metrics_->RpcFinished(*children_, status.error_code(),
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+  }
+  return status;
+}
+
 KvCacheService::KvCacheService(Options options)
     : options_(std::move(options)),
       control_(std::make_unique<SerialExecutor>()),
-      watchdog_(std::make_unique<StreamWatchdog>(WatchdogPeriod(options_.append_idle_timeout))) {}
+      watchdog_(std::make_unique<StreamWatchdog>(WatchdogPeriod(options_.append_idle_timeout))) {
+  if (options_.metrics != nullptr) {
+    const std::vector<std::string> paths = SelfRecordedPaths();
+    for (int m = 0; m < kRpcMethods; ++m) rpc_children_[m] = &options_.metrics->ChildrenOf(paths[m]);
+  }
+}
 
 KvCacheService::~KvCacheService() {
   watchdog_.reset();
@@ -78,7 +106,8 @@ void KvCacheService::AppendEnded(const AppendOutcome& outcome) {
 
 grpc::Status KvCacheService::ListPools(grpc::ServerContext*, const v1::ListPoolsRequest*,
                                                     v1::ListPoolsResponse* resp) {
-  if (draining()) return FinishCall("ListPools", [&] { return std::string(""); }, DrainingError());
+  RpcScope scope = StartRpc(kRpcListPools);
+  if (draining()) return scope.Done(FinishCall("ListPools", [&] { return std::string(""); }, DrainingError()));
   std::vector<Pool*> pools = options_.pools;
   std::sort(pools.begin(), pools.end(), [](Pool* a, Pool* b) { return a->name() < b->name(); });
   for (Pool* pool : pools) {
@@ -86,21 +115,23 @@ grpc::Status KvCacheService::ListPools(grpc::ServerContext*, const v1::ListPools
     ToProto(pool->Snapshot(), out);
     out->set_server_id(options_.server_id);
   }
-  return FinishCall("ListPools", [&] { return std::string(""); }, absl::OkStatus());
+  return scope.Done(FinishCall("ListPools", [&] { return std::string(""); }, absl::OkStatus()));
 }
 
 grpc::Status KvCacheService::GetPool(grpc::ServerContext*, const v1::GetPoolRequest* req,
                                                   v1::Pool* resp) {
+  RpcScope scope = StartRpc(kRpcGetPool);
   absl::StatusOr<Pool*> pool = Prelude(req->pool());
   if (pool.ok()) {
     ToProto((*pool)->Snapshot(), resp);
     resp->set_server_id(options_.server_id);
   }
-  return FinishCall("GetPool", [&] { return PoolDetail(req->pool()); }, pool.status());
+  return scope.Done(FinishCall("GetPool", [&] { return PoolDetail(req->pool()); }, pool.status()));
 }
 
 grpc::Status KvCacheService::GetSequence(grpc::ServerContext* ctx,
                                                       const v1::GetSequenceRequest* req, v1::Sequence* resp) {
+  RpcScope scope = StartRpc(kRpcGetSequence);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
@@ -111,14 +142,16 @@ grpc::Status KvCacheService::GetSequence(grpc::ServerContext* ctx,
     }
     MLAKV_ASSIGN_OR_RETURN(SequenceSnapshot seq, pool->GetSequence(RefOf(*req), lease));
     ToProto(pool->name(), seq, resp);
+    resp->set_server_id(options_.server_id);
     return absl::OkStatus();
   }();
-  return FinishCall("GetSequence", [&] { return SequenceDetail(req->pool(), req->sequence()); }, status);
+  return scope.Done(FinishCall("GetSequence", [&] { return SequenceDetail(req->pool(), req->sequence()); }, status));
 }
 
 grpc::Status KvCacheService::ListSequences(grpc::ServerContext*,
                                                         const v1::ListSequencesRequest* req,
                                                         v1::ListSequencesResponse* resp) {
+  RpcScope scope = StartRpc(kRpcListSequences);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("page_token", req->page_token(), kMaxSequenceIdBytes));
@@ -135,11 +168,12 @@ grpc::Status KvCacheService::ListSequences(grpc::ServerContext*,
     resp->set_total(listing.total);
     return absl::OkStatus();
   }();
-  return FinishCall("ListSequences", [&] { return absl::StrCat(PoolDetail(req->pool()), " page_token=", Quote(req->page_token())); }, status);
+  return scope.Done(FinishCall("ListSequences", [&] { return absl::StrCat(PoolDetail(req->pool()), " page_token=", Quote(req->page_token())); }, status));
 }
 
 grpc::Status KvCacheService::GetPage(grpc::ServerContext*, const v1::GetPageRequest* req,
                                                   v1::Page* resp) {
+  RpcScope scope = StartRpc(kRpcGetPage);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_ASSIGN_OR_RETURN(PageSnapshot page, pool->GetPage(req->page()));
@@ -158,12 +192,13 @@ grpc::Status KvCacheService::GetPage(grpc::ServerContext*, const v1::GetPageRequ
     resp->set_sequence_freed(page.sequence_freed);
     return absl::OkStatus();
   }();
-  return FinishCall("GetPage", [&] { return absl::StrCat(PoolDetail(req->pool()), " page=", req->page()); }, status);
+  return scope.Done(FinishCall("GetPage", [&] { return absl::StrCat(PoolDetail(req->pool()), " page=", req->page()); }, status));
 }
 
 grpc::Status KvCacheService::FreeSequence(grpc::ServerContext* ctx,
                                                        const v1::FreeSequenceRequest* req,
                                                        v1::FreeSequenceResponse* resp) {
+  RpcScope scope = StartRpc(kRpcFreeSequence);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
@@ -174,21 +209,23 @@ grpc::Status KvCacheService::FreeSequence(grpc::ServerContext* ctx,
     resp->set_pages_retained(freed.pages_retained);
     return absl::OkStatus();
   }();
-  return FinishCall("FreeSequence", [&] { return SequenceDetail(req->pool(), req->sequence()); }, status);
+  return scope.Done(FinishCall("FreeSequence", [&] { return SequenceDetail(req->pool(), req->sequence()); }, status));
 }
 
 grpc::Status KvCacheService::TruncateSequence(grpc::ServerContext* ctx,
                                                            const v1::TruncateSequenceRequest* req,
                                                            v1::Sequence* resp) {
+  RpcScope scope = StartRpc(kRpcTruncateSequence);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", req->sequence(), kMaxSequenceIdBytes));
     MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was truncated"));
     MLAKV_ASSIGN_OR_RETURN(SequenceSnapshot seq, pool->TruncateSequence(RefOf(*req), req->length()));
     ToProto(pool->name(), seq, resp);
+    resp->set_server_id(options_.server_id);
     return absl::OkStatus();
   }();
-  return FinishCall("TruncateSequence", [&] { return absl::StrCat(SequenceDetail(req->pool(), req->sequence()), " length=", req->length()); }, status);
+  return scope.Done(FinishCall("TruncateSequence", [&] { return absl::StrCat(SequenceDetail(req->pool(), req->sequence()), " length=", req->length()); }, status));
 }
 
 // ---- AppendBatch ------------------------------------------------------------------
@@ -196,6 +233,7 @@ grpc::Status KvCacheService::TruncateSequence(grpc::ServerContext* ctx,
 grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
                                                       const v1::AppendBatchRequest* req,
                                                       v1::AppendBatchResponse* resp) {
+  RpcScope scope = StartRpc(kRpcAppendBatch);
   const absl::Time started = absl::Now();
   const std::chrono::steady_clock::time_point t_entered = std::chrono::steady_clock::now();
   auto detail = [&] { return absl::StrCat(PoolDetail(req->pool()), " sequences=", req->sequences_size()); };
@@ -224,7 +262,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
     }
     return Checked{pool, dtype, view};
   }();
-  if (!checked.ok()) return FinishCall("AppendBatch", detail, checked.status());
+  if (!checked.ok()) return scope.Done(FinishCall("AppendBatch", detail, checked.status()));
   Pool* p = checked->pool;
   const Checked& c = *checked;
   AppendStarted();
@@ -295,7 +333,9 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append.Commit(last_check));
       t_committed = Clock::now();
       for (size_t i = 0; i < after.size(); ++i) {
-        ToProto(p->name(), after[i], resp->add_sequences(), c.view, first_new[i]);
+        v1::Sequence* out = resp->add_sequences();
+        ToProto(p->name(), after[i], out, c.view, first_new[i]);
+        out->set_server_id(options_.server_id);
       }
       resp->set_rows_written(rows_written);
       resp->set_pages_allocated(pages);
@@ -310,7 +350,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
                .rows = resp->rows_written(),
                .bytes = status.ok() ? row_bytes : 0,
                .seconds = absl::ToDoubleSeconds(absl::Now() - started)});
-  return FinishCall(
+  return scope.Done(FinishCall(
       "AppendBatch",
       [&] {
         auto us = [](Clock::time_point a, Clock::time_point b) {
@@ -320,7 +360,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
                             " prepare=", us(t_started, t_prepared), " stage=", us(t_prepared, t_staged),
                             " commit=", us(t_staged, t_committed), " respond=", us(t_committed, t_done));
       },
-      status);
+      status));
 }
 
 // ---- streams ---------------------------------------------------------------------
@@ -409,25 +449,28 @@ grpc::ServerUnaryReactor* KvCacheService::RegisterCudaRegion(grpc::CallbackServe
 grpc::Status KvCacheService::UnregisterRegion(grpc::ServerContext*,
                                                            const v1::UnregisterRegionRequest* req,
                                                            v1::UnregisterRegionResponse* resp) {
+  RpcScope scope = StartRpc(kRpcUnregisterRegion);
   const std::string detail = absl::StrCat("name=", Quote(req->name()));
-  if (draining()) return FinishCall("UnregisterRegion", [&] { return std::string(detail); }, DrainingError());
+  if (draining()) return scope.Done(FinishCall("UnregisterRegion", [&] { return std::string(detail); }, DrainingError()));
   absl::StatusOr<uint32_t> holders = options_.regions->Unregister(req->name());  // releases on the registry's worker
   if (holders.ok()) resp->set_appends_in_flight(*holders);
-  return FinishCall("UnregisterRegion", [&] { return std::string(detail); }, holders.status());
+  return scope.Done(FinishCall("UnregisterRegion", [&] { return std::string(detail); }, holders.status()));
 }
 
 grpc::Status KvCacheService::ListRegions(grpc::ServerContext*,
                                                       const v1::ListRegionsRequest*, v1::ListRegionsResponse* resp) {
-  if (draining()) return FinishCall("ListRegions", [&] { return std::string(""); }, DrainingError());
+  RpcScope scope = StartRpc(kRpcListRegions);
+  if (draining()) return scope.Done(FinishCall("ListRegions", [&] { return std::string(""); }, DrainingError()));
   absl::StatusOr<std::vector<RegionInfo>> regions = options_.regions->List();
   if (regions.ok()) {
     for (const RegionInfo& r : *regions) *resp->add_regions() = ToProto(r);
   }
-  return FinishCall("ListRegions", [&] { return std::string(""); }, regions.status());
+  return scope.Done(FinishCall("ListRegions", [&] { return std::string(""); }, regions.status()));
 }
 
 grpc::Status KvCacheService::ExportPool(grpc::ServerContext*,
                                                      const v1::ExportPoolRequest* req, v1::ExportPoolResponse* resp) {
+  RpcScope scope = StartRpc(kRpcExportPool);
   const absl::Status status = [&]() -> absl::Status {
     if (draining()) return DrainingError();
     MLAKV_RETURN_IF_ERROR(options_.regions->CheckAllowed("ExportPool"));
@@ -461,7 +504,7 @@ grpc::Status KvCacheService::ExportPool(grpc::ServerContext*,
     }
     return absl::OkStatus();
   }();
-  return FinishCall("ExportPool", [&] { return PoolDetail(req->pool()); }, status);
+  return scope.Done(FinishCall("ExportPool", [&] { return PoolDetail(req->pool()); }, status));
 }
 
 }  // namespace mlakv::server

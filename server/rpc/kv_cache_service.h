@@ -22,6 +22,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -31,6 +32,7 @@
 #include "absl/time/time.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
 #include "server/core/kv_events.h"
+#include "server/observability/server_metrics.h"
 #include "server/core/pool.h"
 #include "server/regions/region_registry.h"
 #include "server/core/serial_executor.h"
@@ -56,6 +58,33 @@ using KvCacheServiceBase = v1::KvCache::WithRawCallbackMethod_Append<v1::KvCache
 
 class KvCacheService final : public KvCacheServiceBase {
  public:
+  // The synchronous methods, whose per-RPC metrics the service records
+  // itself (RpcScope) instead of gRPC's interceptor: the interceptor
+  // machinery cost ~15-20 us a call on the GPU host (docs/performance.md
+  // "Issue 16"), a tenth of a GetPool. The streams and region registrations
+  // keep the interceptor.
+  enum RpcMethod {
+    kRpcListPools, kRpcGetPool, kRpcAppendBatch, kRpcGetSequence, kRpcListSequences, kRpcGetPage,
+    kRpcFreeSequence, kRpcTruncateSequence, kRpcUnregisterRegion, kRpcListRegions, kRpcExportPool,
+    kRpcAcquireLease, kRpcRenewLease, kRpcReleaseLease, kRpcListLeases, kRpcForkSequence, kRpcMatchPrefix,
+    kRpcMethods
+  };
+  // Their paths ("/mlakv.v1.KvCache/GetPool"), in RpcMethod order.
+  static std::vector<std::string> SelfRecordedPaths();
+
+  // One synchronous call's metrics: started when the handler begins, finished
+  // with the status it returns.
+  class RpcScope {
+   public:
+    RpcScope(ServerMetrics* metrics, ServerMetrics::RpcChildren* children);
+    grpc::Status Done(grpc::Status status);
+
+   private:
+    ServerMetrics* metrics_;
+    ServerMetrics::RpcChildren* children_;
+    std::chrono::steady_clock::time_point start_;
+  };
+
   struct Options {
     std::vector<Pool*> pools;   // not owned; outlive the service
     std::string default_pool;   // the pool an empty `pool` field means
@@ -72,6 +101,8 @@ class KvCacheService final : public KvCacheServiceBase {
     EventLog* events = nullptr;
     std::string server_id;
     int max_watchers = 64;
+    // Per-RPC metrics of the synchronous methods (not owned); null: none.
+    ServerMetrics* metrics = nullptr;
   };
 
   explicit KvCacheService(Options options);
@@ -155,11 +186,13 @@ class KvCacheService final : public KvCacheServiceBase {
   // The unary prelude: UNAVAILABLE while draining, INVALID_ARGUMENT for an
   // over-long pool name, then the pool (NOT_FOUND).
   absl::StatusOr<Pool*> Prelude(const std::string& pool) const;
+  RpcScope StartRpc(RpcMethod method) { return RpcScope(options_.metrics, rpc_children_[method]); }
 
   const Options options_;
   std::atomic<bool> draining_{false};
   std::atomic<int> appends_in_flight_{0};
   std::atomic<int> watchers_{0};
+  ServerMetrics::RpcChildren* rpc_children_[kRpcMethods] = {};  // resolved once (null without metrics)
   std::unique_ptr<SerialExecutor> control_;
   std::unique_ptr<StreamWatchdog> watchdog_;  // after control_: destroyed first
 };

@@ -129,8 +129,10 @@ uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t page
   // append's response carries none.) Page ids are below num_pages, lengths below 2^31.
   const uint64_t page_id = VarintBytes(num_pages == 0 ? 0 : num_pages - 1);
   const uint64_t page_ids = page_id * pages, lengths = 5 * static_cast<uint64_t>(layers);
+  const uint64_t server_id = 1 + 2 + kMaxServerIdBytes;
   return (1 + VarintBytes(pool_bytes) + pool_bytes) + (1 + VarintBytes(id_bytes) + id_bytes) +
-         (1 + VarintBytes(page_ids) + page_ids) + (1 + VarintBytes(lengths) + lengths) + 6 * 6 + 11 + 6 + 2 + 6 + 6;
+         (1 + VarintBytes(page_ids) + page_ids) + (1 + VarintBytes(lengths) + lengths) + 6 * 6 + 11 + 6 + 2 + 6 + 6 +
+         server_id;
 }
 
 namespace {

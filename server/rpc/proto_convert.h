@@ -27,6 +27,9 @@ void ToProto(const PoolSnapshot& p, v1::Pool* out);
 void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* out,
              v1::SequenceView view = v1::SEQUENCE_VIEW_FULL, size_t first_new_page = 0);
 
+// Longest --server_id (it is in every Sequence message).
+inline constexpr size_t kMaxServerIdBytes = 256;
+
 // An upper bound of the serialized size of a Sequence message holding
 // `pages` page ids below `num_pages` and `layers` lengths below 2^31, whose
 // id and pool name have those byte counts (for refusing, before a commit, a

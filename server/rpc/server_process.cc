@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/backend/device.h"
 #include "common/status_macros.h"
+#include "server/rpc/proto_convert.h"
 #include "server/rpc/server_config.h"
 #include "spdlog/spdlog.h"
 
@@ -41,6 +42,10 @@ absl::StatusOr<PreparedServer> PrepareServer(const ServerFlags& flags) {
   p.device = flags.device;
   p.allow_ipc = flags.allow_ipc;
   p.server_id = flags.server_id;
+  if (p.server_id.size() > kMaxServerIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("--server_id is ", p.server_id.size(), " bytes; at most ",
+                                                   kMaxServerIdBytes, " are accepted"));
+  }
   if (p.server_id.empty()) {
     char host[256] = {};
     p.server_id = gethostname(host, sizeof(host) - 1) == 0 ? host : "unknown";

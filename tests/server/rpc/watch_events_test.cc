@@ -164,6 +164,54 @@ TEST_F(WatchEventsTest, DrainingEndsStreamsAndNewOnesAreRefused) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << Describe(s);
 }
 
+// Server identity (a client routing over a fleet records where a sequence
+// lives from any response): GetPool, ListPools and every response that
+// describes a sequence carry --server_id.
+TEST_F(WatchEventsTest, EveryPoolAndSequenceResponseNamesTheServer) {
+  v1::AppendResponse appended;
+  ASSERT_TRUE(ServiceFixture::Append({AppendMessage("id", 0, RandomRows(3, 1), 0, 3, {0, 1}, 0.25f, 0.5f)}, &appended).ok());
+  EXPECT_EQ(appended.sequence().server_id(), "test-server");
+  EXPECT_EQ(GetPool().server_id(), "test-server");
+  v1::Sequence seq;
+  ASSERT_TRUE(GetSequence("id", &seq).ok());
+  EXPECT_EQ(seq.server_id(), "test-server");
+  {
+    grpc::ClientContext ctx;
+    v1::ListPoolsResponse pools;
+    ASSERT_TRUE(stub().ListPools(&ctx, v1::ListPoolsRequest(), &pools).ok());
+    EXPECT_EQ(pools.pools(0).server_id(), "test-server");
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::AppendBatchRequest req;
+    req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+    v1::SequenceRows* sr = req.add_sequences();
+    sr->set_sequence("id");
+    sr->set_start(3);
+    v1::AppendBatchResponse resp;
+    ASSERT_TRUE(stub().AppendBatch(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.sequences(0).server_id(), "test-server");
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::TruncateSequenceRequest req;
+    req.set_sequence("id");
+    req.set_length(1);
+    v1::Sequence out;
+    ASSERT_TRUE(stub().TruncateSequence(&ctx, req, &out).ok());
+    EXPECT_EQ(out.server_id(), "test-server");
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::ForkSequenceRequest req;
+    req.set_source("id");
+    req.set_target("copy");
+    v1::ForkSequenceResponse out;
+    ASSERT_TRUE(stub().ForkSequence(&ctx, req, &out).ok());
+    EXPECT_EQ(out.sequence().server_id(), "test-server");
+  }
+}
+
 TEST_F(WatchEventsTest, TheWatcherLimitIsEnforced) {
   StopServer();
   StartServer("cpu", "name: 'default' num_layers: 1 page_size: 4 num_pages: 16", "events { max_watchers: 1 }");
