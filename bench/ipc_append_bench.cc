@@ -275,40 +275,16 @@ int main(int argc, char** argv) {
   }
   // Rows: ckv [rows, 512] then kpe [rows, 64], bf16, random and never zero.
   const size_t ckv_bytes = static_cast<size_t>(rows) * 512 * 2, kpe_bytes = static_cast<size_t>(rows) * 64 * 2;
-  std::vector<uint16_t> host((ckv_bytes + kpe_bytes) / 2);
-  std::mt19937 rng(7);
-  std::normal_distribution<float> g(0.0f, 1.0f);
-  for (auto& h : host) {
-    const float f = g(rng) + 0.01f;
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    h = static_cast<uint16_t>(u >> 16);
-  }
+  const std::vector<uint16_t> host = RandomBf16((ckv_bytes + kpe_bytes) / 2, 7);
   CHECK_CUDA(cudaSetDevice(0));
   void* rows_dev = nullptr;
   CHECK_CUDA(cudaMalloc(&rows_dev, ckv_bytes + kpe_bytes));
   CHECK_CUDA(cudaMemcpy(rows_dev, host.data(), ckv_bytes + kpe_bytes, cudaMemcpyHostToDevice));
-  cudaIpcMemHandle_t handle;
-  CHECK_CUDA(cudaIpcGetMemHandle(&handle, rows_dev));
-
   auto channel_args = grpc::ChannelArguments();
   channel_args.SetMaxReceiveMessageSize(-1);
   auto stub = mlakv::v1::KvCache::NewStub(
       grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), channel_args));
-  {
-    mlakv::v1::RegisterCudaRegionRequest req;
-    req.set_name("ipc-bench");
-    req.set_raw_handle(std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
-    req.set_device_id(0);
-    req.set_byte_size(ckv_bytes + kpe_bytes);
-    mlakv::v1::Region resp;
-    grpc::ClientContext ctx;
-    const grpc::Status s = stub->RegisterCudaRegion(&ctx, req, &resp);
-    if (!s.ok()) {
-      std::fprintf(stderr, "RegisterCudaRegion: %s\n", s.error_message().c_str());
-      return 1;
-    }
-  }
+  if (!RegisterRegion(*stub, "ipc-bench", rows_dev, ckv_bytes + kpe_bytes)) return 1;
   // The rows of one layer named by reference (the same for both RPCs).
   const auto fill_layer = [&](mlakv::v1::LayerRows* layer) {
     layer->set_layer(0);
@@ -438,13 +414,7 @@ int main(int argc, char** argv) {
     std::printf("  %-11s end to end %.1f us (min %.1f): kernel + %.1f us\n", name, Median(*v),
                 *std::min_element(v->begin(), v->end()), Median(*v) - kernel);
   }
-  {
-    mlakv::v1::UnregisterRegionRequest req;
-    req.set_name("ipc-bench");
-    mlakv::v1::UnregisterRegionResponse resp;
-    grpc::ClientContext ctx;
-    stub->UnregisterRegion(&ctx, req, &resp);
-  }
+  UnregisterRegion(*stub, "ipc-bench");
   cudaFree(cache);
   cudaFree(idx_dev);
   cudaFree(rows_dev);
