@@ -34,22 +34,22 @@ struct KvEvent {
   uint64_t number = 0;   // assigned by EventLog::Record
   int64_t time_unix_ns = 0;
   Kind kind = Kind::kStored;
-  std::string pool;      // empty for kCleared (every pool)
+  std::string pool{};      // empty for kCleared (every pool)
   // kStored: the sequence whose pages completed and where they start in its
   // page table; kRemoved: the sequence that held them when known (freed
   // pages retained by a lease may have outlived it: empty then).
-  std::string sequence;
+  std::string sequence{};
   uint32_t first_page_index = 0;   // kStored
   uint32_t page_size = 0;          // tokens per page
-  std::vector<int32_t> pages;      // page ids
+  std::vector<int32_t> pages{};      // page ids
   // One per page (empty string: the client gave that page no hash), or
   // empty when none of the pages has one.
-  std::vector<std::string> block_hashes;
+  std::vector<std::string> block_hashes{};
   // kStored: the hash of the page-table entry before first_page_index, when
   // there is one and it has a hash (a router's chain link).
-  std::string parent_block_hash;
+  std::string parent_block_hash{};
   // kRemoved: "free", "truncate", "rewrite", "evict", "ttl", "lease_end".
-  std::string reason;
+  std::string reason{};
 };
 
 class EventLog {

@@ -33,11 +33,11 @@ namespace mlakv::server {
 class ZmqEventPublisher {
  public:
   struct Options {
-    std::string endpoint;         // PUB, e.g. tcp://*:5557
-    std::string replay_endpoint;  // ROUTER, e.g. tcp://*:5558; empty: no replay
-    std::string topic;            // first frame of every message; "" as vLLM's default
+    std::string endpoint{};         // PUB, e.g. tcp://*:5557
+    std::string replay_endpoint{};  // ROUTER, e.g. tcp://*:5558; empty: no replay
+    std::string topic{};            // first frame of every message; "" as vLLM's default
     size_t replay_batches = 10000;  // batches kept for replay
-    std::map<std::string, std::string> medium_of_pool;  // pool -> "GPU" / "CPU"
+    std::map<std::string, std::string> medium_of_pool{};  // pool -> "GPU" / "CPU"
   };
 
   // Binds the sockets (an endpoint that cannot be bound: INVALID_ARGUMENT

@@ -20,7 +20,7 @@ std::string LeaseDetail(const std::string& pool, uint64_t lease_id) {
 }  // namespace
 
 grpc::Status KvCacheService::AcquireLease(grpc::ServerContext* ctx,
-                                                       const v1::AcquireLeaseRequest* req, v1::Lease* resp) {
+                                          const v1::AcquireLeaseRequest* req, v1::Lease* resp) {
   RpcScope scope = StartRpc(kRpcAcquireLease);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -31,12 +31,14 @@ grpc::Status KvCacheService::AcquireLease(grpc::ServerContext* ctx,
     ToProto(pool->name(), lease, resp);
     return absl::OkStatus();
   }();
-  return scope.Done(FinishCall("AcquireLease", [&] { return absl::StrCat("pool=", Quote(req->pool()), " sequence=", Quote(req->sequence()),
-                                  " holder=", Quote(req->lease().holder())); }, status));
+  const auto detail = [&] {
+    return absl::StrCat("pool=", Quote(req->pool()), " sequence=", Quote(req->sequence()), " holder=",
+                        Quote(req->lease().holder()));
+  };
+  return scope.Done(FinishCall("AcquireLease", detail, status));
 }
 
-grpc::Status KvCacheService::RenewLease(grpc::ServerContext* ctx,
-                                                     const v1::RenewLeaseRequest* req, v1::Lease* resp) {
+grpc::Status KvCacheService::RenewLease(grpc::ServerContext* ctx, const v1::RenewLeaseRequest* req, v1::Lease* resp) {
   RpcScope scope = StartRpc(kRpcRenewLease);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -50,8 +52,8 @@ grpc::Status KvCacheService::RenewLease(grpc::ServerContext* ctx,
 }
 
 grpc::Status KvCacheService::ReleaseLease(grpc::ServerContext* ctx,
-                                                       const v1::ReleaseLeaseRequest* req,
-                                                       v1::ReleaseLeaseResponse* resp) {
+                                          const v1::ReleaseLeaseRequest* req,
+                                          v1::ReleaseLeaseResponse* resp) {
   RpcScope scope = StartRpc(kRpcReleaseLease);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -64,7 +66,7 @@ grpc::Status KvCacheService::ReleaseLease(grpc::ServerContext* ctx,
 }
 
 grpc::Status KvCacheService::ListLeases(grpc::ServerContext*,
-                                                     const v1::ListLeasesRequest* req, v1::ListLeasesResponse* resp) {
+                                        const v1::ListLeasesRequest* req, v1::ListLeasesResponse* resp) {
   RpcScope scope = StartRpc(kRpcListLeases);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -85,8 +87,8 @@ grpc::Status KvCacheService::ListLeases(grpc::ServerContext*,
 }
 
 grpc::Status KvCacheService::MatchPrefix(grpc::ServerContext* ctx,
-                                                      const v1::MatchPrefixRequest* req,
-                                                      v1::MatchPrefixResponse* resp) {
+                                         const v1::MatchPrefixRequest* req,
+                                         v1::MatchPrefixResponse* resp) {
   RpcScope scope = StartRpc(kRpcMatchPrefix);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -104,12 +106,13 @@ grpc::Status KvCacheService::MatchPrefix(grpc::ServerContext* ctx,
     if (match.lease) ToProto(pool->name(), *match.lease, resp->mutable_lease());
     return absl::OkStatus();
   }();
-  return scope.Done(FinishCall("MatchPrefix", [&] { return absl::StrCat("pool=", Quote(req->pool()), " hashes=", req->block_hashes_size()); }, status));
+  const auto detail = [&] { return absl::StrCat("pool=", Quote(req->pool()), " hashes=", req->block_hashes_size()); };
+  return scope.Done(FinishCall("MatchPrefix", detail, status));
 }
 
 grpc::Status KvCacheService::ForkSequence(grpc::ServerContext* ctx,
-                                                       const v1::ForkSequenceRequest* req,
-                                                       v1::ForkSequenceResponse* resp) {
+                                          const v1::ForkSequenceRequest* req,
+                                          v1::ForkSequenceResponse* resp) {
   RpcScope scope = StartRpc(kRpcForkSequence);
   auto detail = [&] {
     return absl::StrCat("pool=", Quote(req->pool()), " source=", Quote(req->source()), " target=",

@@ -104,8 +104,7 @@ void KvCacheService::AppendEnded(const AppendOutcome& outcome) {
 
 // ---- unary queries -------------------------------------------------------------
 
-grpc::Status KvCacheService::ListPools(grpc::ServerContext*, const v1::ListPoolsRequest*,
-                                                    v1::ListPoolsResponse* resp) {
+grpc::Status KvCacheService::ListPools(grpc::ServerContext*, const v1::ListPoolsRequest*, v1::ListPoolsResponse* resp) {
   RpcScope scope = StartRpc(kRpcListPools);
   if (draining()) return scope.Done(FinishCall("ListPools", [&] { return std::string(""); }, DrainingError()));
   std::vector<Pool*> pools = options_.pools;
@@ -118,8 +117,7 @@ grpc::Status KvCacheService::ListPools(grpc::ServerContext*, const v1::ListPools
   return scope.Done(FinishCall("ListPools", [&] { return std::string(""); }, absl::OkStatus()));
 }
 
-grpc::Status KvCacheService::GetPool(grpc::ServerContext*, const v1::GetPoolRequest* req,
-                                                  v1::Pool* resp) {
+grpc::Status KvCacheService::GetPool(grpc::ServerContext*, const v1::GetPoolRequest* req, v1::Pool* resp) {
   RpcScope scope = StartRpc(kRpcGetPool);
   absl::StatusOr<Pool*> pool = Prelude(req->pool());
   if (pool.ok()) {
@@ -130,7 +128,7 @@ grpc::Status KvCacheService::GetPool(grpc::ServerContext*, const v1::GetPoolRequ
 }
 
 grpc::Status KvCacheService::GetSequence(grpc::ServerContext* ctx,
-                                                      const v1::GetSequenceRequest* req, v1::Sequence* resp) {
+                                         const v1::GetSequenceRequest* req, v1::Sequence* resp) {
   RpcScope scope = StartRpc(kRpcGetSequence);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -149,8 +147,8 @@ grpc::Status KvCacheService::GetSequence(grpc::ServerContext* ctx,
 }
 
 grpc::Status KvCacheService::ListSequences(grpc::ServerContext*,
-                                                        const v1::ListSequencesRequest* req,
-                                                        v1::ListSequencesResponse* resp) {
+                                           const v1::ListSequencesRequest* req,
+                                           v1::ListSequencesResponse* resp) {
   RpcScope scope = StartRpc(kRpcListSequences);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -168,11 +166,11 @@ grpc::Status KvCacheService::ListSequences(grpc::ServerContext*,
     resp->set_total(listing.total);
     return absl::OkStatus();
   }();
-  return scope.Done(FinishCall("ListSequences", [&] { return absl::StrCat(PoolDetail(req->pool()), " page_token=", Quote(req->page_token())); }, status));
+  const auto detail = [&] { return absl::StrCat(PoolDetail(req->pool()), " page_token=", Quote(req->page_token())); };
+  return scope.Done(FinishCall("ListSequences", detail, status));
 }
 
-grpc::Status KvCacheService::GetPage(grpc::ServerContext*, const v1::GetPageRequest* req,
-                                                  v1::Page* resp) {
+grpc::Status KvCacheService::GetPage(grpc::ServerContext*, const v1::GetPageRequest* req, v1::Page* resp) {
   RpcScope scope = StartRpc(kRpcGetPage);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -192,12 +190,13 @@ grpc::Status KvCacheService::GetPage(grpc::ServerContext*, const v1::GetPageRequ
     resp->set_sequence_freed(page.sequence_freed);
     return absl::OkStatus();
   }();
-  return scope.Done(FinishCall("GetPage", [&] { return absl::StrCat(PoolDetail(req->pool()), " page=", req->page()); }, status));
+  const auto detail = [&] { return absl::StrCat(PoolDetail(req->pool()), " page=", req->page()); };
+  return scope.Done(FinishCall("GetPage", detail, status));
 }
 
 grpc::Status KvCacheService::FreeSequence(grpc::ServerContext* ctx,
-                                                       const v1::FreeSequenceRequest* req,
-                                                       v1::FreeSequenceResponse* resp) {
+                                          const v1::FreeSequenceRequest* req,
+                                          v1::FreeSequenceResponse* resp) {
   RpcScope scope = StartRpc(kRpcFreeSequence);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -213,8 +212,8 @@ grpc::Status KvCacheService::FreeSequence(grpc::ServerContext* ctx,
 }
 
 grpc::Status KvCacheService::TruncateSequence(grpc::ServerContext* ctx,
-                                                           const v1::TruncateSequenceRequest* req,
-                                                           v1::Sequence* resp) {
+                                              const v1::TruncateSequenceRequest* req,
+                                              v1::Sequence* resp) {
   RpcScope scope = StartRpc(kRpcTruncateSequence);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -225,14 +224,17 @@ grpc::Status KvCacheService::TruncateSequence(grpc::ServerContext* ctx,
     resp->set_server_id(options_.server_id);
     return absl::OkStatus();
   }();
-  return scope.Done(FinishCall("TruncateSequence", [&] { return absl::StrCat(SequenceDetail(req->pool(), req->sequence()), " length=", req->length()); }, status));
+  const auto detail = [&] {
+    return absl::StrCat(SequenceDetail(req->pool(), req->sequence()), " length=", req->length());
+  };
+  return scope.Done(FinishCall("TruncateSequence", detail, status));
 }
 
 // ---- AppendBatch ------------------------------------------------------------------
 
 grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
-                                                      const v1::AppendBatchRequest* req,
-                                                      v1::AppendBatchResponse* resp) {
+                                         const v1::AppendBatchRequest* req,
+                                         v1::AppendBatchResponse* resp) {
   RpcScope scope = StartRpc(kRpcAppendBatch);
   const absl::Time started = absl::Now();
   const std::chrono::steady_clock::time_point t_entered = std::chrono::steady_clock::now();
@@ -356,7 +358,8 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
         auto us = [](Clock::time_point a, Clock::time_point b) {
           return std::chrono::duration_cast<std::chrono::microseconds>(b - a).count();
         };
-        return absl::StrCat(detail(), " rows=", resp->rows_written(), " us: checks=", us(t_entered, t_queued), " wait=", us(t_queued, t_started),
+        return absl::StrCat(detail(), " rows=", resp->rows_written(), " us: checks=", us(t_entered, t_queued),
+                            " wait=", us(t_queued, t_started),
                             " prepare=", us(t_started, t_prepared), " stage=", us(t_prepared, t_staged),
                             " commit=", us(t_staged, t_committed), " respond=", us(t_committed, t_done));
       },
@@ -447,8 +450,8 @@ grpc::ServerUnaryReactor* KvCacheService::RegisterCudaRegion(grpc::CallbackServe
 }
 
 grpc::Status KvCacheService::UnregisterRegion(grpc::ServerContext*,
-                                                           const v1::UnregisterRegionRequest* req,
-                                                           v1::UnregisterRegionResponse* resp) {
+                                              const v1::UnregisterRegionRequest* req,
+                                              v1::UnregisterRegionResponse* resp) {
   RpcScope scope = StartRpc(kRpcUnregisterRegion);
   const std::string detail = absl::StrCat("name=", Quote(req->name()));
   if (draining()) return scope.Done(FinishCall("UnregisterRegion", [&] { return std::string(detail); }, DrainingError()));
@@ -458,7 +461,7 @@ grpc::Status KvCacheService::UnregisterRegion(grpc::ServerContext*,
 }
 
 grpc::Status KvCacheService::ListRegions(grpc::ServerContext*,
-                                                      const v1::ListRegionsRequest*, v1::ListRegionsResponse* resp) {
+                                         const v1::ListRegionsRequest*, v1::ListRegionsResponse* resp) {
   RpcScope scope = StartRpc(kRpcListRegions);
   if (draining()) return scope.Done(FinishCall("ListRegions", [&] { return std::string(""); }, DrainingError()));
   absl::StatusOr<std::vector<RegionInfo>> regions = options_.regions->List();
@@ -469,7 +472,7 @@ grpc::Status KvCacheService::ListRegions(grpc::ServerContext*,
 }
 
 grpc::Status KvCacheService::ExportPool(grpc::ServerContext*,
-                                                     const v1::ExportPoolRequest* req, v1::ExportPoolResponse* resp) {
+                                        const v1::ExportPoolRequest* req, v1::ExportPoolResponse* resp) {
   RpcScope scope = StartRpc(kRpcExportPool);
   const absl::Status status = [&]() -> absl::Status {
     if (draining()) return DrainingError();

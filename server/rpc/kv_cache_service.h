@@ -130,19 +130,16 @@ class KvCacheService final : public KvCacheServiceBase {
   void AppendEnded(const AppendOutcome& outcome);
 
   grpc::Status ListPools(grpc::ServerContext* ctx, const v1::ListPoolsRequest* req,
-                                      v1::ListPoolsResponse* resp) override;
-  grpc::Status GetPool(grpc::ServerContext* ctx, const v1::GetPoolRequest* req,
-                                    v1::Pool* resp) override;
+                         v1::ListPoolsResponse* resp) override;
+  grpc::Status GetPool(grpc::ServerContext* ctx, const v1::GetPoolRequest* req, v1::Pool* resp) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
                                                     grpc::ByteBuffer* resp) override;
   grpc::Status AppendBatch(grpc::ServerContext* ctx, const v1::AppendBatchRequest* req,
-                                        v1::AppendBatchResponse* resp) override;
-  grpc::Status GetSequence(grpc::ServerContext* ctx, const v1::GetSequenceRequest* req,
-                                        v1::Sequence* resp) override;
+                           v1::AppendBatchResponse* resp) override;
+  grpc::Status GetSequence(grpc::ServerContext* ctx, const v1::GetSequenceRequest* req, v1::Sequence* resp) override;
   grpc::Status ListSequences(grpc::ServerContext* ctx, const v1::ListSequencesRequest* req,
-                                          v1::ListSequencesResponse* resp) override;
-  grpc::Status GetPage(grpc::ServerContext* ctx, const v1::GetPageRequest* req,
-                                    v1::Page* resp) override;
+                             v1::ListSequencesResponse* resp) override;
+  grpc::Status GetPage(grpc::ServerContext* ctx, const v1::GetPageRequest* req, v1::Page* resp) override;
   grpc::ServerWriteReactor<v1::ReadSequenceResponse>* ReadSequence(grpc::CallbackServerContext* ctx,
                                                                    const v1::ReadSequenceRequest* req) override;
   // KV events: one thread per open stream follows the event log
@@ -151,9 +148,9 @@ class KvCacheService final : public KvCacheServiceBase {
                                                                  const v1::WatchEventsRequest* req) override;
   int watchers() const { return watchers_.load(); }
   grpc::Status FreeSequence(grpc::ServerContext* ctx, const v1::FreeSequenceRequest* req,
-                                         v1::FreeSequenceResponse* resp) override;
+                            v1::FreeSequenceResponse* resp) override;
   grpc::Status TruncateSequence(grpc::ServerContext* ctx,
-                                             const v1::TruncateSequenceRequest* req, v1::Sequence* resp) override;
+                                const v1::TruncateSequenceRequest* req, v1::Sequence* resp) override;
   // Regions: opened and closed on the registry's worker (shm_open + mmap,
   // cudaIpcOpenMemHandle), finished from there.
   grpc::ServerUnaryReactor* RegisterShmRegion(grpc::CallbackServerContext* ctx, const v1::RegisterShmRegionRequest* req,
@@ -161,26 +158,24 @@ class KvCacheService final : public KvCacheServiceBase {
   grpc::ServerUnaryReactor* RegisterCudaRegion(grpc::CallbackServerContext* ctx,
                                                const v1::RegisterCudaRegionRequest* req, v1::Region* resp) override;
   grpc::Status UnregisterRegion(grpc::ServerContext* ctx, const v1::UnregisterRegionRequest* req,
-                                             v1::UnregisterRegionResponse* resp) override;
+                                v1::UnregisterRegionResponse* resp) override;
   grpc::Status ListRegions(grpc::ServerContext* ctx, const v1::ListRegionsRequest* req,
-                                        v1::ListRegionsResponse* resp) override;
+                           v1::ListRegionsResponse* resp) override;
   grpc::Status ExportPool(grpc::ServerContext* ctx, const v1::ExportPoolRequest* req,
-                                       v1::ExportPoolResponse* resp) override;
+                          v1::ExportPoolResponse* resp) override;
   // Cache management (cache_management_calls.cc): leases and MatchPrefix
   // under the pool's mutex, inline; ForkSequence on the pool's worker (it
   // may copy a partial page).
-  grpc::Status AcquireLease(grpc::ServerContext* ctx, const v1::AcquireLeaseRequest* req,
-                                         v1::Lease* resp) override;
-  grpc::Status RenewLease(grpc::ServerContext* ctx, const v1::RenewLeaseRequest* req,
-                                       v1::Lease* resp) override;
+  grpc::Status AcquireLease(grpc::ServerContext* ctx, const v1::AcquireLeaseRequest* req, v1::Lease* resp) override;
+  grpc::Status RenewLease(grpc::ServerContext* ctx, const v1::RenewLeaseRequest* req, v1::Lease* resp) override;
   grpc::Status ReleaseLease(grpc::ServerContext* ctx, const v1::ReleaseLeaseRequest* req,
-                                         v1::ReleaseLeaseResponse* resp) override;
+                            v1::ReleaseLeaseResponse* resp) override;
   grpc::Status ListLeases(grpc::ServerContext* ctx, const v1::ListLeasesRequest* req,
-                                       v1::ListLeasesResponse* resp) override;
+                          v1::ListLeasesResponse* resp) override;
   grpc::Status ForkSequence(grpc::ServerContext* ctx, const v1::ForkSequenceRequest* req,
-                                         v1::ForkSequenceResponse* resp) override;
+                            v1::ForkSequenceResponse* resp) override;
   grpc::Status MatchPrefix(grpc::ServerContext* ctx, const v1::MatchPrefixRequest* req,
-                                        v1::MatchPrefixResponse* resp) override;
+                           v1::MatchPrefixResponse* resp) override;
 
  private:
   // The unary prelude: UNAVAILABLE while draining, INVALID_ARGUMENT for an

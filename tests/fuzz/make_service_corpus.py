@@ -9,7 +9,8 @@ truncates and frees, two transactions staged in one call.
 request_validation_fuzzer/: a selector byte (0 AppendBatch, 1 Append
 stream, 2 ReadSequence, 3 TruncateSequence, 4 FreeSequence, 5 GetPage) then
 serialized requests, messages of a stream separated by ff fe fd; valid
-calls and near misses (holes, wrong byte counts, bad scales, expect_length).
+calls and near misses (holes, wrong byte counts, bad scales, expect_length,
+AppendBatch's compact form and its malformed variants).
 Deterministic output; needs the generated Python stubs (python3-protobuf).
 """
 import os
@@ -63,6 +64,19 @@ def requests():
     wrong = pb.AppendBatchRequest(dtype=pb.ROW_DTYPE_FLOAT16, sequences=[
         pb.SequenceRows(sequence="c", row_count=3, layers=[rows(2, 2)])])
     write(t, "batch_wrong_bytes", b"\x00" + wrong.SerializeToString())
+    # The compact form: one LayerRows per layer for all the batch's sequences.
+    compact = pb.AppendBatchRequest(dtype=pb.ROW_DTYPE_BFLOAT16, sequences=[
+        pb.SequenceRows(sequence="a", row_count=2), pb.SequenceRows(sequence="b", row_count=1)],
+        batch_layers=[rows(3, 0), rows(3, 1)])
+    write(t, "batch_compact", b"\x00" + compact.SerializeToString())
+    short = pb.AppendBatchRequest(dtype=pb.ROW_DTYPE_BFLOAT16, sequences=[
+        pb.SequenceRows(sequence="a", row_count=2), pb.SequenceRows(sequence="b", row_count=2)],
+        batch_layers=[rows(3, 0)])
+    write(t, "batch_compact_short", b"\x00" + short.SerializeToString())
+    mixed = pb.AppendBatchRequest(dtype=pb.ROW_DTYPE_BFLOAT16, sequences=[
+        pb.SequenceRows(sequence="a", row_count=1, layers=[rows(1, 0)]), pb.SequenceRows(sequence="b", row_count=1)],
+        batch_layers=[rows(2, 1)])
+    write(t, "batch_compact_mixed", b"\x00" + mixed.SerializeToString())
     m1 = pb.AppendRequest(sequence="s", row_count=2, dtype=pb.ROW_DTYPE_BFLOAT16, layers=[rows(2, 0)],
                           reserve_tokens=8)
     m2 = pb.AppendRequest(start=2, row_count=1, dtype=pb.ROW_DTYPE_BFLOAT16, layers=[rows(1, 0, False)])
