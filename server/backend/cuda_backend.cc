@@ -260,12 +260,10 @@ absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> lay
     if (la.kv_indptr.empty()) return absl::InternalError("cuda backend: empty kv_indptr");
     int64_t rows = 0;
     int32_t non_empty = 0;
-    const AppendSegment* last = nullptr;
     for (const AppendSegment& seg : la.segments) {
       if (seg.count <= 0) continue;
       rows += seg.count;
       ++non_empty;
-      last = &seg;
       if (seg.rows.on_device() && seg.rows.device != options_.device.ordinal()) {
         return absl::InternalError(absl::StrCat("cuda backend on ", options_.device.ToString(), ": rows on cuda:",
                                                 seg.rows.device, " (the region registry refuses them)"));
@@ -274,7 +272,6 @@ absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> lay
     if (rows > std::numeric_limits<int32_t>::max()) {
       return absl::InternalError(absl::StrCat("cuda backend: ", rows, " rows in one layer exceed int32"));
     }
-    static_cast<void>(last);
     const size_t esize = static_cast<size_t>(DTypeSize(la.dtype));
     LayerSlots& s = (*slots)[li];
     s.rows = rows;

@@ -185,7 +185,7 @@ uint32_t Pool::ReleasePages(std::span<const int32_t> pages, const char* reason, 
       prefix_.ErasePage(page);
     }
   }
-  if (options_.events != nullptr && !removed.pages.empty()) {
+  if (!removed.pages.empty()) {
     removed.kind = KvEvent::Kind::kRemoved;
     removed.sequence = sequence;
     removed.reason = reason;
@@ -452,19 +452,6 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
     for (int32_t page : seq.pages()) plan.kv_indices.push_back(page);
     plan.kv_indptr.push_back(static_cast<int32_t>(plan.kv_indices.size()));
     if (r.row_count == 0) continue;
-    // The page the rows start in may still hold bytes past the sequence's
-    // end that were complete (announced, indexed) when another holder
-    // shared it: a truncation cut into it then, and the other holder has
-    // let go since, so it is written in place. Those bytes go now, before
-    // the write: withdrawn from the events and the prefix index.
-    if (const size_t first = r.start / static_cast<uint32_t>(options_.page_size);
-        first < txn.original_pages() && !std::binary_search(plan.cows[i].begin(), plan.cows[i].end(), first)) {
-      const int32_t page = seq.pages()[first];
-      if (allocator_->refs(page) == 1 && (page_stored_[page] || prefix_.HashOf(page) != nullptr)) {
-        WithdrawPages(txn.sequence_, first, first + 1, "rewrite");
-        prefix_.ErasePage(page);
-      }
-    }
     for (const LayerRows& lr : r.layers) {
       const int32_t l = static_cast<int32_t>(lr.layer);
       if (!txn.touched_[l]) {

@@ -1,5 +1,9 @@
 // Pool: the KV events it records (server/core/kv_events.h, docs/events.md).
 //
+// page_stored_ is kept whether or not an event log is attached: a page whose
+// stored bytes no holder claims any more leaves the prefix index through it
+// (ReleasePages).
+//
 // A page is announced stored once per time its bytes are complete in every
 // layer (page_stored_), whichever sequence completed it: pages a fork shares
 // are already announced by their first holder. It is announced removed when
@@ -11,6 +15,7 @@
 namespace mlakv::server {
 
 void Pool::RecordEvent(KvEvent event) {
+  if (options_.events == nullptr) return;  // page_stored_ is kept all the same: the prefix index relies on it
   event.pool = name();
   event.page_size = static_cast<uint32_t>(options_.page_size);
   options_.events->Record(std::move(event));
@@ -19,7 +24,7 @@ void Pool::RecordEvent(KvEvent event) {
 void Pool::AnnounceStoredPages(Sequence* seq) {
   const size_t complete =
       std::min<size_t>(seq->length() / static_cast<uint32_t>(options_.page_size), seq->pages().size());
-  if (options_.events == nullptr || seq->pages_announced() >= complete) {
+  if (seq->pages_announced() >= complete) {
     seq->set_pages_announced(std::max<uint32_t>(seq->pages_announced(), static_cast<uint32_t>(complete)));
     return;
   }
@@ -65,7 +70,6 @@ void Pool::AnnounceStoredPages(Sequence* seq) {
 void Pool::WithdrawPages(Sequence* seq, size_t first, size_t last, const char* reason) {
   last = std::min(last, seq->pages().size());
   if (first < seq->pages_announced()) seq->set_pages_announced(static_cast<uint32_t>(first));
-  if (options_.events == nullptr) return;
   KvEvent removed;
   removed.kind = KvEvent::Kind::kRemoved;
   removed.sequence = seq->id();

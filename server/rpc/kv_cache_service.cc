@@ -236,7 +236,6 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
                                          const v1::AppendBatchRequest* req,
                                          v1::AppendBatchResponse* resp) {
   RpcScope scope = StartRpc(kRpcAppendBatch);
-  const absl::Time started = absl::Now();
   const std::chrono::steady_clock::time_point t_entered = std::chrono::steady_clock::now();
   auto detail = [&] { return absl::StrCat(PoolDetail(req->pool()), " sequences=", req->sequences_size()); };
   // Shape checks that need no pool state, before the call is queued.
@@ -351,7 +350,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
                .ok = status.ok(),
                .rows = resp->rows_written(),
                .bytes = status.ok() ? row_bytes : 0,
-               .seconds = absl::ToDoubleSeconds(absl::Now() - started)});
+               .seconds = std::chrono::duration<double>(Clock::now() - t_entered).count()});
   return scope.Done(FinishCall(
       "AppendBatch",
       [&] {
