@@ -252,6 +252,8 @@ class KvCacheClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
     grpc::ServerBuilder builder;
+    // No SO_REUSEPORT: another test's server must never share this port.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();

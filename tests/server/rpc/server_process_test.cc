@@ -116,23 +116,27 @@ TEST(ServerProcess, ServesGrpcMetricsAndProbeThenDrains) {
   grpc::ClientContext ctx;
   v1::ListPoolsRequest req;
   v1::ListPoolsResponse resp;
-  ASSERT_TRUE(stub->ListPools(&ctx, req, &resp).ok());
-  ASSERT_EQ(resp.pools_size(), 1);
+  const grpc::Status listed = stub->ListPools(&ctx, req, &resp);
+  ASSERT_TRUE(listed.ok()) << listed.error_code() << " " << listed.error_message();
+  ASSERT_EQ(resp.pools_size(), 1) << resp.ShortDebugString();
   EXPECT_EQ(resp.pools(0).name(), "p");
 
   // Pool gauges are connected: the scrape reads the pool as it is now.
   const std::string scrape = HttpGet(p.metrics_port(), "/metrics");
   EXPECT_NE(scrape.find("mlakv_build_info{version=\"test-version\"} 1"), std::string::npos) << scrape.substr(0, 2000);
   EXPECT_NE(scrape.find("mlakv_pool_pages_capacity{device=\"cpu\",pool=\"p\"} 8"), std::string::npos) << scrape.substr(0, 2000);
-  EXPECT_NE(scrape.find("mlakv_draining 0"), std::string::npos);
+  EXPECT_NE(scrape.find("mlakv_draining 0"), std::string::npos) << scrape.substr(0, 2000);
 
   const int metrics_port = p.metrics_port();
+  const std::string grpc_address = p.server().bound_address();
   p.Drain(absl::Seconds(1));
   // Every port is closed after the drain.
-  EXPECT_EQ(HttpGet(metrics_port, "/metrics"), "");
+  EXPECT_EQ(HttpGet(metrics_port, "/metrics").substr(0, 500), "") << "port " << metrics_port;
   grpc::ClientContext late;
   late.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  EXPECT_FALSE(stub->ListPools(&late, req, &resp).ok());
+  resp.Clear();
+  EXPECT_FALSE(stub->ListPools(&late, req, &resp).ok()) << grpc_address << " still answered "
+                                                        << resp.ShortDebugString();
 }
 
 TEST(ServerProcess, PortInUseFailsStartAndLeavesNothingListening) {

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -79,6 +80,9 @@ class SecurityTest : public ::testing::Test {
     auto creds = BuildServerCredentials(o);
     ASSERT_TRUE(creds.ok()) << creds.status();
     grpc::ServerBuilder b;
+    // No SO_REUSEPORT (gRPC's default on Linux): a server of another test
+    // running at the same time must never share this port.
+    b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     b.AddListeningPort("127.0.0.1:0", *creds, &port_);
     b.RegisterService(&service_);
     server_ = b.BuildAndStart();
@@ -121,7 +125,11 @@ class SecurityTest : public ::testing::Test {
     if (s.ok()) {
       EXPECT_EQ(resp.pools(0).name(), "stand-in");
     }
-    return s;
+    // The code and message say why a call failed where a test expected OK.
+    return grpc::Status(s.error_code(), absl::StrCat("[", s.error_code(), "] ", s.error_message(), " (port ",
+                                                     port_, ", failures so far: missing ", Failures("missing"),
+                                                     ", invalid ", Failures("invalid"), ")"),
+                        s.error_details());
   }
   grpc::Status CallHealth(std::shared_ptr<grpc::ChannelCredentials> creds) {
     auto ch = grpc::CreateChannel("127.0.0.1:" + std::to_string(port_), creds);
