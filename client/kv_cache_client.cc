@@ -211,6 +211,11 @@ absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Create(Options opt
   // A channel of its own connection: N clients are N TCP connections.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  if (options.max_reconnect_backoff > absl::ZeroDuration()) {
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(options.max_reconnect_backoff));
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, ms);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(ms, 1000));
+  }
   MLAKV_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials, MakeCredentials(options));
   std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(options.target, credentials, args);
   if (!channel) return absl::InternalError(absl::StrCat("client: cannot create a channel to ", options.target));
@@ -241,16 +246,25 @@ absl::Status KvCacheClient::CheckHealth(absl::Duration timeout) {
 }
 
 template <typename Request, typename Response>
-absl::StatusOr<Response> KvCacheClient::Call(UnaryMethod<Request, Response> method, const Request& request) {
+absl::StatusOr<Response> KvCacheClient::Call(UnaryMethod<Request, Response> method, const Request& request,
+                                             absl::Duration timeout) {
   grpc::ClientContext context;
-  PrepareContext(context, options_.timeout);
+  PrepareContext(context, timeout);
   Response response;
   MLAKV_RETURN_IF_ERROR(FromGrpcStatus((stub_.get()->*method)(&context, request, &response)));
   return response;
 }
 
-absl::StatusOr<std::vector<v1::Pool>> KvCacheClient::ListPools() {
-  MLAKV_ASSIGN_OR_RETURN(v1::ListPoolsResponse response, Call(&v1::KvCache::Stub::ListPools, v1::ListPoolsRequest()));
+template <typename Request, typename Response>
+absl::StatusOr<Response> KvCacheClient::Call(UnaryMethod<Request, Response> method, const Request& request) {
+  return Call(method, request, options_.timeout);
+}
+
+absl::StatusOr<std::vector<v1::Pool>> KvCacheClient::ListPools() { return ListPools(options_.timeout); }
+
+absl::StatusOr<std::vector<v1::Pool>> KvCacheClient::ListPools(absl::Duration timeout) {
+  MLAKV_ASSIGN_OR_RETURN(v1::ListPoolsResponse response,
+                         Call(&v1::KvCache::Stub::ListPools, v1::ListPoolsRequest(), timeout));
   return std::vector<v1::Pool>(response.pools().begin(), response.pools().end());
 }
 

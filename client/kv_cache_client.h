@@ -149,6 +149,10 @@ class KvCacheClient {
     // needs TLS (a token in plaintext can be read on the way).
     std::string token{};
     // ---- end transport security ----
+    // Longest wait between reconnection attempts after a refused or lost
+    // connection (zero: gRPC's default, up to 120 s). FleetClient keeps it
+    // short so that a server that comes back is found by its next probe.
+    absl::Duration max_reconnect_backoff = absl::ZeroDuration();
   };
 
   static absl::StatusOr<std::unique_ptr<KvCacheClient>> Create(Options options);
@@ -157,6 +161,8 @@ class KvCacheClient {
   absl::Status CheckHealth(absl::Duration timeout);
 
   absl::StatusOr<std::vector<v1::Pool>> ListPools();
+  // With its own deadline (probes).
+  absl::StatusOr<std::vector<v1::Pool>> ListPools(absl::Duration timeout);
   absl::StatusOr<v1::Pool> GetPool(const std::string& pool);
   absl::StatusOr<v1::Sequence> GetSequence(const std::string& pool, const std::string& sequence);
   // With a generation precondition and/or a lease taken with the answer.
@@ -254,6 +260,9 @@ class KvCacheClient {
   // One unary call with the deadline of Options::timeout.
   template <typename Request, typename Response>
   absl::StatusOr<Response> Call(UnaryMethod<Request, Response> method, const Request& request);
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> Call(UnaryMethod<Request, Response> method, const Request& request,
+                                absl::Duration timeout);
 
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;

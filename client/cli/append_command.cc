@@ -130,7 +130,7 @@ int RunAppend(const std::vector<std::string>& args) {
   }
   if (std::optional<double> s = absl::GetFlag(FLAGS_ckv_scale)) bytes.ckv_scale = static_cast<float>(*s);
   if (std::optional<double> s = absl::GetFlag(FLAGS_kpe_scale)) bytes.kpe_scale = static_cast<float>(*s);
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectForSequence(sequence);
   if (!client.ok()) return Fail("append", client.status());
   if (start_flag >= 0) {
     append.start = static_cast<uint32_t>(start_flag);

@@ -3,6 +3,15 @@
 #include "absl/flags/flag.h"
 
 ABSL_FLAG(std::string, server, "127.0.0.1:50051", "address (host:port) of the mlakv server");
+ABSL_FLAG(std::string, servers, "",
+          "a fleet instead of --server: HOST:PORT,HOST:PORT,... ; a command for a sequence goes to the server "
+          "rendezvous hashing of its id picks among the healthy ones, pools and seqs ask every server");
+ABSL_FLAG(std::string, service, "",
+          "a fleet found by DNS instead of --server: dns:///NAME:PORT, every address NAME resolves to (a headless "
+          "Kubernetes Service); placement as --servers");
+ABSL_FLAG(std::string, server_id, "",
+          "with --servers/--service: send the command to the server with this id (its --server_id, as mlakv pools "
+          "shows) instead of the one placement picks; commands that name no sequence need it");
 ABSL_FLAG(bool, json, false, "print the result as JSON (for scripts) instead of text");
 ABSL_FLAG(std::string, pool, "", "pool name; empty means the server's default pool");
 ABSL_FLAG(double, timeout_s, 60, "deadline of each call to the server, seconds");

@@ -10,6 +10,10 @@
 #include "absl/flags/declare.h"
 
 ABSL_DECLARE_FLAG(std::string, server);
+// A fleet instead of one server (docs/deploy.md "Placement").
+ABSL_DECLARE_FLAG(std::string, servers);
+ABSL_DECLARE_FLAG(std::string, service);
+ABSL_DECLARE_FLAG(std::string, server_id);
 ABSL_DECLARE_FLAG(bool, json);
 ABSL_DECLARE_FLAG(std::string, pool);
 ABSL_DECLARE_FLAG(double, timeout_s);

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <optional>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
@@ -37,12 +38,70 @@ absl::StatusOr<KvCacheClient::Options> ClientOptionsFromFlags() {
   return options;
 }
 
-absl::StatusOr<std::unique_ptr<KvCacheClient>> ConnectFromFlags() {
-  MLAKV_ASSIGN_OR_RETURN(KvCacheClient::Options options, ClientOptionsFromFlags());
-  return KvCacheClient::Create(options);
+namespace {
+
+// The fleet server this command was routed to and for which sequence, for
+// Fail(); unset without a fleet.
+struct Routed {
+  FleetClient::Route route;
+  std::string sequence;
+};
+std::optional<Routed>& RoutedTo() {
+  static auto* routed = new std::optional<Routed>();
+  return *routed;
 }
 
-int Fail(std::string_view command, const absl::Status& status) {
+absl::StatusOr<Connection> ConnectToFleetServer(const std::string& sequence, const std::string& what) {
+  MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<FleetClient> fleet, FleetFromFlags());
+  const std::string server_id = absl::GetFlag(FLAGS_server_id);
+  if (sequence.empty() && server_id.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " names no sequence, so placement cannot pick a server: with --servers/--service give --server_id ID "
+              "(mlakv pools lists every server's id)"));
+  }
+  MLAKV_ASSIGN_OR_RETURN(FleetClient::Route route, fleet->RouteFor(sequence, server_id));
+  RoutedTo() = Routed{.route = route, .sequence = sequence};
+  return Connection(route.client, std::move(fleet));
+}
+
+}  // namespace
+
+bool FleetFlagsGiven() { return !absl::GetFlag(FLAGS_servers).empty() || !absl::GetFlag(FLAGS_service).empty(); }
+
+absl::StatusOr<std::unique_ptr<FleetClient>> FleetFromFlags() {
+  const std::string servers = absl::GetFlag(FLAGS_servers);
+  const std::string service = absl::GetFlag(FLAGS_service);
+  if (!servers.empty() && !service.empty()) {
+    return absl::InvalidArgumentError("give --servers or --service, not both");
+  }
+  FleetClient::Options options;
+  MLAKV_ASSIGN_OR_RETURN(options.client, ClientOptionsFromFlags());
+  if (!servers.empty()) {
+    MLAKV_ASSIGN_OR_RETURN(options.servers, ParseServerList(servers));
+  } else {
+    MLAKV_ASSIGN_OR_RETURN(options.servers, ParseServiceTarget(service));
+  }
+  options.refresh_interval = absl::ZeroDuration();
+  options.probe_timeout = std::min(options.client.timeout, absl::Seconds(5));
+  return FleetClient::Create(std::move(options));
+}
+
+absl::StatusOr<Connection> ConnectFromFlags() {
+  if (FleetFlagsGiven()) return ConnectToFleetServer("", "this command");
+  MLAKV_ASSIGN_OR_RETURN(KvCacheClient::Options options, ClientOptionsFromFlags());
+  MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<KvCacheClient> client, KvCacheClient::Create(options));
+  return Connection(std::move(client));
+}
+
+absl::StatusOr<Connection> ConnectForSequence(const std::string& sequence) {
+  if (FleetFlagsGiven()) return ConnectToFleetServer(sequence, "this command");
+  return ConnectFromFlags();
+}
+
+int Fail(std::string_view command, const absl::Status& failure) {
+  // Routed through a fleet: name the server (FleetClient::Explain).
+  const absl::Status status = RoutedTo() ? FleetClient::Explain(RoutedTo()->route, RoutedTo()->sequence, failure)
+                                         : failure;
   std::fprintf(stderr, "mlakv %.*s: %s: %.*s\n", static_cast<int>(command.size()), command.data(),
                absl::StatusCodeToString(status.code()).c_str(), static_cast<int>(status.message().size()),
                status.message().data());

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/fleet_client.h"
 #include "client/kv_cache_client.h"
 #include "google/protobuf/message.h"
 
@@ -23,8 +24,33 @@ constexpr int kExitUsage = 2;
 // Client options from --server, --timeout_s and the TLS/token flags
 // (--tls_ca, --tls_cert, --tls_key, --tls_server_name, --token_file).
 absl::StatusOr<KvCacheClient::Options> ClientOptionsFromFlags();
-// A client for ClientOptionsFromFlags().
-absl::StatusOr<std::unique_ptr<KvCacheClient>> ConnectFromFlags();
+
+// The server a command talks to: --server, or one server of the fleet that
+// --servers/--service name (then the fleet stays alive with it).
+class Connection {
+ public:
+  Connection(std::shared_ptr<KvCacheClient> client, std::unique_ptr<FleetClient> fleet = nullptr)
+      : client_(std::move(client)), fleet_(std::move(fleet)) {}
+  KvCacheClient* operator->() const { return client_.get(); }
+  KvCacheClient& operator*() const { return *client_; }
+
+ private:
+  std::shared_ptr<KvCacheClient> client_;
+  std::unique_ptr<FleetClient> fleet_;
+};
+
+// --servers or --service given.
+bool FleetFlagsGiven();
+// The fleet of --servers/--service (probed once; refreshed by no thread: a
+// command is one shot).
+absl::StatusOr<std::unique_ptr<FleetClient>> FleetFromFlags();
+// For a command that names no sequence: --server, or the fleet's server
+// --server_id (INVALID_ARGUMENT without it).
+absl::StatusOr<Connection> ConnectFromFlags();
+// For a command about `sequence`: --server, or the fleet's server that owns
+// it (--server_id, else rendezvous over the healthy servers). Fail() then
+// names that server in an UNAVAILABLE status.
+absl::StatusOr<Connection> ConnectForSequence(const std::string& sequence);
 
 // Prints "mlakv COMMAND: CODE_NAME: message" to stderr; returns kExitFailed.
 int Fail(std::string_view command, const absl::Status& status);

@@ -58,7 +58,7 @@ int RunExport(const std::vector<std::string>& args) {
   if (sequence.empty() || output.empty() || layer < 0) {
     return UsageError(kUsage, "mlakv export: --sequence, --layer (>= 0) and --output are required");
   }
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectForSequence(sequence);
   if (!client.ok()) return Fail("export", client.status());
   absl::StatusOr<StoredLayer> stored = (*client)->ReadLayer(pool, sequence, static_cast<uint32_t>(layer));
   if (!stored.ok()) return Fail("export", stored.status());

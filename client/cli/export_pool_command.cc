@@ -25,7 +25,7 @@ int RunExportPool(const std::vector<std::string>& args) {
   if (!args.empty()) {
     return UsageError("export-pool [--pool P] [--server ADDR] [--json]", "mlakv export-pool takes no arguments");
   }
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectFromFlags();
   if (!client.ok()) return Fail("export-pool", client.status());
   absl::StatusOr<v1::ExportPoolResponse> exported = (*client)->ExportPool(absl::GetFlag(FLAGS_pool));
   if (!exported.ok()) return Fail("export-pool", exported.status());

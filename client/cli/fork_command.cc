@@ -37,7 +37,8 @@ int RunFork(const std::vector<std::string>& args) {
       hashes.push_back(*std::move(hash));
     }
   }
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  // A fork lives on its source's server (it shares its pages).
+  absl::StatusOr<Connection> client = hashes.empty() ? ConnectForSequence(args[0]) : ConnectFromFlags();
   if (!client.ok()) return Fail("fork", client.status());
   const std::string pool = absl::GetFlag(FLAGS_pool);
   const std::string& target = hashes.empty() ? args[1] : args[0];

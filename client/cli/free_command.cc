@@ -11,7 +11,7 @@ namespace mlakv::cli {
 
 int RunFree(const std::vector<std::string>& args) {
   if (args.size() != 1) return UsageError("free ID [--expect_generation G] [--pool P] [--server ADDR] [--json]");
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectForSequence(args[0]);
   if (!client.ok()) return Fail("free", client.status());
   absl::StatusOr<v1::FreeSequenceResponse> freed =
       (*client)->FreeSequence(absl::GetFlag(FLAGS_pool), args[0], absl::GetFlag(FLAGS_expect_generation));

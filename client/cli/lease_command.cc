@@ -103,7 +103,7 @@ int RunLease(const std::vector<std::string>& args) {
   } else {
     return UsageError(kUsage, absl::StrCat("mlakv lease: unknown subcommand \"", verb, "\""));
   }
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = verb == "acquire" ? ConnectForSequence(args[1]) : ConnectFromFlags();
   if (!client.ok()) return Fail(absl::StrCat("lease ", verb), client.status());
   if (verb == "acquire") return Acquire(**client, args[1]);
   if (verb == "renew") return Renew(**client, id);

@@ -90,6 +90,8 @@ std::string Usage() {
   for (const auto& [name, cmd] : Commands()) text += "  " + name + " " + cmd.help + "\n";
   text += "\nServer commands take --server ADDR (default 127.0.0.1:50051) and --timeout_s; for a TLS server --tls_ca FILE\n"
           "(and --tls_cert/--tls_key for mutual TLS, --tls_server_name NAME), for a token --token_file FILE.\n"
+          "A fleet instead of one server: --servers A,B,C or --service dns:///NAME:PORT; commands for a sequence go to\n"
+          "the server rendezvous hashing of its id picks (or --server_id ID), pools and seqs ask every server.\n"
           "Exit status: 0 ok, 1 the operation failed (the server's status code and message are printed), 2 bad usage.\n"
           "mlakv --help lists every flag.";
   return text;

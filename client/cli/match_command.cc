@@ -26,7 +26,7 @@ int RunMatch(const std::vector<std::string>& args) {
   if (const std::string holder = absl::GetFlag(FLAGS_lease_holder); !holder.empty()) {
     lease = LeaseTerms{.holder = holder, .duration = absl::Milliseconds(absl::GetFlag(FLAGS_duration_ms))};
   }
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectFromFlags();
   if (!client.ok()) return Fail("match", client.status());
   absl::StatusOr<v1::MatchPrefixResponse> match = (*client)->MatchPrefix(absl::GetFlag(FLAGS_pool), hashes, lease);
   if (!match.ok()) return Fail("match", match.status());

@@ -14,7 +14,7 @@ int RunPage(const std::vector<std::string>& args) {
   uint32_t page_id = 0;
   if (args.size() != 1) return UsageError(kUsage);
   if (!ParseUint32(args[0], &page_id)) return UsageError(kUsage, "mlakv page: N must be a page id (0, 1, ...)");
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectFromFlags();
   if (!client.ok()) return Fail("page", client.status());
   absl::StatusOr<v1::Page> page = (*client)->GetPage(absl::GetFlag(FLAGS_pool), page_id);
   if (!page.ok()) return Fail("page", page.status());

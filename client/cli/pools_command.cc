@@ -24,21 +24,16 @@ const char* EvictionName(v1::EvictionPolicy policy) {
   }
 }
 
-}  // namespace
-
-int RunPools(const std::vector<std::string>& args) {
-  if (!args.empty()) return UsageError("pools [--server ADDR] [--json]", "mlakv pools takes no arguments");
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
-  if (!client.ok()) return Fail("pools", client.status());
-  absl::StatusOr<std::vector<v1::Pool>> pools = (*client)->ListPools();
-  if (!pools.ok()) return Fail("pools", pools.status());
-
+// One line per pool (with_server: first the server_id that holds it).
+int PrintPools(const std::vector<v1::Pool>& all, bool with_server) {
+  const std::vector<v1::Pool>* pools = &all;
   if (absl::GetFlag(FLAGS_json)) {
     v1::ListPoolsResponse response;
     for (const v1::Pool& pool : *pools) *response.add_pools() = pool;
     std::printf("%s\n", ToJson(response).c_str());
     return kExitOk;
   }
+  if (with_server) std::printf("%-20s ", "SERVER");
   std::printf("%-12s %-8s %6s %5s %8s %8s %8s %6s %10s %7s %6s %8s %7s %5s %-13s %s\n", "POOL", "DEVICE", "LAYERS",
               "PAGE", "TOTAL", "USED", "FREE", "SEQS", "CACHE_MiB", "SHARED", "LEASES", "RETAINED", "INDEXED",
               "EVICT", "EVICTED", "SCALES_SET");
@@ -47,6 +42,7 @@ int RunPools(const std::vector<std::string>& args) {
     for (const v1::LayerScales& layer : pool.layers()) scales_set += layer.set() ? 1 : 0;
     // EVICTED: sequences/pages evicted since the server started.
     const std::string evicted = absl::StrCat(pool.evictions(), "/", pool.evicted_pages());
+    if (with_server) std::printf("%-20s ", pool.server_id().c_str());
     std::printf("%-12s %-8s %6u %5u %8u %8u %8u %6u %10.1f %7u %6u %8u %7u %5s %-13s %d/%u\n", pool.name().c_str(),
                 pool.device().c_str(), pool.num_layers(), pool.page_size(), pool.pages_total(), pool.pages_used(),
                 pool.pages_free(), pool.sequences(), pool.cache_bytes() / 1048576.0, pool.pages_shared(),
@@ -56,10 +52,44 @@ int RunPools(const std::vector<std::string>& args) {
   return kExitOk;
 }
 
+// Every pool of every server of the fleet, and what failed (printed to
+// stderr after the listing; the command then exits 1).
+absl::StatusOr<std::vector<v1::Pool>> FleetPools(std::vector<absl::Status>* failures) {
+  absl::StatusOr<std::unique_ptr<FleetClient>> fleet = FleetFromFlags();
+  if (!fleet.ok()) return fleet.status();
+  FleetClient::FromEach<std::vector<v1::Pool>> each = (*fleet)->ListPools();
+  std::vector<v1::Pool> pools;
+  for (const auto& answer : each.answers) pools.insert(pools.end(), answer.value.begin(), answer.value.end());
+  *failures = std::move(each.failures);
+  return pools;
+}
+
+}  // namespace
+
+int RunPools(const std::vector<std::string>& args) {
+  if (!args.empty()) return UsageError("pools [--server ADDR | --servers LIST | --service dns:///NAME:PORT] [--json]",
+                                       "mlakv pools takes no arguments");
+  // With a fleet: every server's pools, each line naming its server.
+  const bool fleet = FleetFlagsGiven();
+  std::vector<absl::Status> failures;
+  absl::StatusOr<std::vector<v1::Pool>> pools;
+  if (fleet) {
+    pools = FleetPools(&failures);
+  } else {
+    absl::StatusOr<Connection> client = ConnectFromFlags();
+    if (!client.ok()) return Fail("pools", client.status());
+    pools = (*client)->ListPools();
+  }
+  if (!pools.ok()) return Fail("pools", pools.status());
+  const int exit_code = PrintPools(*pools, fleet);
+  for (const absl::Status& failure : failures) Fail("pools", failure);
+  return failures.empty() ? exit_code : kExitFailed;
+}
+
 int RunPool(const std::vector<std::string>& args) {
   constexpr char kUsage[] = "pool [NAME] [--server ADDR] [--json]";
   if (args.size() > 1) return UsageError(kUsage, "mlakv pool takes at most one pool name");
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectFromFlags();
   if (!client.ok()) return Fail("pool", client.status());
   absl::StatusOr<v1::Pool> pool = (*client)->GetPool(args.empty() ? absl::GetFlag(FLAGS_pool) : args[0]);
   if (!pool.ok()) return Fail("pool", pool.status());

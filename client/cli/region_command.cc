@@ -90,7 +90,7 @@ int PrintRegion(const char* verb, const v1::Region& region) {
 int RegisterShm(const std::string& name) {
   const std::string shm_name = absl::GetFlag(FLAGS_shm_name);
   if (shm_name.empty()) return UsageError(kUsage, "mlakv region register-shm: --name and --shm_name are required");
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectFromFlags();
   if (!client.ok()) return Fail("region register-shm", client.status());
   absl::StatusOr<v1::Region> region =
       (*client)->RegisterShmRegion(name, shm_name, absl::GetFlag(FLAGS_offset), absl::GetFlag(FLAGS_size));
@@ -112,7 +112,7 @@ int RegisterCuda(const std::string& name) {
                       "mlakv region register-cuda: --name, --handle_file or --handle_hex, --device_id (>= 0) and "
                       "--size (> 0) are required");
   }
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectFromFlags();
   if (!client.ok()) return Fail("region register-cuda", client.status());
   absl::StatusOr<v1::Region> region = (*client)->RegisterCudaRegion(name, *handle, device, size, *event);
   if (!region.ok()) return Fail("region register-cuda", region.status());
@@ -120,7 +120,7 @@ int RegisterCuda(const std::string& name) {
 }
 
 int Unregister(const std::string& name) {
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectFromFlags();
   if (!client.ok()) return Fail("region unregister", client.status());
   absl::StatusOr<uint32_t> in_flight = (*client)->UnregisterRegion(name);
   if (!in_flight.ok()) return Fail("region unregister", in_flight.status());

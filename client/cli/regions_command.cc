@@ -10,7 +10,7 @@ namespace mlakv::cli {
 
 int RunRegions(const std::vector<std::string>& args) {
   if (!args.empty()) return UsageError("regions [--server ADDR] [--json]", "mlakv regions takes no arguments");
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectFromFlags();
   if (!client.ok()) return Fail("regions", client.status());
   absl::StatusOr<std::vector<v1::Region>> regions = (*client)->ListRegions();
   if (!regions.ok()) return Fail("regions", regions.status());

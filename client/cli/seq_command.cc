@@ -15,7 +15,7 @@ int RunSeq(const std::vector<std::string>& args) {
     return UsageError(
         "seq ID [--expect_generation G] [--lease_holder H [--duration_ms N]] [--pool P] [--server ADDR] [--json]");
   }
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectForSequence(args[0]);
   if (!client.ok()) return Fail("seq", client.status());
   GetSequenceOptions options{.expect_generation = absl::GetFlag(FLAGS_expect_generation)};
   if (const std::string holder = absl::GetFlag(FLAGS_lease_holder); !holder.empty()) {

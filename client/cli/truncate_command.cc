@@ -14,7 +14,7 @@ int RunTruncate(const std::vector<std::string>& args) {
   const int64_t length = absl::GetFlag(FLAGS_length);
   if (args.size() != 1) return UsageError(kUsage);
   if (length < 0 || length > UINT32_MAX) return UsageError(kUsage, "mlakv truncate: --length L (L >= 0) is required");
-  absl::StatusOr<std::unique_ptr<KvCacheClient>> client = ConnectFromFlags();
+  absl::StatusOr<Connection> client = ConnectForSequence(args[0]);
   if (!client.ok()) return Fail("truncate", client.status());
   absl::StatusOr<v1::Sequence> seq =
       (*client)->Truncate(absl::GetFlag(FLAGS_pool), args[0], static_cast<uint32_t>(length),

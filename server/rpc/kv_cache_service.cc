@@ -164,6 +164,7 @@ grpc::Status KvCacheService::ListSequences(grpc::ServerContext*,
     }
     resp->set_next_page_token(listing.next_page_token);
     resp->set_total(listing.total);
+    resp->set_server_id(options_.server_id);
     return absl::OkStatus();
   }();
   const auto detail = [&] { return absl::StrCat(PoolDetail(req->pool()), " page_token=", Quote(req->page_token())); };

@@ -210,6 +210,13 @@ TEST_F(WatchEventsTest, EveryPoolAndSequenceResponseNamesTheServer) {
     ASSERT_TRUE(stub().ForkSequence(&ctx, req, &out).ok());
     EXPECT_EQ(out.sequence().server_id(), "test-server");
   }
+  {
+    grpc::ClientContext ctx;
+    v1::ListSequencesRequest req;
+    v1::ListSequencesResponse out;
+    ASSERT_TRUE(stub().ListSequences(&ctx, req, &out).ok());
+    EXPECT_EQ(out.server_id(), "test-server");
+  }
 }
 
 TEST_F(WatchEventsTest, TheWatcherLimitIsEnforced) {
