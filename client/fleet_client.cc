@@ -109,6 +109,8 @@ void FleetClient::Probe(const std::vector<std::shared_ptr<Server>>& servers) {
   probes.reserve(servers.size());
   for (const std::shared_ptr<Server>& server : servers) {
     probes.emplace_back([this, server] {
+      // A refused connection leaves the channel in backoff; a probe tries now.
+      server->client->ConnectNow(options_.probe_timeout);
       absl::Status health = server->client->CheckHealth(options_.probe_timeout);
       absl::StatusOr<std::vector<v1::Pool>> pools =
           health.ok() ? server->client->ListPools(options_.probe_timeout) : absl::StatusOr<std::vector<v1::Pool>>(health);

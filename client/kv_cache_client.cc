@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -228,6 +229,19 @@ KvCacheClient::KvCacheClient(Options options, std::shared_ptr<grpc::Channel> cha
 void KvCacheClient::PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const {
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   AttachCallMetadata(options_, context);
+}
+
+void KvCacheClient::ConnectNow(absl::Duration timeout) {
+  grpc::experimental::ChannelResetConnectionBackoff(channel_.get());
+  const auto deadline = absl::ToChronoTime(absl::Now() + timeout);
+  grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/true);
+  bool attempted = false;
+  while (state != GRPC_CHANNEL_READY) {
+    if (state == GRPC_CHANNEL_CONNECTING) attempted = true;
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE && attempted) return;  // the attempt failed
+    if (!channel_->WaitForStateChange(state, deadline)) return;        // timed out
+    state = channel_->GetState(/*try_to_connect=*/true);
+  }
 }
 
 absl::Status KvCacheClient::CheckHealth(absl::Duration timeout) {

@@ -159,6 +159,10 @@ class KvCacheClient {
 
   // grpc.health.v1 Check of the whole server: OK when SERVING.
   absl::Status CheckHealth(absl::Duration timeout);
+  // Tries to connect now, instead of waiting out the reconnect backoff of a
+  // refused connection, and waits (at most `timeout`) until the channel is
+  // connected or that attempt failed. FleetClient probes with it.
+  void ConnectNow(absl::Duration timeout);
 
   absl::StatusOr<std::vector<v1::Pool>> ListPools();
   // With its own deadline (probes).
