@@ -7,6 +7,12 @@
     rows = c.export("req-1", layer=0)              # stored NVFP4 bytes as numpy arrays
     c.free("req-1")
 
+Many servers as one (mlakv.Fleet, mlakv.fleet): calls for a sequence go to
+the server rendezvous hashing of its id picks, the same one the C++ client
+and `mlakv --servers` pick:
+    fleet = mlakv.Fleet(service="dns:///mlakv.kv.svc.cluster.local:50051")
+    fleet.append("req-1", layer=0, ckv=ckv, kpe=kpe)
+
 With a server started with --allow_ipc, rows can travel by reference instead
 of bytes: CUDA torch tensors passed to append, views of an mlakv.ShmRows, or
 mlakv.RegionRows (see mlakv.regions).
@@ -55,5 +61,6 @@ from mlakv.v1 import kv_cache_pb2_grpc as pb_grpc  # noqa: E402
 from mlakv.errors import Error  # noqa: E402
 from mlakv.client import Client, SequenceRows  # noqa: E402
 from mlakv.regions import RegionRows, ShmRows  # noqa: E402
+from mlakv.fleet import Fleet  # noqa: E402
 
-__all__ = ["Client", "Error", "RegionRows", "SequenceRows", "ShmRows", "pb", "pb_grpc", "GENERATED_DIR"]
+__all__ = ["Client", "Error", "Fleet", "RegionRows", "SequenceRows", "ShmRows", "pb", "pb_grpc", "GENERATED_DIR"]

@@ -203,17 +203,18 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, method, request):
+    def _call(self, method, request, timeout=None):
         try:
-            return method(request, timeout=self.timeout, metadata=self._metadata)
+            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise Error.from_rpc_error(err) from None
 
     # -- health -----------------------------------------------------------
 
-    def health(self, service=""):
-        """grpc.health.v1 status of `service` ("" = the server): "SERVING", ..."""
-        return _health_status(self._call(self._health, _health_request(service)))
+    def health(self, service="", timeout=None):
+        """grpc.health.v1 status of `service` ("" = the server): "SERVING", ...
+        timeout: seconds for this call (None: the client's)."""
+        return _health_status(self._call(self._health, _health_request(service), timeout))
 
     def wait_ready(self, timeout=30.0):
         """Waits until the server answers SERVING; raises Error(DEADLINE_EXCEEDED) otherwise.
@@ -240,9 +241,10 @@ class Client:
 
     # -- pools ------------------------------------------------------------
 
-    def pools(self):
-        """Every pool (list of mlakv.pb.Pool), ordered by name."""
-        return list(self._call(self._stub.ListPools, pb.ListPoolsRequest()).pools)
+    def pools(self, timeout=None):
+        """Every pool (list of mlakv.pb.Pool), ordered by name. timeout: seconds
+        for this call (None: the client's)."""
+        return list(self._call(self._stub.ListPools, pb.ListPoolsRequest(), timeout).pools)
 
     def pool(self, name=""):
         """One pool (mlakv.pb.Pool); "" = the server's default pool."""

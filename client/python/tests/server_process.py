@@ -26,7 +26,7 @@ STOP_GRACE_S = 10.0
 
 
 class ServerProcess:
-    def __init__(self, *extra_args, binary=None, device="cpu", credentials=None):
+    def __init__(self, *extra_args, binary=None, device="cpu", credentials=None, host="127.0.0.1", port=0):
         self.binary = binary or os.environ.get("MLAKV_SERVER")
         if not self.binary:
             raise RuntimeError("MLAKV_SERVER is not set (path of the mlakv-server binary)")
@@ -36,12 +36,14 @@ class ServerProcess:
         self.device = device
         self.credentials = credentials  # grpc.ChannelCredentials when the server serves TLS
         self.proc = None
+        self.host = host  # a loopback address (127.0.0.2 ... for fleets)
+        self.listen_port = port  # 0: the server picks one
         self.port = None
         self.log = None
 
     @property
     def target(self):
-        return "127.0.0.1:%d" % self.port
+        return "%s:%d" % (self.host, self.port)
 
     def metrics_port(self):
         """The port of --metrics_listen (port 0 picks one), from the start-up line."""
@@ -60,7 +62,7 @@ class ServerProcess:
     def start(self):
         self.port = None  # a restarted server binds a new port
         self.log = tempfile.NamedTemporaryFile(prefix="mlakv-server-", suffix=".log", delete=False)
-        cmd = [self.binary, "--listen", "127.0.0.1:0", "--device", self.device] + self.args
+        cmd = [self.binary, "--listen", "%s:%d" % (self.host, self.listen_port), "--device", self.device] + self.args
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         atexit.register(self.stop)
         if self._wait_serving():
@@ -79,7 +81,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 return False
             if self.port is None:
-                m = re.search(r" ready: grpc 127\.0\.0\.1:(\d+) .*\n", self.log_text())
+                m = re.search(r" ready: grpc %s:(\d+) .*\n" % re.escape(self.host), self.log_text())
                 if m:
                     self.port = int(m.group(1))
             if self.port is not None:
