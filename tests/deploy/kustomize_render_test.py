@@ -203,12 +203,31 @@ def check_server(objs, where, tls, protoc, server_flags, server_path=None):
     check(pod.get("terminationGracePeriodSeconds", 30) > int(flag_value(args, "drain_grace_s") or 0),
           f"{where}: terminationGracePeriodSeconds must exceed --drain_grace_s")
 
+    # A fleet: several replicas, each naming itself by its pod name, with
+    # KV events published on ports the container and the Service expose.
+    check(int(spec.get("replicas", 1)) > 1, f"{where}: replicas {spec.get('replicas', 1)}, want a fleet (> 1)")
+    env = {e["name"]: e for e in c.get("env", [])}
+    sid = flag_value(args, "server_id")
+    if check(sid is not None, f"{where}: no --server_id"):
+        m = re.fullmatch(r"\$\((\w+)\)", sid)
+        if check(m is not None and m.group(1) in env, f"{where}: --server_id={sid} is not an env variable"):
+            check(env[m.group(1)].get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name",
+                  f"{where}: --server_id comes from {env[m.group(1)]}, want the pod name (Downward API)")
+    for flag, port_name in (("kv_events_endpoint", "kv-events"), ("kv_events_replay_endpoint", "kv-replay")):
+        v = flag_value(args, flag)
+        if check(v is not None, f"{where}: no --{flag}"):
+            check(v.startswith("tcp://*:") and int(v.rsplit(":", 1)[1]) == ports.get(port_name),
+                  f"{where}: --{flag}={v} vs containerPort {port_name} {ports.get(port_name)}")
+    check(svc["spec"].get("publishNotReadyAddresses") is False,
+          f"{where}: publishNotReadyAddresses must be false (clients must not place sequences on unready pods)")
+
     # Headless Service selecting these pods, ports naming container ports.
     check(svc["spec"].get("clusterIP") == "None", f"{where}: Service is not headless")
     check(svc["spec"]["selector"].items() <= labels.items(), f"{where}: Service selector misses the pods")
     for p in svc["spec"]["ports"]:
         check(p["targetPort"] in ports, f"{where}: Service port {p['name']} targets {p['targetPort']}")
-    check({p["name"] for p in svc["spec"]["ports"]} >= {"grpc", "metrics"}, f"{where}: Service ports")
+    check({p["name"] for p in svc["spec"]["ports"]} >= {"grpc", "metrics", "kv-events", "kv-replay"},
+          f"{where}: Service ports")
 
     # TLS: each TLS flag names a file from the expected secret key.
     tls_flags = {"tls_cert": ("mlakv-tls", "tls.crt"), "tls_key": ("mlakv-tls", "tls.key"),
