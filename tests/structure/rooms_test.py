@@ -45,6 +45,8 @@ ALLOWED = {
     # The client speaks only the proto.
     "mlakv_client": {"mlakv_proto", "mlakv_common"},
     "mlakv_load_generator": {"mlakv_client"},
+    # Many servers as one: routes calls of the proto client.
+    "mlakv_fleet_client": {"mlakv_client", "mlakv_common"},
     "mlakv_rowfile": {"mlakv_safetensors", "mlakv_kernels", "mlakv_common"},
 }
 # Test-only libraries may link anything; nothing above may link them.
