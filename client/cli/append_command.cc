@@ -17,7 +17,6 @@ ABSL_FLAG(std::string, ckv_region, "",
           "append: take the ckv rows from a registered region, NAME:OFFSET[:STRIDE] (bytes; STRIDE 0 or omitted: "
           "packed rows); instead of --input, with --kpe_region, --rows and --dtype");
 ABSL_FLAG(std::string, kpe_region, "", "append: take the kpe rows from a registered region, NAME:OFFSET[:STRIDE]");
-ABSL_FLAG(int64_t, rows, -1, "append from regions: rows per layer");
 
 namespace mlakv::cli {
 namespace {

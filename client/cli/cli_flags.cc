@@ -26,6 +26,7 @@ ABSL_FLAG(std::optional<double>, ckv_scale, std::nullopt,
 ABSL_FLAG(std::optional<double>, kpe_scale, std::nullopt,
           "quantize, append: global kpe decode scale (overrides the file's kpe_scale)");
 ABSL_FLAG(std::string, dtype, "bf16", "bench, append from regions: row element type, bf16 or f16");
+ABSL_FLAG(int64_t, rows, -1, "make-rows: rows to write; append from regions: rows per layer the server reads");
 ABSL_FLAG(int64_t, length, -1,
           "truncate: new length of the sequence, tokens; fork: tokens of the source to share (default: all)");
 

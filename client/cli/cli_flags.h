@@ -24,6 +24,7 @@ ABSL_DECLARE_FLAG(std::string, output);
 ABSL_DECLARE_FLAG(std::optional<double>, ckv_scale);
 ABSL_DECLARE_FLAG(std::optional<double>, kpe_scale);
 ABSL_DECLARE_FLAG(std::string, dtype);
+ABSL_DECLARE_FLAG(int64_t, rows);
 ABSL_DECLARE_FLAG(int64_t, length);
 // Cache management (leases, forks, prefix matches).
 ABSL_DECLARE_FLAG(std::optional<uint64_t>, expect_generation);

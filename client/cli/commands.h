@@ -10,6 +10,7 @@
 namespace mlakv::cli {
 
 int RunQuantize(const std::vector<std::string>& args);
+int RunMakeRows(const std::vector<std::string>& args);
 int RunPools(const std::vector<std::string>& args);
 int RunSeqs(const std::vector<std::string>& args);
 int RunSeq(const std::vector<std::string>& args);

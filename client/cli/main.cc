@@ -24,6 +24,10 @@ const std::map<std::string, Command>& Commands() {
        {mlakv::cli::RunQuantize,
         "--input IN.safetensors --output OUT.safetensors [--device cpu|cuda|cuda:N|auto] [--ckv_scale X] "
         "[--kpe_scale Y]\n      quantize rows offline with the service's kernel"}},
+      {"make-rows",
+       {mlakv::cli::RunMakeRows,
+        "--rows N --output FILE [--dtype bf16|f16] [--seed S] [--amax A]\n"
+        "      write a row file of random rows (ckv, kpe, calibrated ckv_scale/kpe_scale) for append and quantize"}},
       {"pools",
        {mlakv::cli::RunPools,
         "[--json]\n      pools: geometry, device, pages total/used/free/shared, leases, eviction counters"}},

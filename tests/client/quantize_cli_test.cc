@@ -187,6 +187,42 @@ TEST(QuantizeCli, MissingArgumentsIsUsageError) {
   EXPECT_NE(r.output.find("usage: mlakv quantize"), std::string::npos) << r.output;
 }
 
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// `mlakv make-rows` writes what `quantize` (and `append`) read, the same
+// bytes for the same seed, and refuses what it cannot make.
+TEST(MakeRowsCli, WritesARowFileQuantizeReads) {
+  const std::string rows = TempPath("made.safetensors"), again = TempPath("again.safetensors"),
+                    q = TempPath("made_q.safetensors");
+  Result r = RunCli("make-rows --rows 40 --dtype f16 --seed 5 --output " + rows);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("wrote 40 random f16 rows"), std::string::npos) << r.output;
+  ASSERT_EQ(RunCli("make-rows --rows 40 --dtype f16 --seed 5 --output " + again).exit_code, 0);
+  EXPECT_EQ(Slurp(rows), Slurp(again));
+  r = RunCli("quantize --device cpu --input " + rows + " --output " + q);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  absl::StatusOr<SafetensorsFile> f = SafetensorsFile::Read(q);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->Find("kpe")->shape, (std::vector<int64_t>{40, 64}));
+  for (const std::string& p : {rows, again, q}) std::filesystem::remove(p);
+}
+
+TEST(MakeRowsCli, BadFlagsAreUsageErrors) {
+  for (const char* args : {"make-rows --output x", "make-rows --rows 0 --output x", "make-rows --rows 3",
+                           "make-rows --rows 3 --dtype fp8 --output x", "make-rows --rows 3 --amax 0 --output x",
+                           "make-rows extra --rows 3 --output x"}) {
+    const Result r = RunCli(args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find("usage: mlakv make-rows"), std::string::npos) << r.output;
+  }
+  const Result r = RunCli("make-rows --rows 3 --output /nonexistent-dir/x.safetensors");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("/nonexistent-dir/x.safetensors"), std::string::npos) << r.output;
+}
+
 #endif
 
 INSTANTIATE_TEST_SUITE_P(AllFiles, QuantizeCliTest, ::testing::ValuesIn(testing::VectorFileNames()),
