@@ -29,11 +29,13 @@ build_packages=(
 )
 # Tools the tests run: the Python client's dependencies, promtool (package
 # prometheus) for the metrics scrape check, openssl for test certificates,
-# PyYAML for the rendered-manifest checks, and clang 14 with its sanitizer and
+# PyYAML for the rendered-manifest checks, pip, venv and setuptools for
+# installing the Python package offline (tests/python_package_test.py), and clang 14 with its sanitizer and
 # libFuzzer runtimes and llvm-symbolizer for the sanitizer builds and fuzz
 # targets (scripts/sanitize.sh, scripts/fuzz.sh).
 test_packages=(
   python3 python3-grpcio python3-numpy python3-protobuf python3-yaml python3-zmq python3-msgpack
+  python3-pip python3-venv python3-setuptools
   prometheus openssl
   clang-14 libclang-rt-14-dev llvm-14
 )

@@ -1,11 +1,15 @@
 #!/usr/bin/python3
 """A disaggregated prefill worker: it runs a prompt through the model's layers
-and ships each layer's MLA rows (512 compressed-kv + 64 rope channels per
-token) to the mlakv server as soon as that layer is done, then checks the
-page table a decode worker would attend with, and frees the sequence.
+and saves each layer's MLA rows (512 compressed-kv + 64 rope channels per
+token) layer by layer while the next layers run (`client.save`: each
+`s.layer` returns at once, leaving the block commits every layer in one
+atomic append), then checks the page table a decode worker would attend
+with, and frees the sequence.
 
 The "model" here draws random rows; a PyTorch worker passes its own
-bf16/fp16 CPU tensors to the same `client.append` call.
+bf16/fp16 tensors (CPU, or CUDA with a server started with --allow_ipc) to
+the same `s.layer` call. --blocking sends each layer with one blocking
+`client.append` instead, for comparison.
 
     /usr/bin/python3 client/python/examples/prefill_worker.py --target 127.0.0.1:50051
     MLAKV_PY_GEN=build/client/python/gen PYTHONPATH=client/python ...   (if not run from the tree)
@@ -66,6 +70,7 @@ def main():
     ap.add_argument("--torch", action="store_true", help="send torch tensors (needs torch)")
     ap.add_argument("--token", default=os.environ.get("MLAKV_TOKEN"), help="auth token, if the server wants one")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--blocking", action="store_true", help="one blocking append per layer instead of a save")
     args = ap.parse_args()
 
     client = mlakv.Client(args.target, token=args.token, timeout=60.0)
@@ -78,6 +83,7 @@ def main():
     # Prefill, layer by layer: each layer's rows leave as soon as the layer is done.
     rng = np.random.default_rng(args.seed)
     sent_bytes, t0 = 0, time.monotonic()
+    save = None if args.blocking else client.save(args.sequence, start=0, pool=args.pool)
     for layer in range(layers):
         ckv, kpe = layer_rows(rng, args.tokens, args.dtype, args.torch)
         scales = pool.layers[layer] if layer < len(pool.layers) else None
@@ -86,11 +92,18 @@ def main():
         else:  # calibrate: the block amax maps to e4m3 max x e2m1 max
             ckv_scale = max(amax(ckv), 1e-3) / (E2M1_MAX * E4M3_MAX)
             kpe_scale = max(amax(kpe), 1e-3) / E4M3_MAX
-        resp = client.append(args.sequence, layer, ckv, kpe, start=0, pool=args.pool,
-                             ckv_scale=ckv_scale, kpe_scale=kpe_scale)
-        if resp.rows_written != args.tokens:
-            return fail("layer %d: %d rows written, sent %d" % (layer, resp.rows_written, args.tokens))
+        if save is not None:
+            save.layer(layer, ckv, kpe, ckv_scale=ckv_scale, kpe_scale=kpe_scale)  # returns at once
+        else:
+            resp = client.append(args.sequence, layer, ckv, kpe, start=0, pool=args.pool,
+                                 ckv_scale=ckv_scale, kpe_scale=kpe_scale)
+            if resp.rows_written != args.tokens:
+                return fail("layer %d: %d rows written, sent %d" % (layer, resp.rows_written, args.tokens))
         sent_bytes += args.tokens * 576 * 2
+    if save is not None:
+        resp = save.wait()  # one fence, one commit of every layer
+        if resp.rows_written != args.tokens * layers:
+            return fail("%d rows written, sent %d x %d layers" % (resp.rows_written, args.tokens, layers))
     dt = time.monotonic() - t0
     print("sent %d layers x %d tokens (%s): %.1f MB in %.3f s, %.1f MB/s"
           % (layers, args.tokens, args.dtype, sent_bytes / 1e6, dt, sent_bytes / 1e6 / dt))

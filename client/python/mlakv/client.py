@@ -18,6 +18,7 @@ import numpy as np
 
 from mlakv import regions as _regions
 from mlakv import rows as _rows
+from mlakv import save as _save
 from mlakv.errors import Error, client_error
 from mlakv.v1 import kv_cache_pb2 as pb
 from mlakv.v1 import kv_cache_pb2_grpc as pb_grpc
@@ -481,6 +482,20 @@ class Client:
                 yield msg
 
         return self._call_fenced(prepared.cuda, self._stub.Append, messages())
+
+    def save(self, sequence, start=0, pool="", *, dtype=None, ckv_scale=None, kpe_scale=None, expect_length=None,
+             expect_generation=None, reserve_tokens=0, block_hashes=None, block_hashes_first_page=0, pin=False,
+             layerwise_min_tokens=_save.DEFAULT_LAYERWISE_MIN_TOKENS):
+        """A layer-wise save (mlakv.save.LayerwiseSave): `with c.save(seq) as s:
+        s.layer(l, ckv, kpe)` for each layer, each call returning at once; leaving
+        the block commits every layer atomically (one Append stream) or raises
+        naming the layer. Arguments as for append; layerwise_min_tokens: below
+        this many rows per layer everything is sent at the end in one go."""
+        return _save.LayerwiseSave(self, sequence, start=start, pool=pool, dtype=dtype, ckv_scale=ckv_scale,
+                                   kpe_scale=kpe_scale, expect_length=expect_length,
+                                   expect_generation=expect_generation, reserve_tokens=reserve_tokens,
+                                   block_hashes=block_hashes, block_hashes_first_page=block_hashes_first_page,
+                                   pin=pin, layerwise_min_tokens=layerwise_min_tokens)
 
     def append_batch(self, items, pool="", ckv_scale=None, kpe_scale=None, dtype=None):
         """A decode step: rows of many sequences and layers in one atomic AppendBatch.

@@ -1,7 +1,8 @@
 """ctest python_prefill_worker_example: examples/prefill_worker.py against a fresh server.
 
 Starts mlakv-server ($MLAKV_SERVER) on a free loopback port, runs the example
-(61 layers x 300 bf16 tokens, then 61 layers x 129 f16 tokens), requires exit
+(61 layers x 300 bf16 tokens saved layer-wise, 61 layers x 129 f16 tokens
+in one go at the end, 61 layers x 129 with blocking appends), requires exit
 status 0 and its "OK" line, checks the pool has every page back, and stops the
 server. Exit status 0 on success.
 """
@@ -21,7 +22,8 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exampl
 
 def main():
     with ServerProcess() as server:
-        for extra in (["--tokens", "300", "--dtype", "bf16"], ["--tokens", "129", "--dtype", "f16", "--seed", "1"]):
+        for extra in (["--tokens", "300", "--dtype", "bf16"], ["--tokens", "129", "--dtype", "f16", "--seed", "1"],
+                      ["--tokens", "129", "--blocking"]):
             cmd = [sys.executable, EXAMPLE, "--target", server.target] + extra
             print("+ " + " ".join(cmd), flush=True)
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=240, text=True)

@@ -1,0 +1,271 @@
+"""Layer-wise saves: a prompt's KV sent layer by layer while the forward pass runs.
+
+    with client.save("req-1", start=0) as s:        # one atomic Append stream
+        for layer in range(61):
+            ...                                     # the layer's attention writes ckv, kpe
+            s.layer(layer, ckv, kpe)                # returns at once
+    # leaving the block fenced once and committed every layer (or raised)
+
+How each s.layer() returns at once:
+  * host rows (numpy, CPU torch): checked, then queued; a gRPC thread turns
+    them into messages of the stream while the caller goes on. The arrays
+    must not change until the save ends (as vLLM's wait_for_save promises).
+  * CUDA tensors (server --allow_ipc, a cuda pool): sent by reference. With
+    the client's cuda_sync="event", each layer records the allocation's
+    interprocess event on the current stream and the server's stream waits on
+    it before reading: no host wait anywhere. With cuda_sync="stream" each
+    layer synchronizes the current stream first (a host wait per layer).
+
+The save is one Append stream, so it is atomic: the server commits when the
+save ends cleanly and rolls everything back otherwise. A layer the client
+rejects (shape, dtype), a failed message, a body that raised, or a stream the
+server ended: nothing of the save is written, and wait() (or leaving the
+block) raises mlakv.Error naming the layer.
+
+Short prompts: below `layerwise_min_tokens` rows (default 256) per layer the
+stream is not opened until the save ends and all layers go at once -- for
+short prompts a stream per save costs more than it hides (the measurements
+vLLM's and LMCache's layer-wise savers report).
+
+vLLM's connector API maps one to one (docs/client.md "Layer-wise saves"):
+  save_kv_layer(layer_name, kv_layer, attn_metadata)  -> s.layer(index, ckv, kpe)
+  wait_for_save()                                     -> s.wait()
+  get_finished(finished_req_ids)                      -> s.done() per request
+"""
+
+import queue
+import re
+import threading
+
+import grpc
+
+from mlakv import rows as _rows
+from mlakv.errors import Error, client_error
+from mlakv.v1 import kv_cache_pb2 as pb
+
+DEFAULT_LAYERWISE_MIN_TOKENS = 256
+_END = object()
+_MESSAGE_RE = re.compile(r"message (\d+)")
+
+
+class LayerwiseSave:
+    """One sequence's rows saved layer by layer (Client.save returns one)."""
+
+    def __init__(self, client, sequence, *, start=0, pool="", dtype=None, ckv_scale=None, kpe_scale=None,
+                 expect_length=None, expect_generation=None, reserve_tokens=0, block_hashes=None,
+                 block_hashes_first_page=0, pin=False, layerwise_min_tokens=DEFAULT_LAYERWISE_MIN_TOKENS):
+        from mlakv.client import _block_hashes, _scale
+
+        if not sequence:
+            raise client_error("save: sequence id is empty")
+        self._client = client
+        self._sequence = sequence
+        self._start = int(start)
+        self._pool = pool
+        self._dtype = dtype
+        self._scales = (_scale(ckv_scale), _scale(kpe_scale))
+        self._first_fields = dict(expect_length=expect_length, expect_generation=expect_generation,
+                                  reserve_tokens=reserve_tokens, block_hashes=_block_hashes(block_hashes),
+                                  block_hashes_first_page=block_hashes_first_page, pin=pin)
+        self._min_tokens = layerwise_min_tokens
+        self._queue = queue.Queue()
+        self._pending = []  # (layer, prepared) held back until the end (short prompts)
+        self._future = None
+        self._held = []  # CUDA region locks (cuda_sync="event"), released when the save ends
+        self._held_names = set()
+        self._sent_layers = []  # message index -> layer
+        self._layers = set()
+        self._rows = None
+        self._row_dtype = None
+        self._error = None  # the first failure found on the client side
+        self._result = None
+        self._finished = False
+        self._lock = threading.Lock()
+
+    # -- the caller's side ------------------------------------------------
+
+    def layer(self, layer, ckv, kpe, ckv_scale=None, kpe_scale=None):
+        """Queues one layer's rows ckv [N,512], kpe [N,64] at positions start..start+N-1
+        (ckv_scale, kpe_scale: this layer's, else the save's). Returns at once;
+        failures are raised by wait()."""
+        if self._finished:
+            raise client_error("save of %r: layer %s after the save ended" % (self._sequence, layer))
+        if self._error is not None:
+            return
+        try:
+            self._add(int(layer), ckv, kpe, ckv_scale, kpe_scale)
+        except Error as err:
+            self._fail(Error(err.code, "save of %r, layer %s: %s" % (self._sequence, layer, err.message)))
+        except BaseException:
+            self._abort()
+            raise
+
+    def wait(self):
+        """Fences once and commits; returns mlakv.pb.AppendResponse. Raises
+        mlakv.Error naming the layer when anything failed (nothing is written)."""
+        if self._finished:
+            if self._error is not None:
+                raise self._error
+            return self._result
+        self._finished = True
+        try:
+            if self._error is not None:
+                self._cancel()
+                raise self._error
+            if not self._layers:
+                raise client_error("save of %r: no layer was given" % (self._sequence,))
+            if self._future is None:
+                self._open()
+                for layer, prepared in self._pending:
+                    self._queue.put((layer, prepared))
+                self._pending = []
+            self._queue.put(_END)
+            try:
+                self._result = self._future.result()
+            except grpc.RpcError as err:
+                self._error = self._named(Error.from_rpc_error(err))
+                raise self._error from None
+            return self._result
+        finally:
+            self._release()
+
+    def done(self):
+        """True once the save has ended (committed or failed); never blocks."""
+        return self._future is not None and self._future.done()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self._abort()
+            return False
+        self.wait()
+        return False
+
+    # -- internals ----------------------------------------------------------
+
+    def _add(self, layer, ckv, kpe, ckv_scale, kpe_scale):
+        if layer in self._layers:
+            raise client_error("layer %d given twice" % layer)
+        prepared = self._client._prepare(ckv, kpe, dtype=self._dtype)
+        if self._rows is None:
+            self._rows, self._row_dtype = prepared.rows, prepared.dtype
+        elif prepared.rows != self._rows or prepared.dtype != self._row_dtype:
+            raise client_error("%d %s rows; earlier layers have %d %s rows" % (
+                prepared.rows, pb.RowDType.Name(prepared.dtype), self._rows, pb.RowDType.Name(self._row_dtype)))
+        from mlakv.client import _scale
+
+        if ckv_scale is not None or kpe_scale is not None:
+            prepared.scales = (_scale(ckv_scale), _scale(kpe_scale))
+        self._fence(prepared.cuda)
+        self._layers.add(layer)
+        if self._future is None and prepared.rows < self._min_tokens:
+            self._pending.append((layer, prepared))
+            return
+        if self._future is None:
+            self._open()
+            for held_layer, held in self._pending:
+                self._queue.put((held_layer, held))
+            self._pending = []
+        self._queue.put((layer, prepared))
+
+    def _fence(self, regions):
+        """Makes the producer's writes visible to the server before it reads
+        this layer: an event recorded on the current stream (cuda_sync="event"),
+        or the current stream synchronized ("stream")."""
+        if not regions or self._client.cuda_sync == "none":
+            return
+        import torch
+
+        if self._client.cuda_sync == "stream":
+            for device in sorted({r.device_index for r in regions}):
+                torch.cuda.current_stream(device).synchronize()
+            return
+        for r in sorted({r.name: r for r in regions}.values(), key=lambda r: r.name):
+            if r.name not in self._held_names:
+                # One save (or append) at a time records a region's event.
+                r.lock.acquire()
+                self._held.append(r.lock)
+                self._held_names.add(r.name)
+            r.event.record(torch.cuda.current_stream(r.device_index))
+
+    def _open(self):
+        c = self._client
+        self._future = c._stub.Append.future(self._messages(), timeout=c.timeout, metadata=c._metadata)
+
+    def _messages(self):
+        """The stream's messages, built on gRPC's thread as layers arrive."""
+        c = self._client
+        wire_first = True
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            layer, prepared = item
+            cs, ks = getattr(prepared, "scales", None) or self._scales
+            n = prepared.rows
+            wire = prepared.wire_row_bytes()
+            per_message = max(1, (c.chunk_bytes - 1024) // wire) if wire else max(n, 1)
+            for lo in range(0, max(n, 1), per_message):
+                hi = min(n, lo + per_message)
+                msg = pb.AppendRequest(pool=self._pool, sequence=self._sequence, start=self._start + lo,
+                                       row_count=hi - lo, dtype=prepared.dtype)
+                if wire_first:
+                    f = self._first_fields
+                    msg.reserve_tokens = f["reserve_tokens"]
+                    if f["expect_length"] is not None:
+                        msg.expect_length = f["expect_length"]
+                    if f["expect_generation"] is not None:
+                        msg.expect_generation = f["expect_generation"]
+                    msg.block_hashes.extend(f["block_hashes"])
+                    msg.block_hashes_first_page = f["block_hashes_first_page"]
+                    msg.pin = f["pin"]
+                    wire_first = False
+                rows = msg.layers.add(layer=layer, ckv_scale=cs, kpe_scale=ks)
+                from mlakv.client import _set_part
+
+                _set_part(rows, "ckv", prepared.ckv[0], lo, hi, _rows.CKV_DIM)
+                _set_part(rows, "kpe", prepared.kpe[0], lo, hi, _rows.KPE_DIM)
+                with self._lock:
+                    self._sent_layers.append(layer)
+                yield msg
+
+    def _named(self, err):
+        """The server's status, prefixed with the save and, when it names a
+        message of the stream, that message's layer."""
+        where = ""
+        m = _MESSAGE_RE.search(err.message)
+        if m:
+            index = int(m.group(1)) - 1  # the server counts messages from 1
+            with self._lock:
+                if 0 <= index < len(self._sent_layers):
+                    where = ", layer %d" % self._sent_layers[index]
+        return Error(err.code, "save of %r%s: %s" % (self._sequence, where, err.message))
+
+    def _fail(self, err):
+        """A client-side failure: remembered for wait(), the stream cancelled
+        so that nothing of it commits."""
+        if self._error is None:
+            self._error = err
+        self._cancel()
+
+    def _cancel(self):
+        if self._future is not None:
+            self._future.cancel()
+            self._queue.put(_END)
+
+    def _abort(self):
+        """The caller's block raised: cancel, release, never commit."""
+        self._finished = True
+        if self._error is None:
+            self._error = Error(grpc.StatusCode.CANCELLED, "save of %r: cancelled by the caller's exception"
+                                % (self._sequence,))
+        self._cancel()
+        self._release()
+
+    def _release(self):
+        held, self._held = self._held, []
+        self._held_names = set()
+        for lock in held:
+            lock.release()

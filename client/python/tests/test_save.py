@@ -1,0 +1,137 @@
+"""Layer-wise saves (Client.save, mlakv.save) against a real mlakv-server with
+host rows: byte-exact against the blocking append, atomic under every failure
+(a bad layer, a failing message, the caller's exception), the short-prompt
+path, and the stream open while the caller is still giving layers."""
+
+import unittest
+
+import grpc
+import numpy as np
+
+import mlakv
+from server_test_case import ServerTestCase, random_rows
+
+LAYERS = 61
+SCALES = dict(ckv_scale=0.0015, kpe_scale=0.009)
+
+
+def prompt(seed, tokens, dtype="bf16"):
+    rng = np.random.default_rng(seed)
+    return [random_rows(rng, tokens, dtype) for _ in range(LAYERS)]
+
+
+class LayerwiseSaveTest(ServerTestCase):
+    def exported(self, sequence, layers=range(LAYERS)):
+        return [self.client.export(sequence, layer) for layer in layers]
+
+    def assertSameStored(self, a, b):
+        for layer, (x, y) in enumerate(zip(self.exported(a), self.exported(b))):
+            for key in ("ckv_packed", "ckv_sf", "kpe"):
+                np.testing.assert_array_equal(x[key], y[key], err_msg="layer %d %s" % (layer, key))
+            self.assertEqual((x["ckv_scale"], x["kpe_scale"]), (y["ckv_scale"], y["kpe_scale"]))
+
+    def assertNotStored(self, sequence):
+        with self.assertRaises(mlakv.Error) as ctx:
+            self.client.sequence(sequence)
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.NOT_FOUND, str(ctx.exception))
+
+    def test_a_61_layer_save_stores_what_the_blocking_appends_store(self):
+        rows = prompt(1, 300)
+        with self.client.save("lw-300", **SCALES) as s:
+            for layer, (ckv, kpe) in enumerate(rows):
+                s.layer(layer, ckv, kpe)
+                if layer == 0:
+                    # Layer-wise: the stream is open while the caller goes on,
+                    # and nothing is visible before the commit.
+                    self.assertIsNotNone(s._future)
+                    self.assertNotStored("lw-300")
+        self.assertTrue(s.done())
+        seq = self.client.sequence("lw-300")
+        self.assertEqual(seq.length, 300)
+        for layer, (ckv, kpe) in enumerate(rows):
+            self.client.append("blocking-300", layer, ckv, kpe, start=0, **SCALES)
+        self.assertSameStored("lw-300", "blocking-300")
+        self.client.free("lw-300")
+        self.client.free("blocking-300")
+
+    def test_a_short_prompt_goes_in_one_go_at_the_end(self):
+        rows = prompt(2, 40, "f16")
+        s = self.client.save("short", **SCALES)
+        for layer, (ckv, kpe) in enumerate(rows):
+            s.layer(layer, ckv, kpe)
+        self.assertIsNone(s._future, "below layerwise_min_tokens no stream is opened before wait()")
+        resp = s.wait()
+        self.assertEqual(resp.sequence.length, 40)
+        for layer, (ckv, kpe) in enumerate(rows):
+            self.client.append("short-blocking", layer, ckv, kpe, start=0, **SCALES)
+        self.assertSameStored("short", "short-blocking")
+        # Rows larger than a message travel in several messages of the one stream.
+        big = prompt(3, 2000)[:3]
+        with self.client.save("chunked", layerwise_min_tokens=0, **SCALES) as s:
+            for layer, (ckv, kpe) in enumerate(big):
+                s.layer(layer, ckv, kpe)
+        for layer, (ckv, kpe) in enumerate(big):
+            self.client.append("chunked-blocking", layer, ckv, kpe, start=0, **SCALES)
+        for a, b in zip(self.exported("chunked", range(3)), self.exported("chunked-blocking", range(3))):
+            np.testing.assert_array_equal(a["ckv_packed"], b["ckv_packed"])
+        for sid in ("short", "short-blocking", "chunked", "chunked-blocking"):
+            self.client.free(sid)
+
+    def test_a_layer_the_client_rejects_is_named_and_nothing_is_written(self):
+        rows = prompt(4, 300)
+        s = self.client.save("bad-shape", **SCALES)
+        for layer, (ckv, kpe) in enumerate(rows):
+            if layer == 17:
+                ckv = ckv[:, :500]
+            s.layer(layer, ckv, kpe)  # returns; the failure waits for wait()
+        with self.assertRaises(mlakv.Error) as ctx:
+            s.wait()
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("layer 17", ctx.exception.message)
+        self.assertNotStored("bad-shape")
+        # A layer given twice, rows that change count: named too.
+        for second in ((0, rows[0]), (1, (rows[1][0][:10], rows[1][1][:10]))):
+            s = self.client.save("twice", **SCALES)
+            s.layer(0, *rows[0])
+            s.layer(second[0], *second[1])
+            with self.assertRaises(mlakv.Error) as ctx:
+                s.wait()
+            self.assertIn("layer %d" % second[0], ctx.exception.message)
+            self.assertNotStored("twice")
+
+    def test_a_message_the_server_refuses_rolls_back_every_layer(self):
+        rows = prompt(5, 300)
+        # Layer 7 takes scales first, so a save naming others is refused there.
+        self.client.append("scales-7", 7, rows[7][0][:1], rows[7][1][:1], start=0, ckv_scale=0.5, kpe_scale=0.5)
+        try:
+            with self.assertRaises(mlakv.Error) as ctx:
+                with self.client.save("refused", **SCALES) as s:
+                    for layer in range(LAYERS):
+                        s.layer(layer, *rows[layer])
+            self.assertEqual(ctx.exception.code, grpc.StatusCode.FAILED_PRECONDITION, str(ctx.exception))
+            self.assertIn("layer 7", ctx.exception.message)
+            self.assertNotStored("refused")
+            self.assertEqual(self.client.pool().pages_used, self.client.sequence("scales-7").capacity_tokens // 64)
+        finally:
+            self.client.free("scales-7")
+
+    def test_the_callers_exception_cancels_the_save(self):
+        rows = prompt(6, 300)
+        with self.assertRaises(RuntimeError):
+            with self.client.save("raised", **SCALES) as s:
+                for layer in range(10):
+                    s.layer(layer, *rows[layer])
+                raise RuntimeError("the forward pass failed")
+        self.assertNotStored("raised")
+        self.assertEqual(self.client.pool().pages_used, 0)
+        with self.assertRaises(mlakv.Error) as ctx:
+            s.wait()
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.CANCELLED)
+        # No layer at all: refused, nothing written.
+        with self.assertRaises(mlakv.Error) as ctx:
+            self.client.save("empty").wait()
+        self.assertIn("no layer", ctx.exception.message)
+
+
+if __name__ == "__main__":
+    unittest.main()
