@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -22,6 +22,9 @@ from mlakv import save as _save
 from mlakv.errors import Error, client_error
 from mlakv.v1 import kv_cache_pb2 as pb
 from mlakv.v1 import kv_cache_pb2_grpc as pb_grpc
+
+# A lease to take with a call: the holder's name, or an mlakv.pb.LeaseOptions.
+LeaseArg = Any
 
 # Target size of one Append message (ckv + kpe bytes of all its layers).
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -155,8 +158,10 @@ class Client:
       GPUs in the same order, e.g. the same CUDA_VISIBLE_DEVICES).
     """
 
-    def __init__(self, target, *, token=None, timeout=None, credentials=None,
-                 chunk_bytes=DEFAULT_CHUNK_BYTES, options=(), cuda_sync="stream", cuda_device_ids=None):
+    def __init__(self, target: str, *, token: Optional[str] = None, timeout: Optional[float] = None,
+                 credentials: Optional[grpc.ChannelCredentials] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 options: Iterable[Tuple[str, Any]] = (), cuda_sync: str = "stream",
+                 cuda_device_ids: Any = None) -> None:
         options = [("grpc.max_receive_message_length", _MAX_RECEIVE_BYTES)] + list(options)
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
@@ -181,7 +186,7 @@ class Client:
 
     # -- lifetime ---------------------------------------------------------
 
-    def close(self):
+    def close(self) -> None:
         """Unregisters the regions this client registered (CUDA allocations,
         ShmRows, best effort: the server may be gone) and closes the channel."""
         if self.closed:
@@ -212,12 +217,12 @@ class Client:
 
     # -- health -----------------------------------------------------------
 
-    def health(self, service="", timeout=None):
+    def health(self, service: str = "", timeout: Optional[float] = None) -> str:
         """grpc.health.v1 status of `service` ("" = the server): "SERVING", ...
         timeout: seconds for this call (None: the client's)."""
         return _health_status(self._call(self._health, _health_request(service), timeout))
 
-    def wait_ready(self, timeout=30.0):
+    def wait_ready(self, timeout: float = 30.0) -> None:
         """Waits until the server answers SERVING; raises Error(DEADLINE_EXCEEDED) otherwise.
 
         Calls wait for the connection (wait_for_ready), so a server that is
@@ -242,18 +247,19 @@ class Client:
 
     # -- pools ------------------------------------------------------------
 
-    def pools(self, timeout=None):
+    def pools(self, timeout: Optional[float] = None) -> List["pb.Pool"]:
         """Every pool (list of mlakv.pb.Pool), ordered by name. timeout: seconds
         for this call (None: the client's)."""
         return list(self._call(self._stub.ListPools, pb.ListPoolsRequest(), timeout).pools)
 
-    def pool(self, name=""):
+    def pool(self, name: str = "") -> "pb.Pool":
         """One pool (mlakv.pb.Pool); "" = the server's default pool."""
         return self._call(self._stub.GetPool, pb.GetPoolRequest(pool=name))
 
     # -- sequences --------------------------------------------------------
 
-    def sequence(self, sequence, pool="", *, expect_generation=None, lease=None, lease_duration_ms=0):
+    def sequence(self, sequence: str, pool: str = "", *, expect_generation: Optional[int] = None,
+                 lease: LeaseArg = None, lease_duration_ms: int = 0) -> "pb.Sequence":
         """A sequence's page table and lengths (mlakv.pb.Sequence): generation,
         leases, pinned and shared_pages included.
 
@@ -270,12 +276,13 @@ class Client:
             req.lease.CopyFrom(options)
         return self._call(self._stub.GetSequence, req)
 
-    def get_sequence(self, sequence, pool="", *, expect_generation=None, lease=None, lease_duration_ms=0):
+    def get_sequence(self, sequence: str, pool: str = "", *, expect_generation: Optional[int] = None,
+                     lease: LeaseArg = None, lease_duration_ms: int = 0) -> "pb.Sequence":
         """The same as sequence()."""
         return self.sequence(sequence, pool, expect_generation=expect_generation, lease=lease,
                              lease_duration_ms=lease_duration_ms)
 
-    def sequences(self, pool="", page_size=0):
+    def sequences(self, pool: str = "", page_size: int = 0) -> List["pb.SequenceSummary"]:
         """Every sequence of a pool (list of mlakv.pb.SequenceSummary), following pagination."""
         out, token = [], ""
         while True:
@@ -286,16 +293,17 @@ class Client:
             if not token:
                 return out
 
-    def page(self, page, pool=""):
+    def page(self, page: int, pool: str = "") -> "pb.Page":
         """A page's owner and fill (mlakv.pb.Page)."""
         return self._call(self._stub.GetPage, pb.GetPageRequest(pool=pool, page=page))
 
-    def free(self, sequence, pool="", *, expect_generation=None):
+    def free(self, sequence: str, pool: str = "", *, expect_generation: Optional[int] = None) -> int:
         """Releases a sequence and its pages; returns the number of pages freed
         now (pages a lease holds stay until it ends: see free_sequence)."""
         return self.free_sequence(sequence, pool, expect_generation=expect_generation).pages_freed
 
-    def free_sequence(self, sequence, pool="", *, expect_generation=None):
+    def free_sequence(self, sequence: str, pool: str = "", *,
+                      expect_generation: Optional[int] = None) -> "pb.FreeSequenceResponse":
         """Releases a sequence; returns mlakv.pb.FreeSequenceResponse (pages_freed,
         and the leases and pages_retained that keep the freed incarnation)."""
         req = pb.FreeSequenceRequest(pool=pool, sequence=sequence)
@@ -303,7 +311,8 @@ class Client:
             req.expect_generation = expect_generation
         return self._call(self._stub.FreeSequence, req)
 
-    def truncate(self, sequence, length, pool="", *, expect_generation=None):
+    def truncate(self, sequence: str, length: int, pool: str = "", *,
+                 expect_generation: Optional[int] = None) -> "pb.Sequence":
         """Rolls a sequence back to `length` tokens in every layer; returns mlakv.pb.Sequence."""
         req = pb.TruncateSequenceRequest(pool=pool, sequence=sequence, length=length)
         if expect_generation is not None:
@@ -312,7 +321,8 @@ class Client:
 
     # -- leases, forks, prefix matches (docs/server.md "Leases", "Shared pages")
 
-    def acquire_lease(self, sequence, holder, duration_ms=0, tokens=0, pool="", *, expect_generation=None):
+    def acquire_lease(self, sequence: str, holder: str, duration_ms: int = 0, tokens: int = 0, pool: str = "", *,
+                      expect_generation: Optional[int] = None) -> "pb.Lease":
         """A lease on tokens [0, tokens) (0: the length) of every layer of a
         sequence: until it ends or expires they do not change and their pages
         stay, even through a free. Returns mlakv.pb.Lease (lease_id, expire_time_unix_ms, ...)."""
@@ -322,17 +332,17 @@ class Client:
             req.expect_generation = expect_generation
         return self._call(self._stub.AcquireLease, req)
 
-    def renew_lease(self, lease_id, duration_ms=0, pool=""):
+    def renew_lease(self, lease_id: int, duration_ms: int = 0, pool: str = "") -> "pb.Lease":
         """Extends a lease to now + duration_ms (0: the pool's default); returns
         mlakv.pb.Lease. NOT_FOUND once it ended or expired."""
         return self._call(self._stub.RenewLease,
                           pb.RenewLeaseRequest(pool=pool, lease_id=lease_id, duration_ms=duration_ms))
 
-    def release_lease(self, lease_id, pool=""):
+    def release_lease(self, lease_id: int, pool: str = "") -> int:
         """Ends a lease; returns the pages it was the last holder of (now free)."""
         return self._call(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(pool=pool, lease_id=lease_id)).pages_freed
 
-    def list_leases(self, pool="", page_size=0):
+    def list_leases(self, pool: str = "", page_size: int = 0) -> List["pb.Lease"]:
         """Every lease of a pool (list of mlakv.pb.Lease) by id, following pagination."""
         out, token = [], ""
         while True:
@@ -345,7 +355,8 @@ class Client:
             if not token:
                 return out
 
-    def fork_sequence(self, source, target, length=0, pin=False, pool="", *, expect_generation=None):
+    def fork_sequence(self, source: str, target: str, length: int = 0, pin: bool = False, pool: str = "", *,
+                      expect_generation: Optional[int] = None) -> "pb.ForkSequenceResponse":
         """Creates `target` sharing the first `length` tokens (0: all) of
         `source`: full pages by reference, a partial last page copied.
         expect_generation pins the source's incarnation; pin creates the target
@@ -357,7 +368,8 @@ class Client:
             req.expect_generation = expect_generation
         return self._call(self._stub.ForkSequence, req)
 
-    def fork_from_hashes(self, block_hashes, target, pin=False, pool=""):
+    def fork_from_hashes(self, block_hashes: Sequence[bytes], target: str, pin: bool = False,
+                         pool: str = "") -> "pb.ForkSequenceResponse":
         """Creates `target` from the leading pages of a block-hash chain (list
         of bytes, first page first) the pool holds; no page is copied. When
         none matched nothing is created and the response has no sequence
@@ -368,7 +380,8 @@ class Client:
         return self._call(self._stub.ForkSequence,
                           pb.ForkSequenceRequest(pool=pool, target=target, block_hashes=hashes, pin=pin))
 
-    def match_prefix(self, block_hashes, pool="", *, lease=None, lease_duration_ms=0):
+    def match_prefix(self, block_hashes: Sequence[bytes], pool: str = "", *, lease: LeaseArg = None,
+                     lease_duration_ms: int = 0) -> "pb.MatchPrefixResponse":
         """How many leading pages of a block-hash chain (list of bytes) the pool
         holds, and which: mlakv.pb.MatchPrefixResponse (matched_pages,
         matched_tokens, kv_indices). lease (a holder's name with
@@ -401,9 +414,11 @@ class Client:
 
     # -- appends ----------------------------------------------------------
 
-    def append(self, sequence, layer, ckv, kpe, start=None, pool="", ckv_scale=None, kpe_scale=None,
-               reserve_tokens=0, dtype=None, expect_length=None, expect_generation=None, block_hashes=None,
-               block_hashes_first_page=0, pin=False):
+    def append(self, sequence: str, layer: Union[int, Sequence[int]], ckv: Any, kpe: Any, start: Optional[int] = None,
+               pool: str = "", ckv_scale: Optional[float] = None, kpe_scale: Optional[float] = None,
+               reserve_tokens: int = 0, dtype: Optional[str] = None, expect_length: Optional[int] = None,
+               expect_generation: Optional[int] = None, block_hashes: Optional[Sequence[bytes]] = None,
+               block_hashes_first_page: int = 0, pin: bool = False) -> "pb.AppendResponse":
         """Appends rows of one sequence in one Append stream; returns mlakv.pb.AppendResponse.
 
         layer: a layer index with ckv [N,512] and kpe [N,64]; or a list of L
@@ -483,9 +498,11 @@ class Client:
 
         return self._call_fenced(prepared.cuda, self._stub.Append, messages())
 
-    def save(self, sequence, start=0, pool="", *, dtype=None, ckv_scale=None, kpe_scale=None, expect_length=None,
-             expect_generation=None, reserve_tokens=0, block_hashes=None, block_hashes_first_page=0, pin=False,
-             layerwise_min_tokens=_save.DEFAULT_LAYERWISE_MIN_TOKENS):
+    def save(self, sequence: str, start: int = 0, pool: str = "", *, dtype: Optional[str] = None,
+             ckv_scale: Optional[float] = None, kpe_scale: Optional[float] = None,
+             expect_length: Optional[int] = None, expect_generation: Optional[int] = None, reserve_tokens: int = 0,
+             block_hashes: Optional[Sequence[bytes]] = None, block_hashes_first_page: int = 0, pin: bool = False,
+             layerwise_min_tokens: int = _save.DEFAULT_LAYERWISE_MIN_TOKENS) -> "_save.LayerwiseSave":
         """A layer-wise save (mlakv.save.LayerwiseSave): `with c.save(seq) as s:
         s.layer(l, ckv, kpe)` for each layer, each call returning at once; leaving
         the block commits every layer atomically (one Append stream) or raises
@@ -497,7 +514,8 @@ class Client:
                                    block_hashes=block_hashes, block_hashes_first_page=block_hashes_first_page,
                                    pin=pin, layerwise_min_tokens=layerwise_min_tokens)
 
-    def append_batch(self, items, pool="", ckv_scale=None, kpe_scale=None, dtype=None):
+    def append_batch(self, items: Iterable[Any], pool: str = "", ckv_scale: Optional[float] = None,
+                     kpe_scale: Optional[float] = None, dtype: Optional[str] = None) -> "pb.AppendBatchResponse":
         """A decode step: rows of many sequences and layers in one atomic AppendBatch.
 
         items: SequenceRows, or tuples (sequence, {layer: (ckv, kpe)}[, start]);
@@ -561,13 +579,14 @@ class Client:
 
     # -- regions (server --allow_ipc) ------------------------------------------
 
-    def register_shm(self, name, shm_name, offset=0, size=0):
+    def register_shm(self, name: str, shm_name: str, offset: int = 0, size: int = 0) -> "pb.Region":
         """Registers a POSIX shared-memory object ("/name" as for shm_open) from
         `offset`, `size` bytes (0: to the end) as region `name`; returns mlakv.pb.Region."""
         return self._call(self._stub.RegisterShmRegion,
                           pb.RegisterShmRegionRequest(name=name, shm_name=shm_name, offset=offset, byte_size=size))
 
-    def register_cuda(self, name, handle_bytes, device_id, byte_size, event_handle=None):
+    def register_cuda(self, name: str, handle_bytes: bytes, device_id: int, byte_size: int,
+                      event_handle: Optional[bytes] = None) -> "pb.Region":
         """Registers a CUDA allocation by its cudaIpcMemHandle_t (64 bytes), on
         `device_id` in the server's numbering, `byte_size` bytes from the
         handle's base; event_handle: optional cudaIpcEventHandle_t (64 bytes)
@@ -586,31 +605,31 @@ class Client:
             name=name, raw_handle=bytes(handle_bytes), device_id=device_id, byte_size=byte_size,
             raw_event_handle=bytes(event_handle or b"")))
 
-    def unregister(self, name):
+    def unregister(self, name: str) -> int:
         """Forgets region `name`; returns the appends in flight that still hold it."""
         resp = self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name))
         with self._cuda_lock:
             self._cuda_regions = [r for r in self._cuda_regions if r.name != name]
         return resp.appends_in_flight
 
-    def regions(self):
+    def regions(self) -> List["pb.Region"]:
         """The registered regions (list of mlakv.pb.Region), ordered by name."""
         return list(self._call(self._stub.ListRegions, pb.ListRegionsRequest()).regions)
 
-    def export_pool(self, pool=""):
+    def export_pool(self, pool: str = "") -> "pb.ExportPoolResponse":
         """CUDA IPC handles and layout of a cuda pool's caches (mlakv.pb.ExportPoolResponse)."""
         return self._call(self._stub.ExportPool, pb.ExportPoolRequest(pool=pool))
 
-    def shm_rows(self, rows, layers=1, dtype="bf16", name=None):
+    def shm_rows(self, rows: int, layers: int = 1, dtype: str = "bf16", name: Optional[str] = None) -> Any:
         """A new mlakv.ShmRows registered through this client (closed with it)."""
         return _regions.ShmRows(self, rows, layers=layers, dtype=dtype, name=name)
 
-    def cuda_regions(self):
+    def cuda_regions(self) -> List[str]:
         """Names of the CUDA allocations this client registered for tensors it appended."""
         with self._cuda_lock:
             return [r.name for r in self._cuda_regions]
 
-    def release_cuda_regions(self):
+    def release_cuda_regions(self) -> None:
         """Unregisters every CUDA allocation this client registered and drops the
         storages it kept alive in them. Call it before torch.cuda.empty_cache()
         should give that memory back; later appends register again."""
@@ -826,8 +845,9 @@ class Client:
         data = b"".join(getattr(c, field) for c in chunks)
         return np.frombuffer(data, dtype=dtype).reshape(-1, width).copy()
 
-    def export(self, sequence, layer, start=0, count=0, pool="", tokens_per_message=0, *, expect_generation=None,
-               lease_id=0):
+    def export(self, sequence: str, layer: int, start: int = 0, count: int = 0, pool: str = "",
+               tokens_per_message: int = 0, *, expect_generation: Optional[int] = None,
+               lease_id: int = 0) -> Dict[str, Any]:
         """The stored bytes of one layer of a sequence, tokens [start, start+count)
         (count=0: up to the layer's length), as a dict:
           ckv_packed uint8 [T,256] (E2M1, low nibble = even channel),
@@ -847,8 +867,9 @@ class Client:
             "kpe_scale": chunks[0].kpe_scale if chunks else 0.0,
         }
 
-    def read_dequantized(self, sequence, layer, start=0, count=0, pool="", tokens_per_message=0, *,
-                         expect_generation=None, lease_id=0):
+    def read_dequantized(self, sequence: str, layer: int, start: int = 0, count: int = 0, pool: str = "",
+                         tokens_per_message: int = 0, *, expect_generation: Optional[int] = None,
+                         lease_id: int = 0) -> Dict[str, Any]:
         """The stored rows of one layer dequantized by the server: a dict with
         ckv float32 [T,512], kpe float32 [T,64], ckv_scale, kpe_scale
         (expect_generation, lease_id as for export)."""

@@ -25,6 +25,7 @@ serving. Nothing is retried elsewhere: a sequence's pages live on one GPU.
 
 import socket
 import threading
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import grpc
 
@@ -34,7 +35,7 @@ from mlakv.errors import Error
 _M64 = (1 << 64) - 1
 
 
-def fnv1a64(data):
+def fnv1a64(data: bytes) -> int:
     """64-bit FNV-1a of bytes (offset 0xcbf29ce484222325, prime 0x100000001b3)."""
     h = 0xCBF29CE484222325
     for c in data:
@@ -42,7 +43,7 @@ def fnv1a64(data):
     return h
 
 
-def mix64(x):
+def mix64(x: int) -> int:
     """splitmix64's finalizer."""
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & _M64
@@ -56,12 +57,12 @@ def _bytes(s):
     return s.encode() if isinstance(s, str) else bytes(s)
 
 
-def weight(sequence, server_key):
+def weight(sequence: Union[str, bytes], server_key: Union[str, bytes]) -> int:
     """Rendezvous weight of a sequence id on a server key: mix64(fnv1a64(key) ^ mix64(fnv1a64(id)))."""
     return mix64(fnv1a64(_bytes(server_key)) ^ mix64(fnv1a64(_bytes(sequence))))
 
 
-def pick(sequence, keys):
+def pick(sequence: Union[str, bytes], keys: List[str]) -> Optional[str]:
     """The key that wins `sequence` (highest weight; ties to the larger key); None for no keys."""
     best, best_w = None, -1
     for k in keys:
@@ -71,7 +72,7 @@ def pick(sequence, keys):
     return best
 
 
-def parse_service(target):
+def parse_service(target: str) -> Tuple[str, int]:
     """'dns:///NAME:PORT' -> (NAME, PORT)."""
     prefix = "dns:///"
     if not target.startswith(prefix):
@@ -82,7 +83,7 @@ def parse_service(target):
     return host, int(port)
 
 
-def system_resolver(name):
+def system_resolver(name: str) -> List[str]:
     """getaddrinfo: every A/AAAA address of `name`, deduplicated, in order."""
     try:
         infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
@@ -133,8 +134,9 @@ class Fleet:
       (token, timeout, credentials, ...).
     """
 
-    def __init__(self, servers=None, service=None, *, resolver=None, refresh_interval=5.0, probe_timeout=2.0,
-                 max_recorded_owners=1 << 20, **client_kwargs):
+    def __init__(self, servers: Optional[List[str]] = None, service: Optional[str] = None, *,
+                 resolver: Optional[Callable[[str], List[str]]] = None, refresh_interval: float = 5.0,
+                 probe_timeout: float = 2.0, max_recorded_owners: int = 1 << 20, **client_kwargs: Any) -> None:
         if bool(servers) == bool(service):
             raise ValueError("give servers=[...] or service='dns:///NAME:PORT', one of them")
         self._static = list(servers) if servers else None
@@ -167,7 +169,7 @@ class Fleet:
         name, port = self._dns
         return [_join(ip, port) for ip in self._resolver(name)]
 
-    def refresh(self):
+    def refresh(self) -> None:
         """Re-resolves the name (a failed lookup keeps the servers known) and probes every server."""
         try:
             addresses = self._addresses()
@@ -209,7 +211,7 @@ class Fleet:
         while not self._stop.wait(interval):
             self.refresh()
 
-    def close(self):
+    def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -224,12 +226,12 @@ class Fleet:
     def __exit__(self, *exc):
         self.close()
 
-    def servers(self):
+    def servers(self) -> List[Tuple[str, str, bool, str]]:
         """[(address, server_id, healthy, last_error)] sorted by address."""
         with self._lock:
             return sorted((s.address, s.server_id, s.healthy, s.last_error) for s in self._servers.values())
 
-    def owner_of(self, sequence):
+    def owner_of(self, sequence: str) -> Optional[str]:
         """The server_id this client recorded for `sequence`, or None."""
         with self._lock:
             address = self._owners.get(sequence)
@@ -269,7 +271,7 @@ class Fleet:
                         % (server.describe(), sequence[:200], server.last_error))
         return server
 
-    def on_sequence(self, sequence, call, server_id=None):
+    def on_sequence(self, sequence: str, call: Callable[[Client], Any], server_id: Optional[str] = None) -> Any:
         """call(client) on the server that owns `sequence`; records, forgets or marks it unhealthy."""
         server, first_choice_down = self.route(sequence, server_id)
         try:
@@ -367,10 +369,10 @@ class Fleet:
             out.failures.append(Error(value.code, "%s: %s" % (server.describe(), value.message)))
         return out
 
-    def pools(self):
+    def pools(self) -> FromEach:
         """FromEach: server_id -> that server's pools (each pool carries its server_id)."""
         return self._each(lambda c: c.pools())
 
-    def sequences(self, pool="", page_size=0):
+    def sequences(self, pool: str = "", page_size: int = 0) -> FromEach:
         """FromEach: server_id -> that server's sequences of `pool`."""
         return self._each(lambda c: c.sequences(pool, page_size))

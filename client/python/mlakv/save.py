@@ -36,6 +36,7 @@ vLLM's connector API maps one to one (docs/client.md "Layer-wise saves"):
 import queue
 import re
 import threading
+from typing import Any, Optional
 
 import grpc
 
@@ -84,7 +85,8 @@ class LayerwiseSave:
 
     # -- the caller's side ------------------------------------------------
 
-    def layer(self, layer, ckv, kpe, ckv_scale=None, kpe_scale=None):
+    def layer(self, layer: int, ckv: Any, kpe: Any, ckv_scale: Optional[float] = None,
+              kpe_scale: Optional[float] = None) -> None:
         """Queues one layer's rows ckv [N,512], kpe [N,64] at positions start..start+N-1
         (ckv_scale, kpe_scale: this layer's, else the save's). Returns at once;
         failures are raised by wait()."""
@@ -100,7 +102,7 @@ class LayerwiseSave:
             self._abort()
             raise
 
-    def wait(self):
+    def wait(self) -> "pb.AppendResponse":
         """Fences once and commits; returns mlakv.pb.AppendResponse. Raises
         mlakv.Error naming the layer when anything failed (nothing is written)."""
         if self._finished:
@@ -129,11 +131,11 @@ class LayerwiseSave:
         finally:
             self._release()
 
-    def done(self):
+    def done(self) -> bool:
         """True once the save has ended (committed or failed); never blocks."""
         return self._future is not None and self._future.done()
 
-    def __enter__(self):
+    def __enter__(self) -> "LayerwiseSave":
         return self
 
     def __exit__(self, exc_type, exc, tb):

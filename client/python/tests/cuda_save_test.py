@@ -1,0 +1,175 @@
+"""Layer-wise saves of CUDA tensors (client.save with cuda_sync="event") to
+`mlakv-server --allow_ipc` on cuda:0, in a 61-layer loop where a stand-in
+compute kernel (a bf16 matmul sized like a layer's projection) writes each
+layer's ckv/kpe on the current stream and s.layer() hands the rows over by
+reference at once. Checks the stored bytes against the blocking path (the
+same rows sent as bytes, layer by layer), then measures, for 1k, 4k and 16k
+tokens: the loop without saving, the loop with the save, and the time from
+the last layer's compute to the commit (medians of --runs runs).
+
+Exits 77 (ctest: skipped) without torch, CUDA or a GPU.
+
+    MLAKV_SERVER=.../mlakv-server MLAKV_PY_GEN=.../gen PYTHONPATH=client/python \\
+        python3 client/python/tests/cuda_save_test.py [--runs 5] [--json OUT.json]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import mlakv  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+LAYERS = 61
+HIDDEN = 7168  # DeepSeek-V3's hidden size: the stand-in layer is one [T, 7168] x [7168, 7168] matmul
+SCALES = dict(ckv_scale=0.004, kpe_scale=0.02)
+CONFIG = ('pools { name: "default" device: "cuda:0" num_layers: 61 page_size: 64 num_pages: 1100 '
+          'max_sequences: 64 }\n')
+
+
+def cuda_missing():
+    try:
+        import torch
+    except ImportError as err:
+        return "torch is not importable (%s)" % err
+    if not torch.cuda.is_available():
+        return "torch %s sees no CUDA device" % torch.__version__
+    return None
+
+
+class Loop:
+    """The 61-layer forward pass of a prompt of `tokens` tokens."""
+
+    def __init__(self, torch, tokens):
+        self.t = torch
+        g = torch.Generator(device="cuda:0").manual_seed(tokens)
+        self.x = torch.randn(tokens, HIDDEN, device="cuda:0", dtype=torch.bfloat16, generator=g)
+        self.w = torch.randn(HIDDEN, HIDDEN, device="cuda:0", dtype=torch.bfloat16, generator=g) / HIDDEN ** 0.5
+        self.ckv = torch.empty(LAYERS, tokens, 512, device="cuda:0", dtype=torch.bfloat16)
+        self.kpe = torch.empty(LAYERS, tokens, 64, device="cuda:0", dtype=torch.bfloat16)
+
+    def layer(self, i):
+        """Layer i's compute, writing its MLA rows (different for every layer)."""
+        y = self.t.mm(self.x, self.w)
+        self.ckv[i].copy_(y[:, (i * 64) % 6656:(i * 64) % 6656 + 512] * 4)
+        self.kpe[i].copy_(y[:, 7000:7064] * 4)
+
+    def run(self, save=None):
+        for i in range(LAYERS):
+            self.layer(i)
+            if save is not None:
+                save.layer(i, self.ckv[i], self.kpe[i])
+
+
+def check_exact(client, torch, tokens):
+    """Saved by reference == sent as bytes, every layer."""
+    loop = Loop(torch, tokens)
+    with client.save("exact-%d" % tokens, **SCALES) as s:
+        loop.run(s)
+    torch.cuda.synchronize()
+    for i in range(LAYERS):
+        client.append("exact-bytes-%d" % tokens, i, loop.ckv[i].cpu(), loop.kpe[i].cpu(), start=0, **SCALES)
+    for i in range(LAYERS):
+        a, b = client.export("exact-%d" % tokens, i), client.export("exact-bytes-%d" % tokens, i)
+        for k in ("ckv_packed", "ckv_sf", "kpe"):
+            if not np.array_equal(a[k], b[k]):
+                raise AssertionError("%d tokens, layer %d: %s differs from the bytes path" % (tokens, i, k))
+    client.free("exact-%d" % tokens)
+    client.free("exact-bytes-%d" % tokens)
+
+
+def measure(client, torch, tokens, runs):
+    loop = Loop(torch, tokens)
+    base, total, commit, end_save = [], [], [], []
+    # Warm-up: cuBLAS, and the allocations' one registration with the server.
+    loop.run()
+    with client.save("warm", **SCALES) as s:
+        loop.run(s)
+    client.free("warm")
+    for r in range(runs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loop.run()
+        torch.cuda.synchronize()
+        base.append(time.perf_counter() - t0)
+
+        sid = "m-%d-%d" % (tokens, r)
+        t0 = time.perf_counter()
+        s = client.save(sid, **SCALES)
+        loop.run(s)
+        torch.cuda.synchronize()  # the last layer's compute is done
+        t_last = time.perf_counter()
+        s.wait()
+        t_commit = time.perf_counter()
+        total.append(t_commit - t0)
+        commit.append(t_commit - t_last)
+        client.free(sid)
+
+        # For comparison: everything in one save after the loop.
+        t0 = time.perf_counter()
+        loop.run()
+        torch.cuda.synchronize()
+        t_last = time.perf_counter()
+        with client.save(sid + "-end", layerwise_min_tokens=1 << 30, **SCALES) as s:
+            for i in range(LAYERS):
+                s.layer(i, loop.ckv[i], loop.kpe[i])
+        end_save.append(time.perf_counter() - t_last)
+        client.free(sid + "-end")
+    med = statistics.median
+    return {
+        "tokens": tokens,
+        "layers": LAYERS,
+        "runs": runs,
+        "loop_without_save_ms": med(base) * 1e3,
+        "loop_with_layerwise_save_ms": med(total) * 1e3,
+        "overhead_pct": (med(total) - med(base)) / med(base) * 100,
+        "last_compute_to_commit_ms": med(commit) * 1e3,
+        "last_compute_to_commit_all_ms": [c * 1e3 for c in commit],
+        "save_after_loop_ms": med(end_save) * 1e3,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--tokens", default="1024,4096,16384")
+    a = ap.parse_args()
+    why = cuda_missing()
+    if why:
+        print("cuda_save_test: skipped: " + why)
+        return 77
+    import torch
+
+    cfg = tempfile.NamedTemporaryFile("w", suffix=".txtpb", delete=False)
+    cfg.write(CONFIG)
+    cfg.close()
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "sizes": []}
+    with ServerProcess("--allow_ipc", "--config", cfg.name, device="cuda:0") as server:
+        with mlakv.Client(server.target, timeout=120, cuda_sync="event") as client:
+            for tokens in (300, 4096):
+                check_exact(client, torch, tokens)
+            print("byte-exact: 61 layers x 300 and x 4096 tokens saved by reference == sent as bytes", flush=True)
+            for tokens in [int(x) for x in a.tokens.split(",")]:
+                r = measure(client, torch, tokens, a.runs)
+                results["sizes"].append(r)
+                print(json.dumps({k: v for k, v in r.items() if not k.endswith("_all_ms")}), flush=True)
+            if client.pool().pages_used != 0:
+                raise AssertionError("pages left behind: %s" % client.pool())
+    os.unlink(cfg.name)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
