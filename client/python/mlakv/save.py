@@ -74,7 +74,7 @@ class LayerwiseSave:
         self._future = None
         self._held = []  # CUDA region locks (cuda_sync="event"), released when the save ends
         self._held_names = set()
-        self._sent_layers = []  # message index -> layer
+        self._sent_layers = []  # message index -> the layers it carries
         self._layers = set()
         self._rows = None
         self._row_dtype = None
@@ -197,41 +197,75 @@ class LayerwiseSave:
         self._future = c._stub.Append.future(self._messages(), timeout=c.timeout, metadata=c._metadata)
 
     def _messages(self):
-        """The stream's messages, built on gRPC's thread as layers arrive."""
+        """The stream's messages, built on gRPC's thread as layers arrive.
+
+        Layers that are waiting together (the caller was faster than the
+        stream, or a short prompt sent at the end) share one message when they
+        fit in it -- always for rows by reference, which add no bytes -- so
+        that the server quantizes them with one launch instead of one per
+        layer. A layer too large for one message goes in several."""
         c = self._client
-        wire_first = True
+        budget = c.chunk_bytes - 1024
+        first = [True]
         while True:
             item = self._queue.get()
             if item is _END:
                 return
-            layer, prepared = item
-            cs, ks = getattr(prepared, "scales", None) or self._scales
-            n = prepared.rows
-            wire = prepared.wire_row_bytes()
-            per_message = max(1, (c.chunk_bytes - 1024) // wire) if wire else max(n, 1)
-            for lo in range(0, max(n, 1), per_message):
-                hi = min(n, lo + per_message)
-                msg = pb.AppendRequest(pool=self._pool, sequence=self._sequence, start=self._start + lo,
-                                       row_count=hi - lo, dtype=prepared.dtype)
-                if wire_first:
-                    f = self._first_fields
-                    msg.reserve_tokens = f["reserve_tokens"]
-                    if f["expect_length"] is not None:
-                        msg.expect_length = f["expect_length"]
-                    if f["expect_generation"] is not None:
-                        msg.expect_generation = f["expect_generation"]
-                    msg.block_hashes.extend(f["block_hashes"])
-                    msg.block_hashes_first_page = f["block_hashes_first_page"]
-                    msg.pin = f["pin"]
-                    wire_first = False
-                rows = msg.layers.add(layer=layer, ckv_scale=cs, kpe_scale=ks)
-                from mlakv.client import _set_part
+            batch, ended = [item], False
+            while True:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _END:
+                    ended = True
+                    break
+                batch.append(more)
+            group = []
+            for layer, prepared in batch:
+                bytes_now = sum(p.rows * p.wire_row_bytes() for _, p in group)
+                fits = (group and prepared.rows == group[0][1].rows and prepared.dtype == group[0][1].dtype
+                        and bytes_now + prepared.rows * prepared.wire_row_bytes() <= budget)
+                if group and not fits:
+                    yield from self._build(group, budget, first)
+                    group = []
+                group.append((layer, prepared))
+            if group:
+                yield from self._build(group, budget, first)
+            if ended:
+                return
 
+    def _build(self, group, budget, first):
+        """Messages for `group`: layers of one row count and dtype, in one
+        message when they fit, else one layer's rows over several messages."""
+        from mlakv.client import _set_part
+
+        n, dtype = group[0][1].rows, group[0][1].dtype
+        wire = sum(p.wire_row_bytes() for _, p in group)
+        per_message = max(1, budget // wire) if wire else max(n, 1)
+        for lo in range(0, max(n, 1), per_message):
+            hi = min(n, lo + per_message)
+            msg = pb.AppendRequest(pool=self._pool, sequence=self._sequence, start=self._start + lo,
+                                   row_count=hi - lo, dtype=dtype)
+            if first[0]:
+                f = self._first_fields
+                msg.reserve_tokens = f["reserve_tokens"]
+                if f["expect_length"] is not None:
+                    msg.expect_length = f["expect_length"]
+                if f["expect_generation"] is not None:
+                    msg.expect_generation = f["expect_generation"]
+                msg.block_hashes.extend(f["block_hashes"])
+                msg.block_hashes_first_page = f["block_hashes_first_page"]
+                msg.pin = f["pin"]
+                first[0] = False
+            for layer, prepared in group:
+                cs, ks = getattr(prepared, "scales", None) or self._scales
+                rows = msg.layers.add(layer=layer, ckv_scale=cs, kpe_scale=ks)
                 _set_part(rows, "ckv", prepared.ckv[0], lo, hi, _rows.CKV_DIM)
                 _set_part(rows, "kpe", prepared.kpe[0], lo, hi, _rows.KPE_DIM)
-                with self._lock:
-                    self._sent_layers.append(layer)
-                yield msg
+            with self._lock:
+                self._sent_layers.append([layer for layer, _ in group])
+            yield msg
 
     def _named(self, err):
         """The server's status, prefixed with the save and, when it names a
@@ -242,7 +276,9 @@ class LayerwiseSave:
             index = int(m.group(1)) - 1  # the server counts messages from 1
             with self._lock:
                 if 0 <= index < len(self._sent_layers):
-                    where = ", layer %d" % self._sent_layers[index]
+                    layers = self._sent_layers[index]
+                    where = (", layer %d" % layers[0] if len(layers) == 1 else
+                             ", layers %s" % ", ".join(str(x) for x in layers))
         return Error(err.code, "save of %r%s: %s" % (self._sequence, where, err.message))
 
     def _fail(self, err):
