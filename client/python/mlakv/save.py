@@ -221,15 +221,16 @@ class LayerwiseSave:
                     ended = True
                     break
                 batch.append(more)
-            group = []
+            group, group_bytes = [], 0
             for layer, prepared in batch:
-                bytes_now = sum(p.rows * p.wire_row_bytes() for _, p in group)
+                size = prepared.rows * prepared.wire_row_bytes()
                 fits = (group and prepared.rows == group[0][1].rows and prepared.dtype == group[0][1].dtype
-                        and bytes_now + prepared.rows * prepared.wire_row_bytes() <= budget)
+                        and group_bytes + size <= budget)
                 if group and not fits:
                     yield from self._build(group, budget, first)
-                    group = []
+                    group, group_bytes = [], 0
                 group.append((layer, prepared))
+                group_bytes += size
             if group:
                 yield from self._build(group, budget, first)
             if ended:
