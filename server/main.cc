@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "google/protobuf/stubs/logging.h"
@@ -147,6 +148,10 @@ int main(int argc, char** argv) {
     mallopt(M_MMAP_THRESHOLD, 256 << 20);
     mallopt(M_TRIM_THRESHOLD, 512 << 20);
   }
+  // --version: the repository's VERSION (also the CLI's and the Python package's).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.version_string = [] { return std::string("mlakv-server " MLAKV_VERSION "\n"); };
+  absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "mlakv-server: gRPC service owning NVFP4 MLA paged KV-cache pools.\n"
       "  mlakv-server                       embedded default pool on --device=auto, 127.0.0.1:50051\n"

@@ -9,6 +9,7 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "client/cli/commands.h"
 
 namespace {
@@ -110,6 +111,10 @@ int main(int argc, char** argv) {
     mallopt(M_MMAP_THRESHOLD, 256 << 20);
     mallopt(M_TRIM_THRESHOLD, 512 << 20);
   }
+  // --version: the repository's VERSION (also the server's and the Python package's).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.version_string = [] { return std::string("mlakv " MLAKV_VERSION "\n"); };
+  absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(Usage());
   std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() < 2) {

@@ -6,7 +6,7 @@ environment, and a script run from an empty directory with an empty
 environment (no PYTHONPATH, no MLAKV_* variables) imports it and saves a
 prompt layer by layer into a real mlakv-server, reading it back.
 
-  python_package_test.py --server MLAKV_SERVER
+  python_package_test.py --server MLAKV_SERVER --cli MLAKV_CLI
 """
 import argparse
 import os
@@ -63,8 +63,16 @@ finally:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
+    ap.add_argument("--cli", required=True)
     a = ap.parse_args()
+    a.server, a.cli = os.path.abspath(a.server), os.path.abspath(a.cli)
     version = open(os.path.join(ROOT, "VERSION")).read().strip()
+    # One version: the server's and the CLI's --version say VERSION too.
+    for binary, name in ((a.server, "mlakv-server"), (a.cli, "mlakv")):
+        said = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout.strip()
+        if said != "%s %s" % (name, version):
+            print("FAIL: %s --version says %r; VERSION is %s" % (name, said, version))
+            return 1
     tmp = tempfile.mkdtemp(prefix="mlakv-package-test-")
     try:
         src = os.path.join(tmp, "src")
