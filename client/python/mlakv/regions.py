@@ -256,7 +256,13 @@ class CudaRegion:
         # allocator cannot cudaFree the allocation under the server's mapping.
         self.storage = storage
         self.event = event  # torch.cuda.Event(interprocess=True) in "event" sync mode
-        self.lock = threading.Lock()
+        # Held by an append or a layer-wise save while it records the event and
+        # the server may still wait on it, so that another thread's record on
+        # another stream cannot replace it. Reentrant: several saves open in one
+        # thread (a connector saving every request of a batch out of one KV
+        # cache allocation) share it; they record on that thread's current
+        # stream, and the server, waiting on the latest record, waits for all.
+        self.lock = threading.RLock()
 
     def contains(self, address, extent):
         return self.base <= address and address + extent <= self.base + self.size

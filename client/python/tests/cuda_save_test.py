@@ -91,6 +91,30 @@ def check_exact(client, torch, tokens):
     client.free("exact-bytes-%d" % tokens)
 
 
+def check_interleaved(client, torch, tokens):
+    """Two saves open at once in one thread, out of the same allocations (a
+    connector saving two requests of one batch): both commit, byte-exact."""
+    loop = Loop(torch, tokens)
+    half = tokens // 2
+    a, b = client.save("first-half", **SCALES), client.save("second-half", **SCALES)
+    for i in range(LAYERS):
+        loop.layer(i)
+        a.layer(i, loop.ckv[i][:half], loop.kpe[i][:half])
+        b.layer(i, loop.ckv[i][half:], loop.kpe[i][half:])
+    a.wait()
+    b.wait()
+    torch.cuda.synchronize()
+    for name, rows in (("first-half", slice(0, half)), ("second-half", slice(half, tokens))):
+        for i in (0, 30, 60):
+            client.append(name + "-bytes", i, loop.ckv[i][rows].cpu(), loop.kpe[i][rows].cpu(), start=0, **SCALES)
+            x, y = client.export(name, i), client.export(name + "-bytes", i)
+            for k in ("ckv_packed", "ckv_sf", "kpe"):
+                if not np.array_equal(x[k], y[k]):
+                    raise AssertionError("interleaved save %s layer %d: %s differs" % (name, i, k))
+        client.free(name)
+        client.free(name + "-bytes")
+
+
 def measure(client, torch, tokens, runs):
     loop = Loop(torch, tokens)
     base, total, commit, end_save, in_layer = [], [], [], [], []
@@ -164,6 +188,8 @@ def main():
             for tokens in (300, 4096):
                 check_exact(client, torch, tokens)
             print("byte-exact: 61 layers x 300 and x 4096 tokens saved by reference == sent as bytes", flush=True)
+            check_interleaved(client, torch, 2048)
+            print("byte-exact: two saves open at once in one thread, out of one allocation", flush=True)
             for tokens in [int(x) for x in a.tokens.split(",")]:
                 r = measure(client, torch, tokens, a.runs)
                 results["sizes"].append(r)
