@@ -25,24 +25,13 @@ import grpc  # noqa: E402
 
 import mlakv  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
-from server_test_case import CALL_TIMEOUT_S, RegionServerTestCase, WireSpy  # noqa: E402
+from server_test_case import CALL_TIMEOUT_S, RegionServerTestCase, WireSpy, cuda_missing  # noqa: E402
 
 SCALES = dict(ckv_scale=0.01, kpe_scale=0.05)
 EXIT_ALL_SKIPPED = 77
 
 
-def _cuda_missing():
-    """Why these tests cannot run here, or None."""
-    try:
-        import torch
-    except ImportError as err:
-        return "torch is not importable (%s)" % err
-    if not torch.cuda.is_available():
-        return "torch %s sees no CUDA device" % torch.__version__
-    return None
-
-
-SKIP_REASON = _cuda_missing()
+SKIP_REASON = cuda_missing()
 
 
 @unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")

@@ -27,22 +27,13 @@ import numpy as np  # noqa: E402
 
 import mlakv  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
+from server_test_case import cuda_missing  # noqa: E402
 
 LAYERS = 61
 HIDDEN = 7168  # DeepSeek-V3's hidden size: the stand-in layer is one [T, 7168] x [7168, 7168] matmul
 SCALES = dict(ckv_scale=0.004, kpe_scale=0.02)
 CONFIG = ('pools { name: "default" device: "cuda:0" num_layers: 61 page_size: 64 num_pages: 1100 '
           'max_sequences: 64 }\n')
-
-
-def cuda_missing():
-    try:
-        import torch
-    except ImportError as err:
-        return "torch is not importable (%s)" % err
-    if not torch.cuda.is_available():
-        return "torch %s sees no CUDA device" % torch.__version__
-    return None
 
 
 class Loop:

@@ -16,6 +16,17 @@ from server_process import ServerProcess
 CALL_TIMEOUT_S = 60.0
 
 
+def cuda_missing():
+    """Why the CUDA tests cannot run here (no torch, no CUDA device), or None."""
+    try:
+        import torch
+    except ImportError as err:
+        return "torch is not importable (%s)" % err
+    if not torch.cuda.is_available():
+        return "torch %s sees no CUDA device" % torch.__version__
+    return None
+
+
 def random_rows(rng, n, dtype="bf16", amax=4.0):
     """n random rows: (ckv [n,512], kpe [n,64]) as float16 or bf16 bit patterns (uint16)."""
     ckv = rng.uniform(-amax, amax, size=(n, 512)).astype(np.float32)
