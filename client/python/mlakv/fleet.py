@@ -101,6 +101,38 @@ def _join(ip, port):
     return "[%s]:%d" % (ip, port) if ":" in ip and not ip.startswith("[") else "%s:%d" % (ip, port)
 
 
+class _FleetSave:
+    """A LayerwiseSave on one server of a Fleet: layer() as the save's; wait()
+    records the owner once the save committed, names the server on UNAVAILABLE."""
+
+    def __init__(self, fleet, server, sequence, save):
+        self._fleet, self._server, self._sequence, self._save = fleet, server, sequence, save
+
+    def layer(self, *args: Any, **kwargs: Any) -> None:
+        self._save.layer(*args, **kwargs)
+
+    def done(self) -> bool:
+        return self._save.done()
+
+    def wait(self) -> Any:
+        try:
+            result = self._save.wait()
+        except Error as err:
+            raise self._fleet._settled(self._server, self._sequence, err) from None
+        self._fleet._record(self._sequence, self._server)
+        return result
+
+    def __enter__(self) -> "_FleetSave":
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self._save.__exit__(exc_type, exc, tb)
+            return False
+        self.wait()
+        return False
+
+
 class FromEach:
     """Answers of every server to a call that names no sequence: answers maps
     server_id -> value; failures lists an Error per server that failed."""
@@ -289,10 +321,7 @@ class Fleet:
                     server.healthy, server.last_error = False, err.message
                     raise Error(err.code, "%s: %s" % (server.describe(), err.message)) from None
             raise
-        with self._lock:
-            if sequence not in self._owners and len(self._owners) >= self._max_owners:
-                self._owners.pop(next(iter(self._owners)))  # make room: the oldest goes
-            self._owners[sequence] = server.address
+        self._record(sequence, server)  # beyond max_recorded_owners the oldest goes
         return result
 
     # -- calls for one sequence (the mlakv.Client ones, plus server_id=) ---
@@ -316,6 +345,26 @@ class Fleet:
 
     def acquire_lease(self, sequence, *args, server_id=None, **kwargs):
         return self.on_sequence(sequence, lambda c: c.acquire_lease(sequence, *args, **kwargs), server_id)
+
+    def save(self, sequence: str, *args: Any, server_id: Optional[str] = None, **kwargs: Any) -> "_FleetSave":
+        """A layer-wise save (Client.save) on the server that owns `sequence`;
+        the owner is recorded when it commits."""
+        server, first_choice_down = self.route(sequence, server_id)
+        return _FleetSave(self, server, sequence, server.client.save(sequence, *args, **kwargs))
+
+    def _settled(self, server, sequence, err):
+        """After a failed save: the error as on_sequence reports it."""
+        with self._lock:
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                server.healthy, server.last_error = False, err.message
+                return Error(err.code, "%s: %s" % (server.describe(), err.message))
+        return err
+
+    def _record(self, sequence, server):
+        with self._lock:
+            if sequence not in self._owners and len(self._owners) >= self._max_owners:
+                self._owners.pop(next(iter(self._owners)))
+            self._owners[sequence] = server.address
 
     def free_sequence(self, sequence, *args, server_id=None, **kwargs):
         result = self.on_sequence(sequence, lambda c: c.free_sequence(sequence, *args, **kwargs), server_id)

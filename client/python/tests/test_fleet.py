@@ -128,6 +128,26 @@ class ListedFleetTest(unittest.TestCase):
             out = self.run_cli("page", "0", "--pool", "p", "--server_id", "mlakv-3")
             self.assertEqual(out.returncode, 0, out.stderr)
 
+    def test_1b_a_layerwise_save_goes_to_the_owner_and_is_recorded_on_commit(self):
+        with mlakv.Fleet(servers=self.targets, refresh_interval=0, timeout=30) as fleet:
+            placed = {}
+            for i in range(30):
+                sid = "saved-%d" % i
+                with fleet.save(sid, pool="p") as s:
+                    for layer in range(1):
+                        s.layer(layer, np.zeros((300, 512), np.float16), np.zeros((300, 64), np.float16))
+                placed[sid] = fleet.owner_of(sid)
+                self.assertEqual(fleet.sequence(sid, pool="p").server_id, placed[sid])
+            self.assertGreater(len(set(placed.values())), 1, "30 saves all on one server")
+            # A failed save records nothing.
+            s = fleet.save("never", pool="p")
+            s.layer(0, np.zeros((300, 500), np.float16), np.zeros((300, 64), np.float16))
+            with self.assertRaises(mlakv.Error):
+                s.wait()
+            self.assertIsNone(fleet.owner_of("never"))
+            for sid in placed:
+                fleet.free(sid, pool="p")
+
     def test_2_a_killed_server_fails_only_its_own_sequences_naming_it(self):
         with mlakv.Fleet(servers=self.targets, refresh_interval=0, timeout=30) as fleet:
             owners = {}
