@@ -58,7 +58,7 @@ absl::Status FleetClient::Start() {
   // no ready pod; calls fail UNAVAILABLE until one appears.
   absl::StatusOr<std::vector<std::string>> addresses = CurrentAddresses();
   if (addresses.ok()) MLAKV_RETURN_IF_ERROR(SyncMembers(*addresses));
-  Refresh();
+  ProbeAll();
   if (options_.refresh_interval > absl::ZeroDuration()) refresher_ = std::thread([this] { RefreshLoop(); });
   return absl::OkStatus();
 }
@@ -137,6 +137,10 @@ void FleetClient::Refresh() {
     // A failed lookup keeps the servers known: DNS hiccups must not drop a fleet.
     if (addresses.ok()) SyncMembers(*addresses).IgnoreError();
   }
+  ProbeAll();
+}
+
+void FleetClient::ProbeAll() {
   // Every server, healthy or not: one that died without a call failing is
   // found here before it is given new sequences.
   std::vector<std::shared_ptr<Server>> to_probe;
@@ -337,11 +341,13 @@ absl::StatusOr<v1::Lease> FleetClient::AcquireLease(const std::string& pool, con
 absl::StatusOr<v1::ForkSequenceResponse> FleetClient::ForkSequence(const std::string& pool, const std::string& source,
                                                                    const std::string& target, uint32_t length,
                                                                    const std::string& server_id) {
-  MLAKV_ASSIGN_OR_RETURN(Route route, RouteFor(source, server_id));
-  absl::StatusOr<v1::ForkSequenceResponse> forked = route.client->ForkSequence(pool, source, target, length);
-  MLAKV_RETURN_IF_ERROR(Settle(route, source, forked.status()));
+  MLAKV_ASSIGN_OR_RETURN(v1::ForkSequenceResponse forked,
+                         OnSequence<v1::ForkSequenceResponse>(
+                             source, [&](KvCacheClient& c) { return c.ForkSequence(pool, source, target, length); },
+                             server_id));
+  // The source's owner was just recorded; the target lives beside it.
   absl::MutexLock lock(&mu_);
-  RecordOwner(target, route.address);
+  if (auto owner = owners_.find(source); owner != owners_.end()) RecordOwner(target, owner->second);
   return forked;
 }
 

@@ -180,6 +180,7 @@ class FleetClient {
   absl::Status SyncMembers(const std::vector<std::string>& addresses) ABSL_LOCKS_EXCLUDED(mu_);
   // Probes `servers` in parallel (health check + ListPools for the server_id).
   void Probe(const std::vector<std::shared_ptr<Server>>& servers) ABSL_LOCKS_EXCLUDED(mu_);
+  void ProbeAll() ABSL_LOCKS_EXCLUDED(mu_);
   // After a call: records, forgets, or marks the server unhealthy.
   absl::Status Settle(const Route& route, const std::string& sequence, const absl::Status& status)
       ABSL_LOCKS_EXCLUDED(mu_);

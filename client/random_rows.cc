@@ -1,7 +1,6 @@
 #include "client/random_rows.h"
 
 #include <cmath>
-#include <cstring>
 #include <random>
 #include <string_view>
 
@@ -9,36 +8,6 @@
 #include "kernels/nvfp4_format.h"
 
 namespace mlakv {
-namespace {
-
-uint32_t Bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
-
-}  // namespace
-
-// Round to nearest even of the top 16 bits.
-uint16_t FloatToBf16Bits(float x) {
-  const uint32_t b = Bits(x);
-  return static_cast<uint16_t>((b + 0x7fff + ((b >> 16) & 1)) >> 16);
-}
-
-// Round to nearest even into fp16's normal range (a carry out of the
-// mantissa moves to the next binade, which is the right answer).
-uint16_t FloatToHalfBits(float x) {
-  const uint32_t b = Bits(x);
-  const uint16_t sign = static_cast<uint16_t>((b >> 16) & 0x8000);
-  const int exponent = static_cast<int>((b >> 23) & 0xff) - 127 + 15;
-  if (exponent < 1) return sign;
-  uint32_t mantissa = b & 0x7fffff;
-  uint32_t half = (static_cast<uint32_t>(exponent) << 10) | (mantissa >> 13);
-  const uint32_t rest = mantissa & 0x1fff;
-  if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) ++half;
-  return static_cast<uint16_t>(sign | half);
-}
-
 namespace {
 
 float ToFloat(uint16_t bits, DType dtype) {
@@ -52,7 +21,7 @@ float Fill(std::vector<uint16_t>& out, size_t count, DType dtype, float amax, st
   float largest = 0;
   for (uint16_t& v : out) {
     const float x = value(rng);
-    v = dtype == DType::kBFloat16 ? FloatToBf16Bits(x) : FloatToHalfBits(x);
+    v = dtype == DType::kBFloat16 ? format::FloatToBf16Bits(x) : format::FloatToHalfBits(x);
     largest = std::max(largest, std::fabs(ToFloat(v, dtype)));
   }
   return largest;

@@ -1,7 +1,7 @@
 // Random MLA rows for examples and smoke tests (`mlakv make-rows`): ckv
 // [N, 512] and kpe [N, 64] uniform in [-amax, amax], rounded to the nearest
-// bf16 or fp16 (ties to even; magnitudes under fp16's smallest normal, 2^-14,
-// become 0), with the global scales the rows are calibrated for
+// bf16 or fp16 (format::FloatToBf16Bits / FloatToHalfBits), with the global
+// scales the rows are calibrated for
 // (docs/format.md): ckv_scale = amax_ckv / (6 x 448), so that the largest
 // block's E4M3 scale is 448, and kpe_scale = amax_kpe / 448.
 #pragma once
@@ -11,11 +11,6 @@
 #include "client/row_file.h"
 
 namespace mlakv {
-
-// float -> bf16 / fp16 bits, round to nearest, ties to even (finite inputs;
-// FloatToHalfBits: |x| < 2^-14 -> signed 0, |x| below fp16's largest value).
-uint16_t FloatToBf16Bits(float x);
-uint16_t FloatToHalfBits(float x);
 
 RowFile MakeRandomRows(int64_t rows, DType dtype, float amax, uint64_t seed);
 // Writes ckv, kpe (the file's dtype) and the F32 [1] scalars ckv_scale and

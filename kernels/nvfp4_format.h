@@ -144,6 +144,32 @@ MLAKV_HD float HalfBitsToFloat(uint16_t h) {
 #endif
 }
 
+// ---- float32 -> bf16 / fp16, round to nearest even (rows that tools and tests make) ----
+
+// NaN stays a quiet NaN.
+MLAKV_HD uint16_t FloatToBf16Bits(float f) {
+  const uint32_t u = FloatBits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Subnormals kept; |f| >= 65520 (inf included) -> inf; NaN -> a quiet NaN.
+MLAKV_HD uint16_t FloatToHalfBits(float f) {
+  const uint32_t u = FloatBits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  // |f| < 2^-14 is fp16's subnormal range, step 2^-24: adding 0.5 (whose ulp
+  // is 2^-24) rounds |f| to that step, ties to even, in one IEEE add, and the
+  // sum's low mantissa bits are the code (1024 is the smallest normal, 0x0400).
+  const uint32_t sub = FloatBits(AddRn(BitsToFloat(a < 0x38800000u ? a : 0u), 0.5f)) - 0x3F000000u;
+  // Normal: keep 10 mantissa bits, round-half-even on the dropped 13; a carry
+  // out of the mantissa bumps the exponent, which is the right result.
+  const uint32_t normal = ((a + 0xFFFu + ((a >> 13) & 1u)) >> 13) - ((127u - 15u) << 10);
+  uint32_t code = a < 0x38800000u ? sub : normal;
+  code = a >= 0x477FF000u ? 0x7C00u : code;  // 65520 is the midpoint 65504 | inf: to even is inf
+  return static_cast<uint16_t>(sign | (a > 0x7F800000u ? 0x7E00u : code));
+}
+
 // ---- FP8 E4M3 (e4m3fn: bias 7, no infinities, 0x7F/0xFF are NaN) ---------
 
 // e4m3(f): round to nearest even, saturating to +-448; NaN -> 0x7F, sign clear

@@ -258,6 +258,14 @@ TEST_F(FleetTest, ThreeThousandSequencesSpreadEvenlyAndEachLivesOnlyOnItsOwner) 
   uint32_t sequences = 0;
   for (const auto& answer : pools.answers) sequences += answer.value.at(0).sequences();
   EXPECT_EQ(sequences, static_cast<uint32_t>(kSequences));
+  // A fork lives beside its source (it shares the source's pages) and is recorded there.
+  for (int i = 0; i < 20; ++i) {
+    const std::string source = absl::StrCat("req-", i), target = absl::StrCat("fork-", i);
+    absl::StatusOr<v1::ForkSequenceResponse> forked = (*fleet)->ForkSequence("p", source, target);
+    ASSERT_TRUE(forked.ok()) << forked.status();
+    EXPECT_EQ(forked->sequence().server_id(), *(*fleet)->OwnerOf(source));
+    EXPECT_EQ((*fleet)->OwnerOf(target), (*fleet)->OwnerOf(source));
+  }
 }
 
 TEST_F(FleetTest, AKilledServerFailsOnlyItsOwnSequencesFastAndNamesIt) {

@@ -1,11 +1,10 @@
-// Random row files (client/random_rows.h, `mlakv make-rows`): the float ->
-// bf16/fp16 rounding checked on every finite value of each format and on
-// every midpoint between neighbours; the rows, their range and scales; a
-// file that LoadRowFile reads back unchanged.
+// Random row files (client/random_rows.h, `mlakv make-rows`): the rows, their
+// range and scales, and a file that LoadRowFile reads back unchanged. (The
+// float -> bf16/fp16 rounding is format::FloatToBf16Bits / FloatToHalfBits,
+// checked in tests/kernels/nvfp4_format_test.cc.)
 #include "client/random_rows.h"
 
 #include <cmath>
-#include <cstring>
 #include <filesystem>
 #include <unistd.h>
 
@@ -14,44 +13,6 @@
 
 namespace mlakv {
 namespace {
-
-float FromBits(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
-TEST(RandomRows, Bf16RoundingIsNearestEvenOnEveryValueAndMidpoint) {
-  for (uint32_t h = 0; h < 0x10000; ++h) {
-    const uint32_t bits = h << 16;
-    const float x = FromBits(bits);
-    if (!std::isfinite(x)) continue;
-    ASSERT_EQ(FloatToBf16Bits(x), h) << std::hex << h;
-    // The midpoint to the next pattern (same sign, larger magnitude).
-    if (((h + 1) & 0x7f80) == 0x7f80) continue;  // the next one is inf/nan
-    const float mid = FromBits(bits | 0x8000);
-    ASSERT_EQ(FloatToBf16Bits(mid), (h & 1) ? h + 1 : h) << std::hex << h;
-    // Just above the midpoint rounds away.
-    ASSERT_EQ(FloatToBf16Bits(FromBits(bits | 0x8001)), h + 1) << std::hex << h;
-  }
-}
-
-TEST(RandomRows, HalfRoundingIsNearestEvenOnEveryNormalValueAndMidpoint) {
-  for (uint32_t h = 0; h < 0x10000; ++h) {
-    const uint32_t exponent = (h >> 10) & 0x1f;
-    if (exponent == 0 || exponent == 0x1f) continue;  // subnormals flush; inf/nan not produced
-    const float x = format::HalfBitsToFloat(static_cast<uint16_t>(h));
-    ASSERT_EQ(FloatToHalfBits(x), h) << std::hex << h;
-    if (((h + 1) >> 10 & 0x1f) == 0x1f) continue;
-    const float next = format::HalfBitsToFloat(static_cast<uint16_t>(h + 1));
-    const float mid = (x + next) / 2;  // exact in float (fp16 has 11 significant bits)
-    ASSERT_EQ(FloatToHalfBits(mid), (h & 1) ? h + 1 : h) << std::hex << h;
-    ASSERT_EQ(FloatToHalfBits(std::nextafter(mid, next)), h + 1) << std::hex << h;
-  }
-  // Under the smallest normal: signed zero.
-  EXPECT_EQ(FloatToHalfBits(1e-5f), 0);
-  EXPECT_EQ(FloatToHalfBits(-1e-5f), 0x8000);
-}
 
 TEST(RandomRows, RowsStayInRangeAndTheScalesFitTheirLargestValues) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {

@@ -269,4 +269,49 @@ TEST(CkvBlock, InfiniteElementSaturatesScale) {
 }
 
 }  // namespace
+// ---- float32 -> bf16 / fp16 --------------------------------------------------
+
+TEST(Bf16, EveryValueRoundTripsAndEveryMidpointRoundsToEven) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const uint32_t bits = h << 16;
+    const float x = BitsToFloat(bits);
+    if (std::isnan(x)) {
+      EXPECT_TRUE(std::isnan(Bf16BitsToFloat(FloatToBf16Bits(x)))) << std::hex << h;
+      continue;
+    }
+    ASSERT_EQ(FloatToBf16Bits(x), h) << std::hex << h;
+    if ((h & 0x7FFFu) >= 0x7F80u) continue;  // inf: no midpoint above it
+    // Midpoint to the next pattern of larger magnitude: to even; above it: away.
+    ASSERT_EQ(FloatToBf16Bits(BitsToFloat(bits | 0x8000u)), (h & 1u) ? h + 1 : h) << std::hex << h;
+    ASSERT_EQ(FloatToBf16Bits(BitsToFloat(bits | 0x8001u)), h + 1) << std::hex << h;
+    ASSERT_EQ(FloatToBf16Bits(BitsToFloat(bits | 0x7FFFu)), h) << std::hex << h;
+  }
+}
+
+TEST(Half, EveryValueRoundTripsAndEveryMidpointRoundsToEven) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float x = HalfBitsToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(x)) {
+      EXPECT_TRUE(std::isnan(HalfBitsToFloat(FloatToHalfBits(x)))) << std::hex << h;
+      continue;
+    }
+    ASSERT_EQ(FloatToHalfBits(x), h) << std::hex << h;
+    if ((h & 0x7FFFu) >= 0x7C00u) continue;  // inf
+    // The next value of larger magnitude, subnormals included (after 65504 the
+    // grid's next step would be 65536, so its midpoint is 65520, which rounds
+    // to inf); the midpoint is exact in float32.
+    const float next = (h & 0x7FFFu) == 0x7BFFu ? std::copysign(65536.0f, x)
+                                                 : HalfBitsToFloat(static_cast<uint16_t>(h + 1));
+    const float mid = (x + next) / 2;
+    ASSERT_EQ(FloatToHalfBits(mid), (h & 1u) ? h + 1 : h) << std::hex << h;
+    ASSERT_EQ(FloatToHalfBits(std::nextafter(mid, next)), h + 1) << std::hex << h;
+    ASSERT_EQ(FloatToHalfBits(std::nextafter(mid, x)), h) << std::hex << h;
+  }
+  EXPECT_EQ(FloatToHalfBits(65519.996f), 0x7BFF);  // below the 65504 | inf midpoint
+  EXPECT_EQ(FloatToHalfBits(65520.0f), 0x7C00);
+  EXPECT_EQ(FloatToHalfBits(-std::numeric_limits<float>::infinity()), 0xFC00);
+  EXPECT_EQ(FloatToHalfBits(std::numeric_limits<float>::denorm_min()), 0x0000);  // far under 2^-25
+  EXPECT_EQ(FloatToHalfBits(-0.0f), 0x8000);
+}
+
 }  // namespace mlakv::format

@@ -1,5 +1,7 @@
 #include "tests/testing/paged_scenario.h"
 
+#include "kernels/nvfp4_format.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,31 +12,7 @@ namespace mlakv::testing {
 namespace {
 
 uint16_t FloatToBits(float f, DType dtype) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (dtype == DType::kBFloat16) {
-    // round to nearest even into bf16 (NaN stays NaN)
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
-  // float -> fp16, round to nearest even, via the exact double route
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  float a = std::fabs(f);
-  if (std::isnan(f)) return 0x7E00;
-  if (a >= 65520.0f) return sign | 0x7C00;
-  if (a < 6.103515625e-05f) {  // subnormal: multiple of 2^-24
-    const float q = std::nearbyint(a * 16777216.0f);
-    return sign | static_cast<uint16_t>(q);
-  }
-  int e;
-  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
-  float q = std::nearbyint(m * 2048.0f);  // 11 significant bits
-  if (q == 2048.0f) {
-    q = 1024.0f;
-    ++e;
-  }
-  const uint16_t exp = static_cast<uint16_t>(e - 1 + 15);
-  return sign | static_cast<uint16_t>(exp << 10) | static_cast<uint16_t>(static_cast<int>(q) - 1024);
+  return dtype == DType::kBFloat16 ? format::FloatToBf16Bits(f) : format::FloatToHalfBits(f);
 }
 
 }  // namespace

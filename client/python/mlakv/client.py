@@ -19,6 +19,7 @@ import numpy as np
 from mlakv import regions as _regions
 from mlakv import rows as _rows
 from mlakv import save as _save
+from mlakv._wire import _MESSAGE_OVERHEAD, _block_hashes, _scale, _set_first_fields, _set_part
 from mlakv.errors import Error, client_error
 from mlakv.v1 import kv_cache_pb2 as pb
 from mlakv.v1 import kv_cache_pb2_grpc as pb_grpc
@@ -28,8 +29,6 @@ LeaseArg = Any
 
 # Target size of one Append message (ckv + kpe bytes of all its layers).
 DEFAULT_CHUNK_BYTES = 4 << 20
-# Bytes of an AppendRequest besides the rows (ids, counts, per-layer tags), bounded.
-_MESSAGE_OVERHEAD = 1024
 # Largest message this client accepts (ReadSequence chunks are ~4 MB plus framing).
 _MAX_RECEIVE_BYTES = 64 << 20
 
@@ -73,10 +72,6 @@ def _health_status(data):
     return "UNKNOWN"
 
 
-def _scale(value):
-    return 0.0 if value is None else float(value)
-
-
 _CUDA_SYNC_MODES = ("stream", "event", "none")
 
 
@@ -94,22 +89,6 @@ def _lease_options(lease, duration_ms=0, what="lease"):
                        % (what, type(lease).__name__))
 
 
-def _block_hashes(hashes, what="block_hashes"):
-    """A list of bytes from bytes-like hashes (hex strings are refused: pass bytes.fromhex(h))."""
-    if hashes is None:
-        return []
-    if isinstance(hashes, (bytes, bytearray, str)):
-        raise client_error("%s is one %s; give a list of hashes (bytes), first page first"
-                           % (what, type(hashes).__name__))
-    out = []
-    for i, h in enumerate(hashes):
-        if not isinstance(h, (bytes, bytearray, memoryview)):
-            raise client_error("%s[%d] is a %s; a block hash is bytes (bytes.fromhex() for hex)"
-                               % (what, i, type(h).__name__))
-        out.append(bytes(h))
-    return out
-
-
 @dataclasses.dataclass
 class _LayerRows:
     """Prepared rows of one (ckv, kpe) pair: per layer, a contiguous numpy
@@ -124,16 +103,6 @@ class _LayerRows:
     def wire_row_bytes(self):
         """Bytes one row of every layer adds to a message (references add none)."""
         return sum(p.shape[1] * _rows.ELEMENT_BYTES for p in self.ckv + self.kpe if isinstance(p, np.ndarray))
-
-
-def _set_part(layer_rows, field, part, lo, hi, dim):
-    """Rows [lo, hi) of one tensor into a LayerRows: bytes, or the reference moved to row lo."""
-    if isinstance(part, np.ndarray):
-        setattr(layer_rows, field, part[lo:hi].tobytes())
-        return
-    stride = part.row_stride_bytes or dim * _rows.ELEMENT_BYTES
-    getattr(layer_rows, field + "_ref").CopyFrom(pb.RegionRef(
-        region=part.region, offset=part.offset + lo * stride, row_stride_bytes=part.row_stride_bytes))
 
 
 class Client:
@@ -480,15 +449,10 @@ class Client:
             for lo in range(0, max(n, 1), per_message):
                 hi = min(n, lo + per_message)
                 msg = pb.AppendRequest(pool=pool, sequence=sequence, start=start + lo, row_count=hi - lo,
-                                       dtype=prepared.dtype, reserve_tokens=reserve_tokens if first else 0)
+                                       dtype=prepared.dtype)
                 if first:
-                    if expect_length is not None:
-                        msg.expect_length = expect_length
-                    if expect_generation is not None:
-                        msg.expect_generation = expect_generation
-                    msg.block_hashes.extend(hashes)
-                    msg.block_hashes_first_page = block_hashes_first_page
-                    msg.pin = pin
+                    _set_first_fields(msg, reserve_tokens, expect_length, expect_generation, hashes,
+                                      block_hashes_first_page, pin)
                 for i, l in enumerate(layers):
                     rows = msg.layers.add(layer=l, ckv_scale=cs, kpe_scale=ks)
                     _set_part(rows, "ckv", prepared.ckv[i], lo, hi, _rows.CKV_DIM)

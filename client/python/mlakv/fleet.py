@@ -309,18 +309,15 @@ class Fleet:
         try:
             result = call(server.client)
         except Error as err:
-            with self._lock:
-                if err.code == grpc.StatusCode.NOT_FOUND:
+            if err.code == grpc.StatusCode.NOT_FOUND:
+                with self._lock:
                     if self._owners.get(sequence) == server.address:
                         del self._owners[sequence]
-                    if first_choice_down:
-                        raise Error(grpc.StatusCode.UNAVAILABLE, "sequence %r is not on %s; placement's first "
-                                    "choice %s (%s)" % (sequence[:200], server.describe(), first_choice_down,
-                                                        err.message)) from None
-                elif err.code == grpc.StatusCode.UNAVAILABLE:
-                    server.healthy, server.last_error = False, err.message
-                    raise Error(err.code, "%s: %s" % (server.describe(), err.message)) from None
-            raise
+                if first_choice_down:
+                    raise Error(grpc.StatusCode.UNAVAILABLE, "sequence %r is not on %s; placement's first "
+                                "choice %s (%s)" % (sequence[:200], server.describe(), first_choice_down,
+                                                    err.message)) from None
+            raise self._settled(server, sequence, err) from None
         self._record(sequence, server)  # beyond max_recorded_owners the oldest goes
         return result
 
@@ -353,7 +350,8 @@ class Fleet:
         return _FleetSave(self, server, sequence, server.client.save(sequence, *args, **kwargs))
 
     def _settled(self, server, sequence, err):
-        """After a failed save: the error as on_sequence reports it."""
+        """A failed call's error as the caller sees it: UNAVAILABLE marks the
+        server unhealthy and names it."""
         with self._lock:
             if err.code == grpc.StatusCode.UNAVAILABLE:
                 server.healthy, server.last_error = False, err.message
@@ -412,10 +410,9 @@ class Fleet:
             if ok:
                 out.answers[server.server_id] = value
                 continue
-            if value.code == grpc.StatusCode.UNAVAILABLE:
-                with self._lock:
-                    server.healthy, server.last_error = False, value.message
-            out.failures.append(Error(value.code, "%s: %s" % (server.describe(), value.message)))
+            settled = self._settled(server, "", value)  # UNAVAILABLE: marked, and named
+            out.failures.append(settled if settled is not value else
+                                Error(value.code, "%s: %s" % (server.describe(), value.message)))
         return out
 
     def pools(self) -> FromEach:

@@ -41,6 +41,7 @@ from typing import Any, Optional
 import grpc
 
 from mlakv import rows as _rows
+from mlakv._wire import _MESSAGE_OVERHEAD, _block_hashes, _scale, _set_first_fields, _set_part
 from mlakv.errors import Error, client_error
 from mlakv.v1 import kv_cache_pb2 as pb
 
@@ -55,8 +56,6 @@ class LayerwiseSave:
     def __init__(self, client, sequence, *, start=0, pool="", dtype=None, ckv_scale=None, kpe_scale=None,
                  expect_length=None, expect_generation=None, reserve_tokens=0, block_hashes=None,
                  block_hashes_first_page=0, pin=False, layerwise_min_tokens=DEFAULT_LAYERWISE_MIN_TOKENS):
-        from mlakv.client import _block_hashes, _scale
-
         if not sequence:
             raise client_error("save: sequence id is empty")
         self._client = client
@@ -73,7 +72,6 @@ class LayerwiseSave:
         self._pending = []  # (layer, prepared) held back until the end (short prompts)
         self._future = None
         self._held = []  # CUDA region locks (cuda_sync="event"), released when the save ends
-        self._held_names = set()
         self._sent_layers = []  # message index -> the layers it carries
         self._layers = set()
         self._rows = None
@@ -156,8 +154,6 @@ class LayerwiseSave:
         elif prepared.rows != self._rows or prepared.dtype != self._row_dtype:
             raise client_error("%d %s rows; earlier layers have %d %s rows" % (
                 prepared.rows, pb.RowDType.Name(prepared.dtype), self._rows, pb.RowDType.Name(self._row_dtype)))
-        from mlakv.client import _scale
-
         if ckv_scale is not None or kpe_scale is not None:
             prepared.scales = (_scale(ckv_scale), _scale(kpe_scale))
         self._fence(prepared.cuda)
@@ -174,23 +170,10 @@ class LayerwiseSave:
 
     def _fence(self, regions):
         """Makes the producer's writes visible to the server before it reads
-        this layer: an event recorded on the current stream (cuda_sync="event"),
-        or the current stream synchronized ("stream")."""
-        if not regions or self._client.cuda_sync == "none":
-            return
-        import torch
-
-        if self._client.cuda_sync == "stream":
-            for device in sorted({r.device_index for r in regions}):
-                torch.cuda.current_stream(device).synchronize()
-            return
-        for r in sorted({r.name: r for r in regions}.values(), key=lambda r: r.name):
-            if r.name not in self._held_names:
-                # One save (or append) at a time records a region's event.
-                r.lock.acquire()
-                self._held.append(r.lock)
-                self._held_names.add(r.name)
-            r.event.record(torch.cuda.current_stream(r.device_index))
+        this layer (Client._fence: an event recorded on the current stream, or
+        the stream synchronized). The region locks it takes (reentrant) are
+        held until the save ends, while the server may still wait on them."""
+        self._held.extend(self._client._fence(regions))
 
     def _open(self):
         c = self._client
@@ -205,7 +188,7 @@ class LayerwiseSave:
         that the server quantizes them with one launch instead of one per
         layer. A layer too large for one message goes in several."""
         c = self._client
-        budget = c.chunk_bytes - 1024
+        budget = c.chunk_bytes - _MESSAGE_OVERHEAD
         first = [True]
         while True:
             item = self._queue.get()
@@ -239,8 +222,6 @@ class LayerwiseSave:
     def _build(self, group, budget, first):
         """Messages for `group`: layers of one row count and dtype, in one
         message when they fit, else one layer's rows over several messages."""
-        from mlakv.client import _set_part
-
         n, dtype = group[0][1].rows, group[0][1].dtype
         wire = sum(p.wire_row_bytes() for _, p in group)
         per_message = max(1, budget // wire) if wire else max(n, 1)
@@ -249,15 +230,7 @@ class LayerwiseSave:
             msg = pb.AppendRequest(pool=self._pool, sequence=self._sequence, start=self._start + lo,
                                    row_count=hi - lo, dtype=dtype)
             if first[0]:
-                f = self._first_fields
-                msg.reserve_tokens = f["reserve_tokens"]
-                if f["expect_length"] is not None:
-                    msg.expect_length = f["expect_length"]
-                if f["expect_generation"] is not None:
-                    msg.expect_generation = f["expect_generation"]
-                msg.block_hashes.extend(f["block_hashes"])
-                msg.block_hashes_first_page = f["block_hashes_first_page"]
-                msg.pin = f["pin"]
+                _set_first_fields(msg, **self._first_fields)
                 first[0] = False
             for layer, prepared in group:
                 cs, ks = getattr(prepared, "scales", None) or self._scales
@@ -305,6 +278,5 @@ class LayerwiseSave:
 
     def _release(self):
         held, self._held = self._held, []
-        self._held_names = set()
         for lock in held:
             lock.release()

@@ -1,0 +1,55 @@
+"""What the Append calls of Client and LayerwiseSave put into their messages
+(one place for both): scales, block hashes, the first message's fields, and
+one tensor's rows as bytes or a region reference."""
+
+import numpy as np
+
+from mlakv import rows as _rows
+from mlakv.errors import client_error
+from mlakv.v1 import kv_cache_pb2 as pb
+
+# Bytes of an AppendRequest besides the rows (ids, counts, per-layer tags), bounded.
+_MESSAGE_OVERHEAD = 1024
+
+
+def _scale(value):
+    return 0.0 if value is None else float(value)
+
+
+def _block_hashes(hashes, what="block_hashes"):
+    """A list of bytes from bytes-like hashes (hex strings are refused: pass bytes.fromhex(h))."""
+    if hashes is None:
+        return []
+    if isinstance(hashes, (bytes, bytearray, str)):
+        raise client_error("%s is one %s; give a list of hashes (bytes), first page first"
+                           % (what, type(hashes).__name__))
+    out = []
+    for i, h in enumerate(hashes):
+        if not isinstance(h, (bytes, bytearray, memoryview)):
+            raise client_error("%s[%d] is a %s; a block hash is bytes (bytes.fromhex() for hex)"
+                               % (what, i, type(h).__name__))
+        out.append(bytes(h))
+    return out
+
+
+def _set_first_fields(msg, reserve_tokens, expect_length, expect_generation, block_hashes, block_hashes_first_page,
+                      pin):
+    """The fields only the first message of an Append stream may carry."""
+    msg.reserve_tokens = reserve_tokens
+    if expect_length is not None:
+        msg.expect_length = expect_length
+    if expect_generation is not None:
+        msg.expect_generation = expect_generation
+    msg.block_hashes.extend(block_hashes)
+    msg.block_hashes_first_page = block_hashes_first_page
+    msg.pin = pin
+
+
+def _set_part(layer_rows, field, part, lo, hi, dim):
+    """Rows [lo, hi) of one tensor into a LayerRows: bytes, or the reference moved to row lo."""
+    if isinstance(part, np.ndarray):
+        setattr(layer_rows, field, part[lo:hi].tobytes())
+        return
+    stride = part.row_stride_bytes or dim * _rows.ELEMENT_BYTES
+    getattr(layer_rows, field + "_ref").CopyFrom(pb.RegionRef(
+        region=part.region, offset=part.offset + lo * stride, row_stride_bytes=part.row_stride_bytes))
