@@ -51,13 +51,13 @@ std::optional<Routed>& RoutedTo() {
   return *routed;
 }
 
-absl::StatusOr<Connection> ConnectToFleetServer(const std::string& sequence, const std::string& what) {
+absl::StatusOr<Connection> ConnectToFleetServer(const std::string& sequence) {
   MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<FleetClient> fleet, FleetFromFlags());
   const std::string server_id = absl::GetFlag(FLAGS_server_id);
   if (sequence.empty() && server_id.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, " names no sequence, so placement cannot pick a server: with --servers/--service give --server_id ID "
-              "(mlakv pools lists every server's id)"));
+    return absl::InvalidArgumentError(
+        "this command names no sequence, so placement cannot pick a server: with --servers/--service give "
+        "--server_id ID (mlakv pools lists every server's id)");
   }
   MLAKV_ASSIGN_OR_RETURN(FleetClient::Route route, fleet->RouteFor(sequence, server_id));
   RoutedTo() = Routed{.route = route, .sequence = sequence};
@@ -87,14 +87,14 @@ absl::StatusOr<std::unique_ptr<FleetClient>> FleetFromFlags() {
 }
 
 absl::StatusOr<Connection> ConnectFromFlags() {
-  if (FleetFlagsGiven()) return ConnectToFleetServer("", "this command");
+  if (FleetFlagsGiven()) return ConnectToFleetServer("");
   MLAKV_ASSIGN_OR_RETURN(KvCacheClient::Options options, ClientOptionsFromFlags());
   MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<KvCacheClient> client, KvCacheClient::Create(options));
   return Connection(std::move(client));
 }
 
 absl::StatusOr<Connection> ConnectForSequence(const std::string& sequence) {
-  if (FleetFlagsGiven()) return ConnectToFleetServer(sequence, "this command");
+  if (FleetFlagsGiven()) return ConnectToFleetServer(sequence);
   return ConnectFromFlags();
 }
 
