@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -45,9 +46,21 @@ struct LayerAppend {
   float ckv_scale = 1.0f;          // the layer's decode scales (positive normal)
   float kpe_scale = 1.0f;
   std::span<const AppendSegment> segments;
+  // Set when the rows of all segments lie one after another here, in
+  // segment order (AppendBatch's compact form: one range per layer for all
+  // the call's sequences). The segments' own `rows` are then unused, so the
+  // layers of one call can share one `segments` span — one placement, which
+  // a backend recognises by the span alone. Unset: each segment's `rows`.
+  std::optional<RowSource> rows;
   std::span<const int32_t> kv_indptr;   // [batch + 1], host
   std::span<const int32_t> kv_indices;  // [kv_indptr[batch]], host
 };
+
+// Where `seg`, a non-empty segment of `la`, reads its rows; `first_row` is
+// the sum of the counts of the non-empty segments before it.
+inline RowSource SegmentRows(const LayerAppend& la, const AppendSegment& seg, int64_t first_row) {
+  return la.rows ? la.rows->From(static_cast<uint64_t>(first_row), DTypeSize(la.dtype)) : seg.rows;
+}
 
 // Where the rows of one layer are read from / written to: cache entries
 // (page * page_size + slot), and host buffers of n rows each.

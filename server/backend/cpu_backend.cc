@@ -86,9 +86,13 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
     layer_indptr.assign(1, 0);
     layer_request.clear();
     layer_start.clear();
+    if (la.rows && la.rows->on_device()) {
+      return absl::InternalError("cpu backend: rows in device memory (the region registry refuses them; a bug)");
+    }
     for (const AppendSegment& seg : la.segments) {
       if (seg.count <= 0) continue;
-      if (seg.rows.on_device()) {
+      const RowSource rows = SegmentRows(la, seg, layer_indptr.back());
+      if (rows.on_device()) {
         return absl::InternalError("cpu backend: rows in device memory (the region registry refuses them; a bug)");
       }
       if (static_cast<int64_t>(layer_indptr.back()) + seg.count > std::numeric_limits<int32_t>::max()) {
@@ -98,8 +102,8 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
       layer_request.push_back(seg.request);
       layer_start.push_back(seg.start);
       QuantizeAppendParams one = p;
-      one.append_ckv = seg.rows.ckv;
-      one.append_kpe = seg.rows.kpe;
+      one.append_ckv = rows.ckv;
+      one.append_kpe = rows.kpe;
       one.num_rows = seg.count;
       placements.push_back({0, seg.count, seg.request, seg.start});
       all.push_back(one);

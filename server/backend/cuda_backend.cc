@@ -144,7 +144,7 @@ struct CudaBackend::LayerSlots {
   int32_t segments = 0;  // non-empty segments
   // The layer's rows live in device memory, one contiguous run (a CUDA
   // region): the kernel reads them in place, no ckv/kpe slots.
-  const AppendSegment* direct = nullptr;
+  std::optional<RowSource> direct;
   // An earlier layer with the same placement against the same page table
   // (a decode step's 61 layers): this layer's placement, indptr and indices
   // slots are that layer's, written and validated once. -1: its own.
@@ -155,6 +155,7 @@ namespace {
 
 // The same non-empty runs (count, request, start) in the same order.
 bool SamePlacement(std::span<const AppendSegment> a, std::span<const AppendSegment> b) {
+  if (a.data() == b.data() && a.size() == b.size()) return true;  // one span shared by the layers
   size_t i = 0, j = 0;
   while (true) {
     while (i < a.size() && a[i].count <= 0) ++i;
@@ -166,38 +167,41 @@ bool SamePlacement(std::span<const AppendSegment> a, std::span<const AppendSegme
   }
 }
 
-bool SameSpan(std::span<const int32_t> a, std::span<const int32_t> b) {
+template <typename T>
+bool SameSpan(std::span<const T> a, std::span<const T> b) {
   return a.data() == b.data() && a.size() == b.size();
 }
 
 }  // namespace
 
-// The first non-empty segment when every segment's rows are device rows
-// that follow each other in memory (a layer's one run from a CUDA region, or
-// a decode step's rows of all sequences in one region range): the kernel
-// then reads them in place, no gather. Else null.
+// The layer's rows when they are device rows that follow each other in
+// memory (a layer's one run from a CUDA region, or a decode step's rows of
+// all sequences in one region range): the kernel then reads them in place,
+// no gather. Else unset.
 namespace {
 
-const AppendSegment* ContiguousDeviceRows(std::span<const AppendSegment> segments) {
+std::optional<RowSource> ContiguousDeviceRows(const LayerAppend& la) {
+  if (la.rows) return la.rows->on_device() ? la.rows : std::nullopt;  // in segment order by definition
   const AppendSegment* first = nullptr;
   const char* next_ckv = nullptr;
   const char* next_kpe = nullptr;
-  for (const AppendSegment& seg : segments) {
+  for (const AppendSegment& seg : la.segments) {
     if (seg.count <= 0) continue;
     const RowSource& r = seg.rows;
-    if (!r.on_device()) return nullptr;
+    if (!r.on_device()) return std::nullopt;
     if (first == nullptr) {
       first = &seg;
     } else if (r.ckv != next_ckv || r.kpe != next_kpe || r.device != first->rows.device ||
                r.ckv_stride_bytes != first->rows.ckv_stride_bytes ||
                r.kpe_stride_bytes != first->rows.kpe_stride_bytes || r.wait_events[0] != first->rows.wait_events[0] ||
                r.wait_events[1] != first->rows.wait_events[1]) {
-      return nullptr;
+      return std::nullopt;
     }
     next_ckv = static_cast<const char*>(r.ckv) + seg.count * r.ckv_stride_bytes;
     next_kpe = static_cast<const char*>(r.kpe) + seg.count * r.kpe_stride_bytes;
   }
-  return first;
+  if (first == nullptr) return std::nullopt;
+  return first->rows;
 }
 
 }  // namespace
@@ -206,7 +210,8 @@ const AppendSegment* ContiguousDeviceRows(std::span<const AppendSegment> segment
 // the host copies into pinned memory, and the device rows to gather.
 struct CudaBackend::StagedAppend {
   struct Gather {
-    const AppendSegment* seg;
+    RowSource rows;
+    int32_t count;
     size_t ckv, kpe;  // destinations in scratch_
     size_t esize;
   };
@@ -258,15 +263,25 @@ absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> lay
       return absl::InternalError(absl::StrCat("cuda backend: layer ", la.layer, " outside [0, ", g.num_layers, ")"));
     }
     if (la.kv_indptr.empty()) return absl::InternalError("cuda backend: empty kv_indptr");
+    auto check_device = [&](const RowSource& r) -> absl::Status {
+      if (r.on_device() && r.device != options_.device.ordinal()) {
+        return absl::InternalError(absl::StrCat("cuda backend on ", options_.device.ToString(), ": rows on cuda:",
+                                                r.device, " (the region registry refuses them)"));
+      }
+      return absl::OkStatus();
+    };
+    if (la.rows) MLAKV_RETURN_IF_ERROR(check_device(*la.rows));
     int64_t rows = 0;
     int32_t non_empty = 0;
-    for (const AppendSegment& seg : la.segments) {
-      if (seg.count <= 0) continue;
-      rows += seg.count;
-      ++non_empty;
-      if (seg.rows.on_device() && seg.rows.device != options_.device.ordinal()) {
-        return absl::InternalError(absl::StrCat("cuda backend on ", options_.device.ToString(), ": rows on cuda:",
-                                                seg.rows.device, " (the region registry refuses them)"));
+    if (li > 0 && SameSpan(layers[li - 1].segments, la.segments)) {  // counted (and their rows checked) already
+      rows = (*slots)[li - 1].rows;
+      non_empty = (*slots)[li - 1].segments;
+    } else {
+      for (const AppendSegment& seg : la.segments) {
+        if (seg.count <= 0) continue;
+        rows += seg.count;
+        ++non_empty;
+        if (!la.rows) MLAKV_RETURN_IF_ERROR(check_device(seg.rows));
       }
     }
     if (rows > std::numeric_limits<int32_t>::max()) {
@@ -276,7 +291,7 @@ absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> lay
     LayerSlots& s = (*slots)[li];
     s.rows = rows;
     s.segments = non_empty;
-    s.direct = ContiguousDeviceRows(la.segments);
+    s.direct = ContiguousDeviceRows(la);
     s.ckv = total;
     total += s.direct ? 0 : AlignUp(rows * kCkvDim * esize);
     s.kpe = total;
@@ -321,31 +336,46 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
     int32_t* seg_request = seg_indptr + s.segments + 1;
     int32_t* seg_start = seg_request + s.segments;
     if (own_placement) seg_indptr[0] = 0;
-    int32_t n = 0;
-    int64_t r = 0;
-    for (const AppendSegment& seg : la.segments) {
-      if (seg.count <= 0) continue;
-      const RowSource& rows = seg.rows;
-      if (rows.on_device()) {
-        for (const void* ev : rows.wait_events) {
-          if (ev != nullptr && std::find(out.wait_events.begin(), out.wait_events.end(), ev) == out.wait_events.end()) {
-            out.wait_events.push_back(ev);
-          }
+    auto add_waits = [&](const RowSource& rows) {
+      for (const void* ev : rows.wait_events) {
+        if (ev != nullptr && std::find(out.wait_events.begin(), out.wait_events.end(), ev) == out.wait_events.end()) {
+          out.wait_events.push_back(ev);
         }
-        if (s.direct == nullptr) {
-          out.gathers.push_back({&seg, s.ckv + r * kCkvDim * esize, s.kpe + r * kKpeDim * esize, esize});
+      }
+    };
+    // The rows of one segment (or, from `la.rows`, of all of them at once) at
+    // row r of the layer: staged from the host, gathered on the device, or
+    // read in place by the kernel.
+    auto stage_rows = [&](const RowSource& rows, int64_t r, int64_t count) {
+      if (rows.on_device()) {
+        add_waits(rows);
+        if (!s.direct) {
+          out.gathers.push_back(
+              {rows, static_cast<int32_t>(count), s.ckv + r * kCkvDim * esize, s.kpe + r * kKpeDim * esize, esize});
         }
       } else {
-        AddCopy(&out.host_copies, {pinned_ + s.ckv + r * kCkvDim * esize, rows.ckv, seg.count * kCkvDim * esize});
-        AddCopy(&out.host_copies, {pinned_ + s.kpe + r * kKpeDim * esize, rows.kpe, seg.count * kKpeDim * esize});
+        AddCopy(&out.host_copies, {pinned_ + s.ckv + r * kCkvDim * esize, rows.ckv, count * kCkvDim * esize});
+        AddCopy(&out.host_copies, {pinned_ + s.kpe + r * kKpeDim * esize, rows.kpe, count * kKpeDim * esize});
       }
-      r += seg.count;
-      if (own_placement) {
-        seg_request[n] = seg.request;
-        seg_start[n] = seg.start;
-        seg_indptr[n + 1] = static_cast<int32_t>(r);
+    };
+    if (la.rows) stage_rows(*la.rows, 0, s.rows);
+    // Per segment: its rows (unless `la.rows` had them all) and its placement
+    // (unless an earlier layer wrote it): a decode step's 61 layers sharing
+    // one placement skip this loop after the first.
+    if (own_placement || !la.rows) {
+      int32_t n = 0;
+      int64_t r = 0;
+      for (const AppendSegment& seg : la.segments) {
+        if (seg.count <= 0) continue;
+        if (!la.rows) stage_rows(seg.rows, r, seg.count);
+        r += seg.count;
+        if (own_placement) {
+          seg_request[n] = seg.request;
+          seg_start[n] = seg.start;
+          seg_indptr[n + 1] = static_cast<int32_t>(r);
+        }
+        ++n;
       }
-      ++n;
     }
     if (own_placement) {
       std::memcpy(pinned_ + s.indptr, la.kv_indptr.data(), la.kv_indptr.size() * sizeof(int32_t));
@@ -374,11 +404,11 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
 
     p.append_ckv = scratch_ + s.ckv;
     p.append_kpe = scratch_ + s.kpe;
-    if (s.direct != nullptr) {  // the producer's memory, strides in elements
-      p.append_ckv = s.direct->rows.ckv;
-      p.append_kpe = s.direct->rows.kpe;
-      p.ckv_row_stride = s.direct->rows.ckv_stride_bytes / static_cast<int64_t>(esize);
-      p.kpe_row_stride = s.direct->rows.kpe_stride_bytes / static_cast<int64_t>(esize);
+    if (s.direct) {  // the producer's memory, strides in elements
+      p.append_ckv = s.direct->ckv;
+      p.append_kpe = s.direct->kpe;
+      p.ckv_row_stride = s.direct->ckv_stride_bytes / static_cast<int64_t>(esize);
+      p.kpe_row_stride = s.direct->kpe_stride_bytes / static_cast<int64_t>(esize);
     }
     const auto* dev_placement = reinterpret_cast<const int32_t*>(scratch_ + s.placement);
     p.segment_indptr = dev_placement;
@@ -406,13 +436,13 @@ absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
   }
   for (const StagedAppend::Gather& g : staged.gathers) {
     const size_t ckv_row = kCkvDim * g.esize, kpe_row = kKpeDim * g.esize;
-    const RowSource& rows = g.seg->rows;
+    const RowSource& rows = g.rows;
     MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(scratch_ + g.ckv, ckv_row, rows.ckv, rows.ckv_stride_bytes, ckv_row,
-                                                 g.seg->count, cudaMemcpyDeviceToDevice, stream_),
-                               absl::StrCat("cudaMemcpy2DAsync of ", g.seg->count, " ckv rows from a CUDA region"));
+                                                 g.count, cudaMemcpyDeviceToDevice, stream_),
+                               absl::StrCat("cudaMemcpy2DAsync of ", g.count, " ckv rows from a CUDA region"));
     MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(scratch_ + g.kpe, kpe_row, rows.kpe, rows.kpe_stride_bytes, kpe_row,
-                                                 g.seg->count, cudaMemcpyDeviceToDevice, stream_),
-                               absl::StrCat("cudaMemcpy2DAsync of ", g.seg->count, " kpe rows from a CUDA region"));
+                                                 g.count, cudaMemcpyDeviceToDevice, stream_),
+                               absl::StrCat("cudaMemcpy2DAsync of ", g.count, " kpe rows from a CUDA region"));
   }
   // Every layer in one launch (up to kMaxLayersPerLaunch a launch).
   if (absl::Status s = QuantizeAppendLayers(staged.params.data(), static_cast<int>(staged.params.size()), stream_);

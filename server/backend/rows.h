@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string_view>
 
+#include "kernels/nvfp4_format.h"
+
 namespace mlakv::server {
 
 // Where one layer's rows of ckv ([rows, 512]) and kpe ([rows, 64]) of one
@@ -27,6 +29,17 @@ struct RowSource {
   const void* wait_events[2] = {nullptr, nullptr};
 
   bool on_device() const { return device >= 0; }
+
+  // The same rows from row `n` on; `element_bytes` is the rows' dtype size
+  // (host rows are packed: a ckv row is 512 elements, a kpe row 64).
+  RowSource From(uint64_t n, uint64_t element_bytes) const {
+    RowSource out = *this;
+    const uint64_t ckv_step = on_device() ? static_cast<uint64_t>(ckv_stride_bytes) : format::kCkvDim * element_bytes;
+    const uint64_t kpe_step = on_device() ? static_cast<uint64_t>(kpe_stride_bytes) : format::kKpeDim * element_bytes;
+    out.ckv = static_cast<const char*>(ckv) + n * ckv_step;
+    out.kpe = static_cast<const char*>(kpe) + n * kpe_step;
+    return out;
+  }
 };
 
 // The rows of one layer in one append: where they are, how many bytes they

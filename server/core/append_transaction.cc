@@ -11,8 +11,7 @@ AppendTransaction::AppendTransaction(Pool* pool, Sequence* sequence, std::string
       id_(std::move(id)),
       committed_(sequence->layer_lengths()),
       staged_end_(num_layers, 0),
-      touched_(num_layers, false),
-      saved_(num_layers) {
+      touched_(num_layers, false) {
   original_pages_ = sequence->pages().size();
 }
 

@@ -75,7 +75,7 @@ class AppendTransaction {
   std::vector<uint32_t> committed_;  // [num_layers] lengths before the append
   std::vector<uint32_t> staged_end_;  // [num_layers] end of rows written by the append (0: none)
   std::vector<bool> touched_;        // [num_layers] the append wrote rows here (counted in staged_users)
-  std::vector<std::vector<bool>> saved_;  // [num_layers][committed_] position's old bytes are in undo_
+  std::vector<std::vector<bool>> saved_;  // [num_layers][committed_] position's old bytes are in undo_ (empty until a rewrite)
   std::vector<Undo> undo_;
   std::vector<LayerScalesBefore> scales_before_;  // layers whose scales this append set
   struct CopyOnWrite {

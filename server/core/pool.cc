@@ -61,6 +61,17 @@ struct Pool::StagePlan {
   std::vector<int32_t> kv_indptr{0}, kv_indices;
   std::vector<LayerAppend> appends;
   std::vector<AppendTransaction::Undo*> undo_to_capture;
+  // The call's shared layers (SequenceRowsIn::shared_layers), checked with
+  // the first sequence that names them.
+  struct Shared {
+    std::span<const LayerRows> layers;
+    uint64_t rows = 0;            // rows each entry holds
+    bool scales_checked = false;  // against the layers' state (once a sequence with rows passed)
+  } shared;
+  // When every sequence's rows lie back to back in the shared layers, in
+  // call order: one segment per sequence, shared by all their LayerAppends
+  // (instead of segments[layer] for each layer).
+  std::vector<AppendSegment> shared_segments;
 };
 
 // ---- Pool --------------------------------------------------------------------
@@ -225,17 +236,12 @@ absl::StatusOr<std::unique_ptr<AppendTransaction>> Pool::BeginAppend(const std::
   return txn;
 }
 
-absl::Status Pool::ValidateShape(const std::string& id, const SequenceRowsIn& r, std::optional<DType> dtype) const {
-  const auto who = [&] { return Who(id); };  // built only for a message
-  if (r.row_count > 0 && r.layers.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(who(), ": row_count is ", r.row_count, " but no layers carry rows; add LayerRows entries"));
-  }
-  if (!r.layers.empty() && !dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(who(), ": dtype is unset; set ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
-  }
-  std::vector<bool> seen(r.layers.empty() ? 0 : options_.num_layers, false);
-  for (const LayerRows& lr : r.layers) {
+absl::Status Pool::ValidateLayers(absl::FunctionRef<std::string()> who, std::span<const LayerRows> layers,
+                                  uint64_t rows, DType dtype) const {
+  std::vector<bool> seen(options_.num_layers, false);
+  const int esize = DTypeSize(dtype);
+  const uint64_t ckv_row = static_cast<uint64_t>(kCkvDim) * esize, kpe_row = static_cast<uint64_t>(kKpeDim) * esize;
+  for (const LayerRows& lr : layers) {
     if (lr.layer < 0 || lr.layer >= options_.num_layers) {
       return absl::OutOfRangeError(absl::StrCat(who(), ": layer ", lr.layer, " is outside [0, ", options_.num_layers,
                                                 ") of pool ", Quote(name())));
@@ -245,17 +251,15 @@ absl::Status Pool::ValidateShape(const std::string& id, const SequenceRowsIn& r,
           absl::StrCat(who(), ": layer ", lr.layer, " appears twice in one message; send one entry per layer"));
     }
     seen[lr.layer] = true;
-    const int esize = DTypeSize(*dtype);
-    const uint64_t ckv_row = static_cast<uint64_t>(kCkvDim) * esize, kpe_row = static_cast<uint64_t>(kKpeDim) * esize;
-    if (lr.ckv_bytes != r.row_count * ckv_row) {
+    if (lr.ckv_bytes != rows * ckv_row) {
       return absl::InvalidArgumentError(absl::StrCat(who(), " layer ", lr.layer, ": ckv bytes ", lr.ckv_bytes,
-                                                     " is not rows(", r.row_count, ") x ", ckv_row, " for ",
-                                                     ShortDTypeName(*dtype)));
+                                                     " is not rows(", rows, ") x ", ckv_row, " for ",
+                                                     ShortDTypeName(dtype)));
     }
-    if (lr.kpe_bytes != r.row_count * kpe_row) {
+    if (lr.kpe_bytes != rows * kpe_row) {
       return absl::InvalidArgumentError(absl::StrCat(who(), " layer ", lr.layer, ": kpe bytes ", lr.kpe_bytes,
-                                                     " is not rows(", r.row_count, ") x ", kpe_row, " for ",
-                                                     ShortDTypeName(*dtype)));
+                                                     " is not rows(", rows, ") x ", kpe_row, " for ",
+                                                     ShortDTypeName(dtype)));
     }
     // Scales: named (both set) or not (both 0).
     if (lr.ckv_scale != 0.0f || lr.kpe_scale != 0.0f) {
@@ -268,6 +272,38 @@ absl::Status Pool::ValidateShape(const std::string& id, const SequenceRowsIn& r,
         }
       }
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Pool::ValidateShape(const std::string& id, const SequenceRowsIn& r, std::optional<DType> dtype,
+                                 StagePlan& plan) const {
+  const auto who = [&] { return Who(id); };  // built only for a message
+  const std::span<const LayerRows> layers = r.written_layers();
+  if (r.row_count > 0 && layers.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who(), ": row_count is ", r.row_count, " but no layers carry rows; add LayerRows entries"));
+  }
+  if (!layers.empty() && !dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(who(), ": dtype is unset; set ROW_DTYPE_FLOAT16 or ROW_DTYPE_BFLOAT16"));
+  }
+  if (!r.shared_layers.empty()) {
+    StagePlan::Shared& shared = plan.shared;
+    if (shared.layers.empty()) {  // the first sequence naming them: each entry holds the same whole number of rows
+      shared.rows = r.shared_layers.front().ckv_bytes / (static_cast<uint64_t>(kCkvDim) * DTypeSize(*dtype));
+      MLAKV_RETURN_IF_ERROR(
+          ValidateLayers([] { return std::string("the call's shared layers"); }, r.shared_layers, shared.rows, *dtype));
+      shared.layers = r.shared_layers;
+    } else if (r.shared_layers.data() != shared.layers.data() || r.shared_layers.size() != shared.layers.size()) {
+      return absl::InternalError("Pool::Stage: two different sets of shared layers in one call");
+    }
+    if (r.shared_first + r.row_count > shared.rows) {
+      return absl::InvalidArgumentError(absl::StrCat(who(), ": rows [", r.shared_first, ", ",
+                                                     r.shared_first + r.row_count, ") of the call's shared layers pass the ",
+                                                     shared.rows, " rows they hold"));
+    }
+  } else if (!r.layers.empty()) {
+    MLAKV_RETURN_IF_ERROR(ValidateLayers(who, r.layers, r.row_count, *dtype));
   }
   if (r.block_hashes.size() > static_cast<size_t>(options_.num_pages) ||
       static_cast<uint64_t>(r.block_hashes_first_page) + r.block_hashes.size() >
@@ -294,6 +330,7 @@ absl::Status Pool::ValidateShape(const std::string& id, const SequenceRowsIn& r,
 absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const SequenceRowsIn& r,
                               StagePlan& plan) const {
   const auto who = [&] { return Who(txn.id_); };  // built only for a message
+  const std::span<const LayerRows> layers = r.written_layers();
   if (r.expect_generation) {
     if (txn.created_) {
       return absl::NotFoundError(absl::StrCat(who(), " not found in pool ", Quote(name()), "; expect_generation ",
@@ -303,7 +340,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
     MLAKV_RETURN_IF_ERROR(CheckGeneration(*txn.sequence_, r.expect_generation));
   }
   if (const uint32_t protect = txn.sequence_->protected_tokens(); protect > 0 && r.row_count > 0 &&
-                                                                   !r.layers.empty() && r.start < protect) {
+                                                                   !layers.empty() && r.start < protect) {
     return absl::FailedPreconditionError(absl::StrCat(
         who(), ": rows [", r.start, ", ", static_cast<uint64_t>(r.start) + r.row_count, ") would rewrite tokens below ",
         protect, ", which ", txn.sequence_->lease_tokens().size(),
@@ -317,16 +354,41 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
           " this append expects (expect_length); nothing was written. An earlier attempt of this append may "
           "have committed: read the sequence before retrying"));
     };
-    if (r.layers.empty()) {
+    if (layers.empty()) {
       const uint32_t have = *std::min_element(txn.committed_.begin(), txn.committed_.end());
       if (have != *r.expect_length) return mismatch(have, "");
     }
-    for (const LayerRows& lr : r.layers) {
+    for (const LayerRows& lr : layers) {
       const uint32_t have = txn.committed_[lr.layer];
       if (have != *r.expect_length) return mismatch(have, absl::StrCat("layer ", lr.layer));
     }
   }
-  for (const LayerRows& lr : r.layers) {
+  // Scales, per layer: once per call for shared layers (the same entries
+  // meet the same state for every sequence).
+  const bool shared = !r.shared_layers.empty();
+  if (!shared || !plan.shared.scales_checked) {
+    MLAKV_RETURN_IF_ERROR(CheckScales(index, txn, r, plan));
+    if (shared && r.row_count > 0) plan.shared.scales_checked = true;
+  }
+  // No holes: start at or before what each layer holds (committed, or
+  // staged by this same append).
+  if (r.row_count > 0) {
+    for (const LayerRows& lr : layers) {
+      const uint32_t have = std::max(txn.committed_[lr.layer], txn.staged_end_[lr.layer]);
+      if (r.start > have) {
+        return absl::OutOfRangeError(absl::StrCat(who(), " layer ", lr.layer, ": start ", r.start,
+                                                  " would leave a hole; the layer holds ", have,
+                                                  " tokens, so an append must start at or before ", have));
+      }
+    }
+  }
+  return PlanPages(index, txn, r, plan);
+}
+
+absl::Status Pool::CheckScales(size_t index, const AppendTransaction& txn, const SequenceRowsIn& r,
+                               StagePlan& plan) const {
+  const auto who = [&] { return Who(txn.id_); };  // built only for a message
+  for (const LayerRows& lr : r.written_layers()) {
     const int32_t layer = static_cast<int32_t>(lr.layer);
     const bool named = lr.ckv_scale != 0.0f || lr.kpe_scale != 0.0f;
     const LayerState& st = layers_[layer];
@@ -358,20 +420,17 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
           who(), " layer ", layer, ": layer ", layer, " of pool ", Quote(name()),
           " has no scales yet; name ckv_scale and kpe_scale in the first append to it (or configure them)"));
     }
-    // No holes: start at or before what the layer holds (committed, or
-    // staged by this same append).
-    if (r.row_count > 0) {
-      const uint32_t have = std::max(txn.committed_[layer], txn.staged_end_[layer]);
-      if (r.start > have) {
-        return absl::OutOfRangeError(absl::StrCat(who(), " layer ", layer, ": start ", r.start,
-                                                  " would leave a hole; the layer holds ", have,
-                                                  " tokens, so an append must start at or before ", have));
-      }
-    }
   }
+  return absl::OkStatus();
+}
+
+absl::Status Pool::PlanPages(size_t index, const AppendTransaction& txn, const SequenceRowsIn& r,
+                                   StagePlan& plan) const {
+  const auto who = [&] { return Who(txn.id_); };  // built only for a message
+  const std::span<const LayerRows> layers = r.written_layers();
   // Capacity this sequence needs (checked for the whole call afterwards).
   const uint64_t end = static_cast<uint64_t>(r.start) + r.row_count;
-  const uint64_t needed_tokens = std::max<uint64_t>(r.row_count == 0 || r.layers.empty() ? 0 : end, r.reserve_tokens);
+  const uint64_t needed_tokens = std::max<uint64_t>(r.row_count == 0 || layers.empty() ? 0 : end, r.reserve_tokens);
   if (needed_tokens > static_cast<uint64_t>(max_tokens_)) {
     return absl::ResourceExhaustedError(absl::StrCat(who(), " would need ", needed_tokens, " tokens but pool ",
                                                      Quote(name()), " holds at most ", max_tokens_, " (",
@@ -382,7 +441,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
   plan.new_pages[index] = std::max<int64_t>(0, pages_needed - static_cast<int64_t>(txn.sequence_->pages().size()));
   plan.total_new_pages += plan.new_pages[index];
   // Existing pages the rows write; the shared ones are copied first.
-  if (r.row_count > 0 && !r.layers.empty()) {
+  if (r.row_count > 0 && !layers.empty()) {
     const std::vector<int32_t>& pages = txn.sequence_->pages();
     const uint64_t first = r.start / options_.page_size;
     const uint64_t last = std::min<uint64_t>((end - 1) / options_.page_size + 1, pages.size());
@@ -391,7 +450,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
     }
     // Pages holding committed positions the rows rewrite: their hashes go.
     uint64_t rewrite_end = 0;
-    for (const LayerRows& lr : r.layers) {
+    for (const LayerRows& lr : layers) {
       rewrite_end = std::max<uint64_t>(rewrite_end, std::min<uint64_t>(end, txn.committed_[lr.layer]));
     }
     if (rewrite_end > r.start) {
@@ -445,30 +504,53 @@ void Pool::Reserve(std::span<AppendTransaction* const> txns, StagePlan& plan) {
 
 void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
                       std::optional<DType> dtype, StagePlan& plan) {
+  const int esize = DTypeSize(dtype.value_or(DType::kBFloat16));
+  // One placement for all layers when every sequence with rows reads them
+  // from the shared layers, back to back in call order (the compact form):
+  // the row offset of the first of them, else unset.
+  const std::optional<uint64_t> shared_from = [&]() -> std::optional<uint64_t> {
+    std::optional<uint64_t> from;
+    uint64_t next = 0;
+    for (const SequenceRowsIn* r : rows) {
+      if (r->row_count == 0) continue;
+      if (r->shared_layers.empty()) return std::nullopt;
+      if (!from) from = next = r->shared_first;
+      if (r->shared_first != next) return std::nullopt;
+      next += r->row_count;
+    }
+    return from;
+  }();
+  if (shared_from) plan.shared_segments.reserve(txns.size());
   for (size_t i = 0; i < txns.size(); ++i) {
     AppendTransaction& txn = *txns[i];
     const SequenceRowsIn& r = *rows[i];
     const Sequence& seq = *txn.sequence_;
-    for (int32_t page : seq.pages()) plan.kv_indices.push_back(page);
+    plan.kv_indices.insert(plan.kv_indices.end(), seq.pages().begin(), seq.pages().end());
     plan.kv_indptr.push_back(static_cast<int32_t>(plan.kv_indices.size()));
     if (r.row_count == 0) continue;
-    for (const LayerRows& lr : r.layers) {
+    const AppendSegment segment{.rows = {},
+                                .count = static_cast<int32_t>(r.row_count),
+                                .request = static_cast<int32_t>(i),
+                                .start = static_cast<int32_t>(r.start)};
+    if (shared_from) plan.shared_segments.push_back(segment);
+    for (const LayerRows& lr : r.written_layers()) {
       const int32_t l = static_cast<int32_t>(lr.layer);
       if (!txn.touched_[l]) {
         txn.touched_[l] = true;
         ++layers_[l].staged_users;
       }
-      std::vector<AppendSegment>& segments = plan.segments[l];
-      if (segments.empty()) segments.reserve(txns.size());
-      segments.push_back({.rows = lr.source,
-                                  .count = static_cast<int32_t>(r.row_count),
-                                  .request = static_cast<int32_t>(i),
-                                  .start = static_cast<int32_t>(r.start)});
+      if (!shared_from) {
+        std::vector<AppendSegment>& segments = plan.segments[l];
+        if (segments.empty()) segments.reserve(txns.size());
+        segments.push_back(segment);
+        segments.back().rows = r.shared_layers.empty() ? lr.source : lr.source.From(r.shared_first, esize);
+      }
       // Committed positions these rows rewrite whose old bytes are not saved yet.
       const uint32_t rewrite_end = std::min<uint64_t>(static_cast<uint64_t>(r.start) + r.row_count, txn.committed_[l]);
       if (r.start < rewrite_end) {
         // Before the write: a lease taken meanwhile must not cover it.
         txn.sequence_->set_rewrite_floor(std::min(txn.sequence_->rewrite_floor(), r.start));
+        if (txn.saved_.empty()) txn.saved_.resize(options_.num_layers);
         std::vector<bool>& saved = txn.saved_[l];
         if (saved.empty()) saved.assign(txn.committed_[l], false);
         AppendTransaction::Undo undo;
@@ -489,6 +571,20 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
       if (!u.captured) plan.undo_to_capture.push_back(&u);
     }
   }
+  if (shared_from) {
+    for (const LayerRows& lr : plan.shared.layers) {
+      const LayerState& st = layers_[lr.layer];
+      plan.appends.push_back({.layer = lr.layer,
+                              .dtype = dtype.value_or(DType::kBFloat16),
+                              .ckv_scale = st.ckv_scale,
+                              .kpe_scale = st.kpe_scale,
+                              .segments = plan.shared_segments,
+                              .rows = lr.source.From(*shared_from, esize),
+                              .kv_indptr = plan.kv_indptr,
+                              .kv_indices = plan.kv_indices});
+    }
+    return;
+  }
   for (int32_t layer = 0; layer < static_cast<int32_t>(plan.segments.size()); ++layer) {
     const std::vector<AppendSegment>& segments = plan.segments[layer];
     if (segments.empty()) continue;
@@ -498,6 +594,7 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
                             .ckv_scale = st.ckv_scale,
                             .kpe_scale = st.kpe_scale,
                             .segments = segments,
+                            .rows = std::nullopt,
                             .kv_indptr = plan.kv_indptr,
                             .kv_indices = plan.kv_indices});
   }
@@ -533,7 +630,7 @@ void Pool::RecordStaged(std::span<AppendTransaction* const> txns, std::span<cons
     }
     if (r.pin) txn.pin_ = true;
     if (r.row_count == 0) continue;
-    for (const LayerRows& lr : r.layers) {
+    for (const LayerRows& lr : r.written_layers()) {
       txn.staged_end_[lr.layer] = std::max(txn.staged_end_[lr.layer], r.start + r.row_count);
       txn.rows_written_ += r.row_count;
     }
@@ -545,9 +642,9 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
   if (txns.size() != rows.size()) return absl::InternalError("Pool::Stage: txns and rows differ in length");
   for (size_t i = 0; i < txns.size(); ++i) {
     if (txns[i]->finished_) return absl::InternalError("Pool::Stage on a finished transaction");
-    MLAKV_RETURN_IF_ERROR(ValidateShape(txns[i]->id_, *rows[i], dtype));
   }
   StagePlan plan;
+  for (size_t i = 0; i < txns.size(); ++i) MLAKV_RETURN_IF_ERROR(ValidateShape(txns[i]->id_, *rows[i], dtype, plan));
   plan.new_scales.resize(options_.num_layers);
   plan.segments.resize(options_.num_layers);
   plan.new_pages.assign(txns.size(), 0);

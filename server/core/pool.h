@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -101,7 +102,20 @@ struct LeaseSnapshot {
 struct SequenceRowsIn {
   uint32_t start = 0;           // position of the first row, <= each layer's length
   uint32_t row_count = 0;       // rows per layer
-  std::vector<LayerRows> layers;  // server/backend/rows.h
+  std::vector<LayerRows> layers;  // server/backend/rows.h; this sequence's own rows, or:
+  // (AppendBatch's compact form, instead of `layers`) one LayerRows per
+  // layer holding the rows of all the call's sequences back to back, the
+  // same entries for every sequence of the call (owned by the caller, alive
+  // through Stage); this sequence's rows are rows [shared_first,
+  // shared_first + row_count) of each. One set of entries per call, rather
+  // than one per (sequence, layer), keeps a decode step's host work
+  // O(sequences + layers) where it can be.
+  std::span<const LayerRows> shared_layers;
+  uint64_t shared_first = 0;
+  // The layers these rows write.
+  std::span<const LayerRows> written_layers() const {
+    return shared_layers.empty() ? std::span<const LayerRows>(layers) : shared_layers;
+  }
   uint32_t reserve_tokens = 0;  // allocate pages for at least this many tokens
   // Apply only if every layer these rows write (none: the sequence's length)
   // holds exactly this many committed tokens; else FAILED_PRECONDITION.
@@ -402,12 +416,24 @@ class Pool {
   friend class AppendTransaction;
 
   // ---- the steps of Stage ----
-  // Shape of one sequence's rows; needs no state.
-  absl::Status ValidateShape(const std::string& id, const SequenceRowsIn& rows, std::optional<DType> dtype) const;
+  // Shape of one sequence's rows; needs no state. The call's shared layers
+  // are checked with its first sequence that names them (plan.shared).
+  absl::Status ValidateShape(const std::string& id, const SequenceRowsIn& rows, std::optional<DType> dtype,
+                             StagePlan& plan) const;
+  // The entries of one set of layers: in range, each once, `rows` rows of
+  // `dtype` each, valid scales. `who` starts messages.
+  absl::Status ValidateLayers(absl::FunctionRef<std::string()> who, std::span<const LayerRows> layers, uint64_t rows,
+                              DType dtype) const;
   // Against the pool's state: scales, holes, expect_length; records scales
   // to set and pages to allocate in `plan`.
   absl::Status CheckState(size_t index, const AppendTransaction& txn, const SequenceRowsIn& rows, StagePlan& plan) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // CheckState's steps: the scales the rows name or need, per layer; then the
+  // pages the rows need (new ones, copies of shared ones, rewritten ones).
+  absl::Status CheckScales(size_t index, const AppendTransaction& txn, const SequenceRowsIn& rows, StagePlan& plan) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status PlanPages(size_t index, const AppendTransaction& txn, const SequenceRowsIn& rows,
+                               StagePlan& plan) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckCapacity(const StagePlan& plan) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Allocates the planned pages and sets the planned scales (cannot fail
   // after CheckCapacity).

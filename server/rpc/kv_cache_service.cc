@@ -283,9 +283,10 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was written"));
       AtomicAppend append(p);
       RegionHold hold;  // regions named by the rows, until the call ends
-      std::vector<SequenceRowsIn> rows;
+      CompactBatchRows compact;
+      std::vector<SequenceRowsIn>& rows = compact.sequences;
       if (req->batch_layers_size() > 0) {  // the compact form: each layer's rows of all sequences in one entry
-        MLAKV_ASSIGN_OR_RETURN(rows, ToCompactBatchRows(*req, *options_.regions, *p, &hold));
+        MLAKV_RETURN_IF_ERROR(ToCompactBatchRows(*req, *options_.regions, *p, &hold, &compact));
         for (const v1::SequenceRows& s : req->sequences()) MLAKV_RETURN_IF_ERROR(append.Begin(s.sequence()));
       } else {
         rows.reserve(req->sequences_size());
@@ -299,8 +300,9 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
           rows.push_back(std::move(r));
         }
       }
-      for (const SequenceRowsIn& r : rows) row_bytes += static_cast<uint64_t>(r.row_count) * kRowBytes * r.layers.size();
+      for (const SequenceRowsIn& r : rows) row_bytes += static_cast<uint64_t>(r.row_count) * kRowBytes * r.written_layers().size();
       std::vector<const SequenceRowsIn*> row_ptrs;
+      row_ptrs.reserve(rows.size());
       for (const SequenceRowsIn& r : rows) row_ptrs.push_back(&r);
       t_prepared = Clock::now();
       MLAKV_RETURN_IF_ERROR(append.Stage(row_ptrs, c.dtype));

@@ -150,17 +150,6 @@ LayerRowsRequest ToLayerRowsRequest(const v1::LayerRows& lr) {
 }
 
 // Rows [first, first + count) of `whole` (resolved rows of one layer).
-LayerRows SliceRows(const LayerRows& whole, uint64_t first, uint32_t count) {
-  constexpr uint64_t kCkvRow = format::kCkvDim * 2, kKpeRow = format::kKpeDim * 2;  // both dtypes: 2 bytes
-  LayerRows out = whole;
-  const uint64_t ckv_stride = whole.source.on_device() ? whole.source.ckv_stride_bytes : kCkvRow;
-  const uint64_t kpe_stride = whole.source.on_device() ? whole.source.kpe_stride_bytes : kKpeRow;
-  out.source.ckv = static_cast<const char*>(whole.source.ckv) + first * ckv_stride;
-  out.source.kpe = static_cast<const char*>(whole.source.kpe) + first * kpe_stride;
-  out.ckv_bytes = count * kCkvRow;
-  out.kpe_bytes = count * kKpeRow;
-  return out;
-}
 
 }  // namespace
 
@@ -188,9 +177,8 @@ absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t star
   return r;
 }
 
-absl::StatusOr<std::vector<SequenceRowsIn>> ToCompactBatchRows(const v1::AppendBatchRequest& req,
-                                                               const RegionRegistry& regions, const Pool& pool,
-                                                               RegionHold* hold) {
+absl::Status ToCompactBatchRows(const v1::AppendBatchRequest& req, const RegionRegistry& regions, const Pool& pool,
+                                RegionHold* hold, CompactBatchRows* out) {
   constexpr uint64_t kCkvRow = format::kCkvDim * 2, kKpeRow = format::kKpeDim * 2;
   if (req.batch_layers_size() > pool.num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat(req.batch_layers_size(), " batch_layers entries but pool ",
@@ -210,7 +198,8 @@ absl::StatusOr<std::vector<SequenceRowsIn>> ToCompactBatchRows(const v1::AppendB
     return absl::InvalidArgumentError(absl::StrCat("the batch's row_count values sum to ", total,
                                                    " rows per layer, over 2^31 - 1; send fewer rows per call"));
   }
-  std::vector<LayerRows> whole(req.batch_layers_size());
+  std::vector<LayerRows>& whole = out->layers;
+  whole.assign(req.batch_layers_size(), {});
   for (int k = 0; k < req.batch_layers_size(); ++k) {
     const v1::LayerRows& lr = req.batch_layers(k);
     const std::string who = absl::StrCat("batch_layers[", k, "] (layer ", lr.layer(), ")");
@@ -222,20 +211,20 @@ absl::StatusOr<std::vector<SequenceRowsIn>> ToCompactBatchRows(const v1::AppendB
           " rows (the sum of its row_count values) need ", total * kCkvRow, " and ", total * kKpeRow));
     }
   }
-  std::vector<SequenceRowsIn> out(req.sequences_size());
+  out->sequences.assign(req.sequences_size(), {});
   uint64_t first = 0;
   for (int i = 0; i < req.sequences_size(); ++i) {
     const v1::SequenceRows& s = req.sequences(i);
-    SequenceRowsIn& r = out[i];
+    SequenceRowsIn& r = out->sequences[i];
     r.start = s.start();
     r.row_count = s.row_count();
     if (s.has_expect_length()) r.expect_length = s.expect_length();
-    r.layers.reserve(whole.size());
-    for (const LayerRows& w : whole) r.layers.push_back(SliceRows(w, first, s.row_count()));
+    r.shared_layers = whole;
+    r.shared_first = first;
     AddCacheFields(s, &r);
     first += s.row_count();
   }
-  return out;
+  return absl::OkStatus();
 }
 
 v1::Region ToProto(const RegionInfo& region) {

@@ -58,13 +58,23 @@ SequenceRef RefOf(const Request& req) {
   return ref;
 }
 
-// The rows of AppendBatchRequest's compact form: for each of `sequences`
-// (none may carry `layers`), its slice of every `batch_layers` entry. Each
-// entry is resolved once (bytes, or its region ranges), checked to hold
-// exactly sum(row_count) rows, and cut at the sequences' row offsets.
-absl::StatusOr<std::vector<SequenceRowsIn>> ToCompactBatchRows(const v1::AppendBatchRequest& req,
-                                                               const RegionRegistry& regions, const Pool& pool,
-                                                               RegionHold* hold);
+// The rows of AppendBatchRequest's compact form: each `batch_layers` entry
+// resolved once (bytes, or its region ranges) into `layers`, checked to hold
+// exactly sum(row_count) rows; one SequenceRowsIn per `sequences` entry (none
+// may carry `layers`) naming its row offset in them (shared_layers). The
+// sequences point into `layers`: keep the struct whole (moving it is fine,
+// the vectors keep their storage; copying it is not).
+struct CompactBatchRows {
+  std::vector<LayerRows> layers;
+  std::vector<SequenceRowsIn> sequences;
+  CompactBatchRows() = default;
+  CompactBatchRows(const CompactBatchRows&) = delete;
+  CompactBatchRows& operator=(const CompactBatchRows&) = delete;
+  CompactBatchRows(CompactBatchRows&&) = default;
+  CompactBatchRows& operator=(CompactBatchRows&&) = default;
+};
+absl::Status ToCompactBatchRows(const v1::AppendBatchRequest& req, const RegionRegistry& regions, const Pool& pool,
+                                RegionHold* hold, CompactBatchRows* out);
 
 // A registered region as the wire describes it.
 v1::Region ToProto(const RegionInfo& region);

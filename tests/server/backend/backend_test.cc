@@ -79,7 +79,7 @@ TEST_F(BackendTest, AppendedRowsLandWhereThePlacementSaysAndNowhereElse) {
   const std::vector<int32_t> indptr = {0, 2}, indices = {4, 1};
   const AppendSegment seg{.rows = {.ckv = rows.ckv.data(), .kpe = rows.kpe.data()}, .count = 6, .request = 0, .start = 2};
   const LayerAppend la{.layer = 1, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe,
-                       .segments = {&seg, 1}, .kv_indptr = indptr, .kv_indices = indices};
+                       .segments = {&seg, 1}, .rows = std::nullopt, .kv_indptr = indptr, .kv_indices = indices};
   ASSERT_TRUE(backend_->Append({&la, 1}).ok());
   const std::vector<int64_t> placed = {18, 19, 4, 5, 6, 7};
   const Stored got = Read(1, placed);
@@ -95,6 +95,41 @@ TEST_F(BackendTest, AppendedRowsLandWhereThePlacementSaysAndNowhereElse) {
     const Stored rest = Read(layer, layer == 1 ? others : std::vector<int64_t>(placed));
     for (uint8_t b : rest.ckv) ASSERT_EQ(b, 0);
     for (uint8_t b : rest.kpe) ASSERT_EQ(b, 0);
+  }
+}
+
+// AppendBatch's compact form: both layers share one segments span (no rows
+// of their own) and each layer's rows lie back to back in `rows`, read in
+// segment order.
+TEST_F(BackendTest, LayersSharingOnePlacementReadTheirRowsInSegmentOrder) {
+  const Rows layer0(5, 2), layer1(5, 3);
+  // Request 0 owns page 2, request 1 page 5: request 0's positions 0..2 ->
+  // entries 8, 9, 10; request 1's positions 1..2 -> entries 21, 22.
+  const std::vector<int32_t> indptr = {0, 1, 2}, indices = {2, 5};
+  const std::vector<AppendSegment> segments = {{.rows = {}, .count = 3, .request = 0, .start = 0},
+                                               {.rows = {}, .count = 0, .request = 1, .start = 0},
+                                               {.rows = {}, .count = 2, .request = 1, .start = 1}};
+  const std::vector<LayerAppend> layers = {
+      {.layer = 0, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe, .segments = segments,
+       .rows = RowSource{.ckv = layer0.ckv.data(), .kpe = layer0.kpe.data()}, .kv_indptr = indptr,
+       .kv_indices = indices},
+      {.layer = 1, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe, .segments = segments,
+       .rows = RowSource{.ckv = layer1.ckv.data(), .kpe = layer1.kpe.data()}, .kv_indptr = indptr,
+       .kv_indices = indices}};
+  ASSERT_TRUE(backend_->Append(layers).ok());
+  const std::vector<int64_t> placed = {8, 9, 10, 21, 22};
+  for (int32_t layer : {0, 1}) {
+    const Rows& want = layer == 0 ? layer0 : layer1;
+    const Stored got = Read(layer, placed);
+    EXPECT_EQ(got.ckv, want.expected.ckv_packed) << "layer " << layer;
+    EXPECT_EQ(got.sf, want.expected.ckv_sf) << "layer " << layer;
+    EXPECT_EQ(got.kpe, want.expected.kpe) << "layer " << layer;
+    std::vector<int64_t> others;
+    for (int64_t e = 0; e < 24; ++e) {
+      if (std::find(placed.begin(), placed.end(), e) == placed.end()) others.push_back(e);
+    }
+    const Stored rest = Read(layer, others);
+    for (uint8_t b : rest.sf) ASSERT_EQ(b, 0) << "layer " << layer;
   }
 }
 
@@ -120,7 +155,7 @@ TEST_F(BackendTest, APlacementOutsideThePoolIsRefusedAndWritesNothing) {
   const std::vector<int32_t> indptr = {0, 1}, indices = {6};  // page 6 of a 6-page pool
   const AppendSegment seg{.rows = {.ckv = rows.ckv.data(), .kpe = rows.kpe.data()}, .count = 2, .request = 0, .start = 0};
   const LayerAppend la{.layer = 0, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe,
-                       .segments = {&seg, 1}, .kv_indptr = indptr, .kv_indices = indices};
+                       .segments = {&seg, 1}, .rows = std::nullopt, .kv_indptr = indptr, .kv_indices = indices};
   const absl::Status s = backend_->Append({&la, 1});
   EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
   std::vector<int64_t> all(24);

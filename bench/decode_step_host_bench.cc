@@ -1,0 +1,200 @@
+// decode_step_host_bench: the server's host work for one decode step in
+// AppendBatch's compact form, without the kernel and without the network.
+//
+//   decode_step_host_bench [--sequences 256] [--layers 61] [--steps 400]
+//
+// One cpu pool of --layers layers, page size 64, whose backend's Append does
+// nothing (NoWriteBackend below): what remains is exactly what the handler
+// does on the pool's worker for a compact AppendBatch — the rows resolved and
+// cut per sequence (ToCompactBatchRows), every sequence begun, Pool::Stage
+// (checks, placement, page tables, the backend's LayerAppend list), the commit,
+// and the response in SEQUENCE_VIEW_BASIC — the part of a decode step that is
+// O(sequences x layers) on the host. Each step appends one token to each of
+// --sequences sequences in every layer (expect_length, as a decode worker
+// sends it), so pages are allocated every 64 steps as in a real decode.
+// The rows are one bytes field per layer (the same host memory every step).
+//
+// Prints the median, p90 and p99 of the step and of its phases, and the same
+// for a reference in the same run: a loop that only touches every
+// (sequence, layer) pair's 8-byte slot once (the least any per-pair pass can
+// cost), so the ratio says how far the pool's work is from one pass.
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "bench/bench_stats.h"
+#include "mlakv/v1/kv_cache.pb.h"
+#include "server/core/atomic_append.h"
+#include "server/core/pool.h"
+#include "server/regions/region_registry.h"
+#include "server/rpc/proto_convert.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(int, sequences, 256, "sequences per step");
+ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step)");
+ABSL_FLAG(int, steps, 400, "decode steps timed");
+
+namespace mlakv::bench {
+namespace {
+
+namespace v1 = ::mlakv::v1;
+using server::AtomicAppend;
+using server::CacheBackend;
+using server::Pool;
+using server::SequenceRowsIn;
+using server::SequenceSnapshot;
+// Forwards everything but Append, which it accepts without writing: the
+// bench measures the host work around the kernel, not the CPU quantizer.
+class NoWriteBackend final : public CacheBackend {
+ public:
+  explicit NoWriteBackend(std::unique_ptr<CacheBackend> inner) : inner_(std::move(inner)) {}
+  server::Device device() const override { return inner_->device(); }
+  uint64_t cache_bytes() const override { return inner_->cache_bytes(); }
+  absl::Status Append(std::span<const server::LayerAppend> layers) override {
+    for (const server::LayerAppend& la : layers) {
+      appended_segments += la.segments.size();
+      if (la.segments.data() != layers.front().segments.data()) ++separate_placements;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status ReadEntries(int32_t layer, std::span<const int64_t> entries, const server::EntryRows& out) override {
+    return inner_->ReadEntries(layer, entries, out);
+  }
+  absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries,
+                            const server::EntryRows& in) override {
+    return inner_->WriteEntries(layer, entries, in);
+  }
+  absl::StatusOr<std::vector<LayerHandles>> ExportHandles() const override { return inner_->ExportHandles(); }
+  uint64_t appended_segments = 0;
+  uint64_t separate_placements = 0;  // layers whose segments are not the first layer's span
+
+ private:
+  std::unique_ptr<CacheBackend> inner_;
+};
+
+double Us(Clock::time_point a, Clock::time_point b) { return Micros(b - a); }
+[[noreturn]] void Fail(const char* what, const absl::Status& s) { Die("decode_step_host_bench", absl::StrCat(what, ": ", s.message())); }
+
+int Run() {
+  const int sequences = absl::GetFlag(FLAGS_sequences), layers = absl::GetFlag(FLAGS_layers);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  constexpr int kPageSize = 64;
+  Pool::Options opts;
+  opts.name = "bench";
+  opts.num_layers = layers;
+  opts.page_size = kPageSize;
+  opts.num_pages = sequences * ((steps + 1) / kPageSize + 2);
+  opts.layer_scales.assign(layers, Pool::Options::Scales{1.0f, 1.0f});
+  NoWriteBackend* backend = nullptr;
+  opts.wrap_backend = [&](std::unique_ptr<CacheBackend> inner) {
+    auto b = std::make_unique<NoWriteBackend>(std::move(inner));
+    backend = b.get();
+    return b;
+  };
+  absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(opts);
+  if (!pool.ok()) Fail("pool", pool.status());
+  server::RegionRegistry regions({});
+
+  // The request: one bytes field per layer holding every sequence's row.
+  const std::string ckv(static_cast<size_t>(sequences) * 512 * 2, '\x3c');
+  const std::string kpe(static_cast<size_t>(sequences) * 64 * 2, '\x3c');
+  v1::AppendBatchRequest req;
+  req.set_pool("bench");
+  req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  req.set_view(v1::SEQUENCE_VIEW_BASIC);
+  for (int s = 0; s < sequences; ++s) {
+    v1::SequenceRows* sr = req.add_sequences();
+    sr->set_sequence(absl::StrCat("request-", 100000 + s));
+    sr->set_row_count(1);
+  }
+  for (int l = 0; l < layers; ++l) {
+    v1::LayerRows* lr = req.add_batch_layers();
+    lr->set_layer(l);
+    lr->set_ckv(ckv);
+    lr->set_kpe(kpe);
+  }
+
+  std::vector<double> total, prepare, stage, commit, respond, reference;
+  std::vector<uint64_t> slots(static_cast<size_t>(sequences) * layers, 0);
+  for (int step = 0; step < steps + 20; ++step) {  // the first 20 warm up
+    for (int s = 0; s < sequences; ++s) {
+      v1::SequenceRows* sr = req.mutable_sequences(s);
+      sr->set_start(step);
+      if (step > 0) sr->set_expect_length(step);
+    }
+    const Clock::time_point t0 = Clock::now();
+    AtomicAppend append(pool->get());
+    server::RegionHold hold;
+    server::CompactBatchRows compact;
+    if (absl::Status st = server::ToCompactBatchRows(req, regions, **pool, &hold, &compact); !st.ok()) Fail("rows", st);
+    const std::vector<SequenceRowsIn>* rows = &compact.sequences;
+    for (const v1::SequenceRows& s : req.sequences()) {
+      if (absl::Status st = append.Begin(s.sequence()); !st.ok()) Fail("begin", st);
+    }
+    std::vector<const SequenceRowsIn*> ptrs;
+    for (const SequenceRowsIn& r : *rows) ptrs.push_back(&r);
+    const Clock::time_point t1 = Clock::now();
+    if (absl::Status st = append.Stage(ptrs, DType::kBFloat16); !st.ok()) Fail("stage", st);
+    const Clock::time_point t2 = Clock::now();
+    absl::StatusOr<std::vector<SequenceSnapshot>> after = append.Commit([] { return absl::OkStatus(); });
+    if (!after.ok()) Fail("commit", after.status());
+    const Clock::time_point t3 = Clock::now();
+    v1::AppendBatchResponse resp;
+    for (const SequenceSnapshot& s : *after) {
+      server::ToProto("bench", s, resp.add_sequences(), v1::SEQUENCE_VIEW_BASIC, s.kv_indices.size());
+    }
+    const Clock::time_point t4 = Clock::now();
+    // The reference: one pass over every (sequence, layer) pair.
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] += i ^ static_cast<size_t>(step);
+    const Clock::time_point t5 = Clock::now();
+    if (step < 20) continue;
+    total.push_back(Us(t0, t4));
+    prepare.push_back(Us(t0, t1));
+    stage.push_back(Us(t1, t2));
+    commit.push_back(Us(t2, t3));
+    respond.push_back(Us(t3, t4));
+    reference.push_back(Us(t4, t5));
+  }
+  if (absl::Status st = (*pool)->CheckInvariants(); !st.ok()) Fail("invariants", st);
+  std::printf("decode step host work: %d sequences x 1 token x %d layers, %d steps (segments handed to the backend: "
+              "%llu, layers with a placement of their own: %llu)\n",
+              sequences, layers, steps, static_cast<unsigned long long>(backend->appended_segments),
+              static_cast<unsigned long long>(backend->separate_placements));
+  auto line = [](const char* what, std::vector<double> v) {
+    const Summary s = Summarize(std::move(v));
+    std::printf("  %-32s p50 %9.1f us  p90 %9.1f us  p99 %9.1f us\n", what, s.p50, s.p90, s.p99);
+  };
+  line("step (prepare..respond)", total);
+  line("  prepare (rows, begin)", prepare);
+  line("  stage", stage);
+  line("  commit", commit);
+  line("  respond (BASIC view)", respond);
+  line("reference: one pass over pairs", reference);
+  std::printf("  step / reference p50: %.1fx (slots checksum %llu)\n",
+              Summarize(total).p50 / std::max(1e-3, Summarize(reference).p50),
+              static_cast<unsigned long long>(slots[slots.size() / 2]));
+  return 0;
+}
+
+}  // namespace
+}  // namespace mlakv::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  spdlog::set_level(spdlog::level::warn);
+  // As mlakv-server runs (server/main.cc): no lock-order checks, large
+  // blocks kept in the heap.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
+  return mlakv::bench::Run();
+}
