@@ -137,9 +137,9 @@ int Run() {
     server::CompactBatchRows compact;
     if (absl::Status st = server::ToCompactBatchRows(req, regions, **pool, &hold, &compact); !st.ok()) Fail("rows", st);
     const std::vector<SequenceRowsIn>* rows = &compact.sequences;
-    for (const v1::SequenceRows& s : req.sequences()) {
-      if (absl::Status st = append.Begin(s.sequence()); !st.ok()) Fail("begin", st);
-    }
+    std::vector<const std::string*> ids;
+    for (const v1::SequenceRows& s : req.sequences()) ids.push_back(&s.sequence());
+    if (absl::Status st = append.Begin(ids); !st.ok()) Fail("begin", st);
     std::vector<const SequenceRowsIn*> ptrs;
     for (const SequenceRowsIn& r : *rows) ptrs.push_back(&r);
     const Clock::time_point t1 = Clock::now();

@@ -1,5 +1,7 @@
 #include "server/core/append_transaction.h"
 
+#include <algorithm>
+
 #include "server/core/pool.h"
 #include "spdlog/spdlog.h"
 
@@ -9,9 +11,12 @@ AppendTransaction::AppendTransaction(Pool* pool, Sequence* sequence, std::string
     : pool_(pool),
       sequence_(sequence),
       id_(std::move(id)),
-      committed_(sequence->layer_lengths()),
-      staged_end_(num_layers, 0),
-      touched_(num_layers, false) {
+      per_layer_(3 * static_cast<size_t>(num_layers), 0) {
+  const size_t n = static_cast<size_t>(num_layers);
+  committed_ = std::span<uint32_t>(per_layer_.data(), n);
+  staged_end_ = std::span<uint32_t>(per_layer_.data() + n, n);
+  touched_ = std::span<uint32_t>(per_layer_.data() + 2 * n, n);
+  std::copy(sequence->layer_lengths().begin(), sequence->layer_lengths().end(), committed_.begin());
   original_pages_ = sequence->pages().size();
 }
 

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -72,9 +73,12 @@ class AppendTransaction {
   std::string id_;
   bool created_ = false;             // the append created the sequence
   size_t original_pages_ = 0;        // page-table length before the append
-  std::vector<uint32_t> committed_;  // [num_layers] lengths before the append
-  std::vector<uint32_t> staged_end_;  // [num_layers] end of rows written by the append (0: none)
-  std::vector<bool> touched_;        // [num_layers] the append wrote rows here (counted in staged_users)
+  // Per layer, in one allocation (a decode step begins 256 transactions of
+  // 61 layers): [committed_ | staged_end_ | touched_].
+  std::vector<uint32_t> per_layer_;
+  std::span<uint32_t> committed_;   // [num_layers] lengths before the append
+  std::span<uint32_t> staged_end_;  // [num_layers] end of rows written by the append (0: none)
+  std::span<uint32_t> touched_;     // [num_layers] 1: the append wrote rows here (counted in staged_users)
   std::vector<std::vector<bool>> saved_;  // [num_layers][committed_] position's old bytes are in undo_ (empty until a rewrite)
   std::vector<Undo> undo_;
   std::vector<LayerScalesBefore> scales_before_;  // layers whose scales this append set

@@ -11,6 +11,11 @@ absl::Status AtomicAppend::Begin(const std::string& sequence) {
   return absl::OkStatus();
 }
 
+absl::Status AtomicAppend::Begin(std::span<const std::string* const> sequences) {
+  if (finished_) return absl::InternalError("AtomicAppend::Begin after the append finished");
+  return pool_->BeginAppends(sequences, &txns_);
+}
+
 absl::Status AtomicAppend::Stage(std::span<const SequenceRowsIn* const> rows, std::optional<DType> dtype) {
   if (finished_) return absl::InternalError("AtomicAppend::Stage after the append finished");
   std::vector<AppendTransaction*> raw;
@@ -25,9 +30,10 @@ absl::StatusOr<std::vector<SequenceSnapshot>> AtomicAppend::Commit(absl::Functio
     Abort();
     return s;
   }
-  std::vector<SequenceSnapshot> out;
-  out.reserve(txns_.size());
-  for (const auto& txn : txns_) out.push_back(pool_->Commit(*txn));
+  std::vector<AppendTransaction*> raw;
+  raw.reserve(txns_.size());
+  for (const auto& txn : txns_) raw.push_back(txn.get());
+  std::vector<SequenceSnapshot> out = pool_->Commit(raw);
   finished_ = true;
   return out;
 }

@@ -40,6 +40,8 @@ class AtomicAppend {
   Pool& pool() const { return *pool_; }
   // Holds one more sequence (Pool::BeginAppend's errors).
   absl::Status Begin(const std::string& sequence);
+  // Holds several (Pool::BeginAppends: one hold of the pool's lock).
+  absl::Status Begin(std::span<const std::string* const> sequences);
   size_t size() const { return txns_.size(); }
   const AppendTransaction& transaction(size_t i) const { return *txns_[i]; }
 

@@ -209,12 +209,27 @@ uint32_t Pool::ReleasePages(std::span<const int32_t> pages, const char* reason, 
 // ---- appends ---------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<AppendTransaction>> Pool::BeginAppend(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  return BeginLocked(id);
+}
+
+absl::Status Pool::BeginAppends(std::span<const std::string* const> ids,
+                                std::vector<std::unique_ptr<AppendTransaction>>* out) {
+  out->reserve(out->size() + ids.size());
+  absl::MutexLock lock(&mu_);
+  for (const std::string* id : ids) {
+    MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<AppendTransaction> txn, BeginLocked(*id));
+    out->push_back(std::move(txn));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<AppendTransaction>> Pool::BeginLocked(const std::string& id) {
   if (id.empty()) return absl::InvalidArgumentError("sequence id is empty; name the sequence (e.g. the request id)");
   if (id.size() > kMaxSequenceIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("sequence id ", Quote(id), " is ", id.size(), " bytes; at most ",
                                                    kMaxSequenceIdBytes, " are accepted"));
   }
-  absl::MutexLock lock(&mu_);
   Sequence* seq = sequences_.Find(id);
   bool created = false;
   if (seq == nullptr) {
@@ -536,7 +551,7 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
     for (const LayerRows& lr : r.written_layers()) {
       const int32_t l = static_cast<int32_t>(lr.layer);
       if (!txn.touched_[l]) {
-        txn.touched_[l] = true;
+        txn.touched_[l] = 1;
         ++layers_[l].staged_users;
       }
       if (!shared_from) {
@@ -670,7 +685,21 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
 }
 
 SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
+  const int64_t now = NowNs();
   absl::MutexLock lock(&mu_);
+  return CommitLocked(txn, now);
+}
+
+std::vector<SequenceSnapshot> Pool::Commit(std::span<AppendTransaction* const> txns) {
+  std::vector<SequenceSnapshot> out;
+  out.reserve(txns.size());
+  const int64_t now = NowNs();  // one use time for the call's sequences
+  absl::MutexLock lock(&mu_);
+  for (AppendTransaction* txn : txns) out.push_back(CommitLocked(*txn, now));
+  return out;
+}
+
+SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns) {
   Sequence& seq = *txn.sequence_;
   for (int32_t l = 0; l < options_.num_layers; ++l) {
     if (!txn.touched_[l]) continue;
@@ -722,7 +751,7 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
     return snapshot;
   }
   sequences_.SetCommitted(&seq);
-  sequences_.MarkIdle(&seq, NowNs());
+  sequences_.MarkIdle(&seq, now_ns);
   return snapshot;
 }
 

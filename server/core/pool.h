@@ -308,6 +308,11 @@ class Pool {
   // append to it is in flight, RESOURCE_EXHAUSTED when a new id would exceed
   // max_sequences.
   absl::StatusOr<std::unique_ptr<AppendTransaction>> BeginAppend(const std::string& sequence);
+  // The same for several sequences under one hold of the lock (an
+  // AppendBatch), appending to `out` in order; at the first error, `out`
+  // holds the transactions begun before it (for the caller to Abort).
+  absl::Status BeginAppends(std::span<const std::string* const> sequences,
+                            std::vector<std::unique_ptr<AppendTransaction>>* out);
   // Validates rows for one or more transactions (one per sequence), allocates
   // the pages they reach, saves bytes they will rewrite, then quantizes them
   // into the caches, one backend call for all. Checks run in this order and
@@ -322,6 +327,8 @@ class Pool {
   // append. A sequence the append created that holds no page and no token
   // is not kept (the snapshot then describes it empty).
   SequenceSnapshot Commit(AppendTransaction& txn);
+  // The same for several transactions under one hold of the lock, in order.
+  std::vector<SequenceSnapshot> Commit(std::span<AppendTransaction* const> txns);
   // Restores rewritten rows, returns the pages the append allocated, erases a
   // sequence it created, unsets scales it set on a layer that stays empty.
   void Abort(AppendTransaction& txn);
@@ -415,6 +422,10 @@ class Pool {
        std::unique_ptr<PageAllocator> allocator);
   friend class AppendTransaction;
 
+  // BeginAppend and Commit of one transaction, under mu_.
+  absl::StatusOr<std::unique_ptr<AppendTransaction>> BeginLocked(const std::string& sequence)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SequenceSnapshot CommitLocked(AppendTransaction& txn, int64_t now_ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- the steps of Stage ----
   // Shape of one sequence's rows; needs no state. The call's shared layers
   // are checked with its first sequence that names them (plan.shared).

@@ -287,7 +287,10 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       std::vector<SequenceRowsIn>& rows = compact.sequences;
       if (req->batch_layers_size() > 0) {  // the compact form: each layer's rows of all sequences in one entry
         MLAKV_RETURN_IF_ERROR(ToCompactBatchRows(*req, *options_.regions, *p, &hold, &compact));
-        for (const v1::SequenceRows& s : req->sequences()) MLAKV_RETURN_IF_ERROR(append.Begin(s.sequence()));
+        std::vector<const std::string*> ids;
+        ids.reserve(req->sequences_size());
+        for (const v1::SequenceRows& s : req->sequences()) ids.push_back(&s.sequence());
+        MLAKV_RETURN_IF_ERROR(append.Begin(ids));
       } else {
         rows.reserve(req->sequences_size());
         for (const v1::SequenceRows& s : req->sequences()) {
