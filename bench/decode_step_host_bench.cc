@@ -8,8 +8,10 @@
 // does on the pool's worker for a compact AppendBatch — the rows resolved and
 // cut per sequence (ToCompactBatchRows), every sequence begun, Pool::Stage
 // (checks, placement, page tables, the backend's LayerAppend list), the commit,
-// and the response in SEQUENCE_VIEW_BASIC — the part of a decode step that is
-// O(sequences x layers) on the host. Each step appends one token to each of
+// the response in SEQUENCE_VIEW_BASIC, and destroying what the call held —
+// the part of a decode step that was O(sequences x layers) on the host. Then,
+// apart, what the wire adds: the same step's request by reference and its
+// response, serialized and parsed once each. Each step appends one token to each of
 // --sequences sequences in every layer (expect_length, as a decode worker
 // sends it), so pages are allocated every 64 steps as in a real decode.
 // The rows are one bytes field per layer (the same host memory every step).
@@ -123,19 +125,43 @@ int Run() {
     lr->set_kpe(kpe);
   }
 
-  std::vector<double> total, prepare, stage, commit, respond, reference;
+  std::vector<double> total, prepare, stage, commit, respond, release, reference, wire_server, wire_client;
+  size_t request_bytes = 0, response_bytes = 0;
+  // The same step as a client sends it by reference (ipc_append_bench
+  // --decode_step): each layer one range of a CUDA region.
+  v1::AppendBatchRequest by_reference = req;
+  for (int l = 0; l < layers; ++l) {
+    v1::LayerRows* lr = by_reference.mutable_batch_layers(l);
+    lr->clear_ckv();
+    lr->clear_kpe();
+    lr->mutable_ckv_ref()->set_region("ipc-decode");
+    lr->mutable_ckv_ref()->set_offset(static_cast<uint64_t>(l) * sequences * 1024);
+    lr->mutable_kpe_ref()->set_region("ipc-decode");
+    lr->mutable_kpe_ref()->set_offset(static_cast<uint64_t>(l) * sequences * 128);
+  }
   std::vector<uint64_t> slots(static_cast<size_t>(sequences) * layers, 0);
   for (int step = 0; step < steps + 20; ++step) {  // the first 20 warm up
-    for (int s = 0; s < sequences; ++s) {
-      v1::SequenceRows* sr = req.mutable_sequences(s);
-      sr->set_start(step);
-      if (step > 0) sr->set_expect_length(step);
+    for (v1::AppendBatchRequest* r : {&req, &by_reference}) {
+      for (int s = 0; s < sequences; ++s) {
+        v1::SequenceRows* sr = r->mutable_sequences(s);
+        sr->set_start(step);
+        if (step > 0) sr->set_expect_length(step);
+      }
     }
     const Clock::time_point t0 = Clock::now();
-    AtomicAppend append(pool->get());
-    server::RegionHold hold;
-    server::CompactBatchRows compact;
-    if (absl::Status st = server::ToCompactBatchRows(req, regions, **pool, &hold, &compact); !st.ok()) Fail("rows", st);
+    // What the handler holds until it returns (destroyed in "release").
+    struct CallState {
+      explicit CallState(Pool* p) : append(p) {}
+      AtomicAppend append;
+      server::RegionHold hold;
+      server::CompactBatchRows compact;
+    };
+    auto call = std::make_unique<CallState>(pool->get());
+    AtomicAppend& append = call->append;
+    server::CompactBatchRows& compact = call->compact;
+    if (absl::Status st = server::ToCompactBatchRows(req, regions, **pool, &call->hold, &compact); !st.ok()) {
+      Fail("rows", st);
+    }
     const std::vector<SequenceRowsIn>* rows = &compact.sequences;
     std::vector<const std::string*> ids;
     for (const v1::SequenceRows& s : req.sequences()) ids.push_back(&s.sequence());
@@ -149,11 +175,36 @@ int Run() {
     if (!after.ok()) Fail("commit", after.status());
     const Clock::time_point t3 = Clock::now();
     v1::AppendBatchResponse resp;
-    for (const SequenceSnapshot& s : *after) {
-      server::ToProto("bench", s, resp.add_sequences(), v1::SEQUENCE_VIEW_BASIC, s.kv_indices.size());
+    for (size_t i = 0; i < after->size(); ++i) {
+      server::ToProto("bench", (*after)[i], resp.add_sequences(), v1::SEQUENCE_VIEW_BASIC,
+                      append.transaction(i).original_pages());
     }
+    const Clock::time_point t3b = Clock::now();
+    call.reset();
+    after = absl::StatusOr<std::vector<SequenceSnapshot>>();
     const Clock::time_point t4 = Clock::now();
+    // What the wire adds for the same step by reference: the request and the
+    // response serialized and parsed once each (as client and server do),
+    // with the request's rows carried as region references, not bytes.
+    Clock::time_point w[5];
+    {
+      std::string request_wire, response_wire;
+      w[0] = Clock::now();
+      by_reference.SerializeToString(&request_wire);  // client
+      w[1] = Clock::now();
+      v1::AppendBatchRequest parsed;  // server
+      if (!parsed.ParseFromString(request_wire)) Die("decode_step_host_bench", "request parse");
+      w[2] = Clock::now();
+      resp.SerializeToString(&response_wire);  // server
+      w[3] = Clock::now();
+      v1::AppendBatchResponse parsed_resp;  // client
+      if (!parsed_resp.ParseFromString(response_wire)) Die("decode_step_host_bench", "response parse");
+      w[4] = Clock::now();
+      request_bytes = request_wire.size();
+      response_bytes = response_wire.size();
+    }
     // The reference: one pass over every (sequence, layer) pair.
+    const Clock::time_point t4c = Clock::now();
     for (size_t i = 0; i < slots.size(); ++i) slots[i] += i ^ static_cast<size_t>(step);
     const Clock::time_point t5 = Clock::now();
     if (step < 20) continue;
@@ -161,8 +212,11 @@ int Run() {
     prepare.push_back(Us(t0, t1));
     stage.push_back(Us(t1, t2));
     commit.push_back(Us(t2, t3));
-    respond.push_back(Us(t3, t4));
-    reference.push_back(Us(t4, t5));
+    respond.push_back(Us(t3, t3b));
+    release.push_back(Us(t3b, t4));
+    reference.push_back(Us(t4c, t5));
+    wire_server.push_back(Us(w[1], w[3]));
+    wire_client.push_back(Us(w[0], w[1]) + Us(w[3], w[4]));
   }
   if (absl::Status st = (*pool)->CheckInvariants(); !st.ok()) Fail("invariants", st);
   std::printf("decode step host work: %d sequences x 1 token x %d layers, %d steps (segments handed to the backend: "
@@ -173,12 +227,16 @@ int Run() {
     const Summary s = Summarize(std::move(v));
     std::printf("  %-32s p50 %9.1f us  p90 %9.1f us  p99 %9.1f us\n", what, s.p50, s.p90, s.p99);
   };
-  line("step (prepare..respond)", total);
+  line("step (prepare..release)", total);
   line("  prepare (rows, begin)", prepare);
   line("  stage", stage);
   line("  commit", commit);
   line("  respond (BASIC view)", respond);
+  line("  release (the call's state)", release);
   line("reference: one pass over pairs", reference);
+  std::printf("  wire, by reference: request %zu bytes, response %zu bytes\n", request_bytes, response_bytes);
+  line("  server: parse + serialize", wire_server);
+  line("  client: serialize + parse", wire_client);
   std::printf("  step / reference p50: %.1fx (slots checksum %llu)\n",
               Summarize(total).p50 / std::max(1e-3, Summarize(reference).p50),
               static_cast<unsigned long long>(slots[slots.size() / 2]));
