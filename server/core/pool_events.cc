@@ -37,16 +37,17 @@ void Pool::AnnounceStoredPages(Sequence* seq) {
     const std::string* indexed = prefix_.HashOf(seq->pages()[i]);
     return indexed == nullptr ? std::string() : *indexed;
   };
+  // A run's block_hashes stay empty until one of its pages has a hash (then
+  // the pages before it get empty ones): a 4096-page prefill without hashes
+  // builds no strings.
   KvEvent run;
-  bool any_hash = false;
   const auto flush = [&] {
     if (run.pages.empty()) return;
     run.kind = KvEvent::Kind::kStored;
     run.sequence = seq->id();
-    if (!any_hash) run.block_hashes.clear();
+    if (!run.block_hashes.empty()) run.block_hashes.resize(run.pages.size());
     RecordEvent(std::move(run));
     run = KvEvent();
-    any_hash = false;
   };
   for (size_t i = seq->pages_announced(); i < complete; ++i) {
     const int32_t page = seq->pages()[i];
@@ -60,8 +61,11 @@ void Pool::AnnounceStoredPages(Sequence* seq) {
       if (i > 0) run.parent_block_hash = hash_of(i - 1);
     }
     run.pages.push_back(page);
-    run.block_hashes.push_back(hash_of(i));
-    any_hash = any_hash || !run.block_hashes.back().empty();
+    std::string hash = hash_of(i);
+    if (!hash.empty() || !run.block_hashes.empty()) {
+      run.block_hashes.resize(run.pages.size() - 1);
+      run.block_hashes.push_back(std::move(hash));
+    }
   }
   flush();
   seq->set_pages_announced(static_cast<uint32_t>(complete));

@@ -137,6 +137,12 @@ void SequenceTable::RemoveHolder(Sequence* sequence, size_t index) {
 }
 
 void SequenceTable::AttachPages(Sequence* sequence, std::span<const int32_t> pages) {
+  const size_t want = sequence->pages_.size() + pages.size();
+  if (want > sequence->pages_.capacity()) {  // at least doubling: a decode's one page a call stays amortized
+    const size_t cap = std::max(want, 2 * sequence->pages_.capacity());
+    sequence->pages_.reserve(cap);
+    sequence->owner_slot_.reserve(cap);
+  }
   for (int32_t page : pages) {
     sequence->pages_.push_back(page);
     sequence->owner_slot_.push_back(0);

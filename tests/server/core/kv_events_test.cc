@@ -236,6 +236,28 @@ TEST_F(PoolEventsTest, APageIsStoredOnceWhenCompleteInEveryLayerWithItsHash) {
             (std::set<std::string>{"h0", "h1"}));
 }
 
+TEST_F(PoolEventsTest, ARunOfPagesCarriesAHashListOnlyWhenOneOfThemHasAHash) {
+  MakePool(16);
+  // Pages 0-3 complete at once: only entry 2 has a hash, so the list holds
+  // one per page with empty strings around it.
+  ASSERT_TRUE(Append("s", 0, 16, {}, {"h2"}, 2).ok());
+  std::vector<KvEvent> e = New();
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0].pages, PagesOf("s"));
+  EXPECT_EQ(e[0].block_hashes, (std::vector<std::string>{"", "", "h2", ""}));
+  // Without hashes: no list at all.
+  ASSERT_TRUE(Append("t", 0, 12).ok());
+  e = New();
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0].pages.size(), 3u);
+  EXPECT_TRUE(e[0].block_hashes.empty());
+  // A hash on the last page only.
+  ASSERT_TRUE(Append("u", 0, 8, {}, {"u1"}, 1).ok());
+  e = New();
+  ASSERT_EQ(e.size(), 1u);
+  EXPECT_EQ(e[0].block_hashes, (std::vector<std::string>{"", "u1"}));
+}
+
 TEST_F(PoolEventsTest, TruncationAndRewritesWithdrawPagesAndCompletionAnnouncesThemAgain) {
   MakePool(16);
   ASSERT_TRUE(Append("s", 0, 12).ok());

@@ -1,7 +1,8 @@
-// decode_step_host_bench: the server's host work for one decode step in
-// AppendBatch's compact form, without the kernel and without the network.
+// append_host_bench: the server's host work for one AppendBatch in the
+// compact form, without the kernel and without the network.
 //
-//   decode_step_host_bench [--sequences 256] [--layers 61] [--steps 400]
+//   append_host_bench [--sequences 256] [--layers 61] [--steps 400]        a decode step
+//   append_host_bench --sequences 1 --layers 1 --rows 262144 --view full   a prefill chunk
 //
 // One cpu pool of --layers layers, page size 64, whose backend's Append does
 // nothing (NoWriteBackend below): what remains is exactly what the handler
@@ -14,6 +15,8 @@
 // response, serialized and parsed once each. Each step appends one token to each of
 // --sequences sequences in every layer (expect_length, as a decode worker
 // sends it), so pages are allocated every 64 steps as in a real decode.
+// With --rows N > 1, each step instead writes N rows to fresh sequences
+// (freed, untimed, after the step), as ipc_append_bench's one-layer appends do.
 // The rows are one bytes field per layer (the same host memory every step).
 //
 // Prints the median, p90 and p99 of the step and of its phases, and the same
@@ -36,6 +39,7 @@
 #include "bench/bench_stats.h"
 #include "mlakv/v1/kv_cache.pb.h"
 #include "server/core/atomic_append.h"
+#include "server/core/kv_events.h"
 #include "server/core/pool.h"
 #include "server/regions/region_registry.h"
 #include "server/rpc/proto_convert.h"
@@ -43,7 +47,9 @@
 
 ABSL_FLAG(int, sequences, 256, "sequences per step");
 ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step)");
-ABSL_FLAG(int, steps, 400, "decode steps timed");
+ABSL_FLAG(int, steps, 400, "steps (calls) timed");
+ABSL_FLAG(int, rows, 1, "rows per sequence per step (> 1: fresh sequences every step)");
+ABSL_FLAG(std::string, view, "basic", "the response's view: basic or full");
 
 namespace mlakv::bench {
 namespace {
@@ -84,18 +90,23 @@ class NoWriteBackend final : public CacheBackend {
 };
 
 double Us(Clock::time_point a, Clock::time_point b) { return Micros(b - a); }
-[[noreturn]] void Fail(const char* what, const absl::Status& s) { Die("decode_step_host_bench", absl::StrCat(what, ": ", s.message())); }
+[[noreturn]] void Fail(const char* what, const absl::Status& s) { Die("append_host_bench", absl::StrCat(what, ": ", s.message())); }
 
 int Run() {
   const int sequences = absl::GetFlag(FLAGS_sequences), layers = absl::GetFlag(FLAGS_layers);
   const int steps = absl::GetFlag(FLAGS_steps);
+  const int rows_per = absl::GetFlag(FLAGS_rows);
+  const bool fresh = rows_per > 1;
+  const v1::SequenceView view = absl::GetFlag(FLAGS_view) == "full" ? v1::SEQUENCE_VIEW_FULL : v1::SEQUENCE_VIEW_BASIC;
   constexpr int kPageSize = 64;
   Pool::Options opts;
   opts.name = "bench";
   opts.num_layers = layers;
   opts.page_size = kPageSize;
-  opts.num_pages = sequences * ((steps + 1) / kPageSize + 2);
+  opts.num_pages = fresh ? sequences * (rows_per / kPageSize + 2) : sequences * ((steps + 1) / kPageSize + 2);
   opts.layer_scales.assign(layers, Pool::Options::Scales{1.0f, 1.0f});
+  server::EventLog events({});  // as in mlakv-server, which always keeps one (KV events)
+  opts.events = &events;
   NoWriteBackend* backend = nullptr;
   opts.wrap_backend = [&](std::unique_ptr<CacheBackend> inner) {
     auto b = std::make_unique<NoWriteBackend>(std::move(inner));
@@ -107,16 +118,17 @@ int Run() {
   server::RegionRegistry regions({});
 
   // The request: one bytes field per layer holding every sequence's row.
-  const std::string ckv(static_cast<size_t>(sequences) * 512 * 2, '\x3c');
-  const std::string kpe(static_cast<size_t>(sequences) * 64 * 2, '\x3c');
+  const size_t batch_rows = static_cast<size_t>(sequences) * rows_per;
+  const std::string ckv(batch_rows * 512 * 2, '\x3c');
+  const std::string kpe(batch_rows * 64 * 2, '\x3c');
   v1::AppendBatchRequest req;
   req.set_pool("bench");
   req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
-  req.set_view(v1::SEQUENCE_VIEW_BASIC);
+  req.set_view(view);
   for (int s = 0; s < sequences; ++s) {
     v1::SequenceRows* sr = req.add_sequences();
     sr->set_sequence(absl::StrCat("request-", 100000 + s));
-    sr->set_row_count(1);
+    sr->set_row_count(rows_per);
   }
   for (int l = 0; l < layers; ++l) {
     v1::LayerRows* lr = req.add_batch_layers();
@@ -135,17 +147,17 @@ int Run() {
     lr->clear_ckv();
     lr->clear_kpe();
     lr->mutable_ckv_ref()->set_region("ipc-decode");
-    lr->mutable_ckv_ref()->set_offset(static_cast<uint64_t>(l) * sequences * 1024);
+    lr->mutable_ckv_ref()->set_offset(static_cast<uint64_t>(l) * batch_rows * 1024);
     lr->mutable_kpe_ref()->set_region("ipc-decode");
-    lr->mutable_kpe_ref()->set_offset(static_cast<uint64_t>(l) * sequences * 128);
+    lr->mutable_kpe_ref()->set_offset(static_cast<uint64_t>(l) * batch_rows * 128);
   }
   std::vector<uint64_t> slots(static_cast<size_t>(sequences) * layers, 0);
   for (int step = 0; step < steps + 20; ++step) {  // the first 20 warm up
     for (v1::AppendBatchRequest* r : {&req, &by_reference}) {
       for (int s = 0; s < sequences; ++s) {
         v1::SequenceRows* sr = r->mutable_sequences(s);
-        sr->set_start(step);
-        if (step > 0) sr->set_expect_length(step);
+        sr->set_start(fresh ? 0 : step);
+        if (step > 0 && !fresh) sr->set_expect_length(step);
       }
     }
     const Clock::time_point t0 = Clock::now();
@@ -176,8 +188,7 @@ int Run() {
     const Clock::time_point t3 = Clock::now();
     v1::AppendBatchResponse resp;
     for (size_t i = 0; i < after->size(); ++i) {
-      server::ToProto("bench", (*after)[i], resp.add_sequences(), v1::SEQUENCE_VIEW_BASIC,
-                      append.transaction(i).original_pages());
+      server::ToProto("bench", (*after)[i], resp.add_sequences(), view, append.transaction(i).original_pages());
     }
     const Clock::time_point t3b = Clock::now();
     call.reset();
@@ -193,12 +204,12 @@ int Run() {
       by_reference.SerializeToString(&request_wire);  // client
       w[1] = Clock::now();
       v1::AppendBatchRequest parsed;  // server
-      if (!parsed.ParseFromString(request_wire)) Die("decode_step_host_bench", "request parse");
+      if (!parsed.ParseFromString(request_wire)) Die("append_host_bench", "request parse");
       w[2] = Clock::now();
       resp.SerializeToString(&response_wire);  // server
       w[3] = Clock::now();
       v1::AppendBatchResponse parsed_resp;  // client
-      if (!parsed_resp.ParseFromString(response_wire)) Die("decode_step_host_bench", "response parse");
+      if (!parsed_resp.ParseFromString(response_wire)) Die("append_host_bench", "response parse");
       w[4] = Clock::now();
       request_bytes = request_wire.size();
       response_bytes = response_wire.size();
@@ -207,6 +218,11 @@ int Run() {
     const Clock::time_point t4c = Clock::now();
     for (size_t i = 0; i < slots.size(); ++i) slots[i] += i ^ static_cast<size_t>(step);
     const Clock::time_point t5 = Clock::now();
+    if (fresh) {
+      for (const v1::SequenceRows& s : req.sequences()) {
+        if (absl::StatusOr<server::FreeResult> f = (*pool)->FreeSequence(s.sequence()); !f.ok()) Fail("free", f.status());
+      }
+    }
     if (step < 20) continue;
     total.push_back(Us(t0, t4));
     prepare.push_back(Us(t0, t1));
@@ -219,9 +235,9 @@ int Run() {
     wire_client.push_back(Us(w[0], w[1]) + Us(w[3], w[4]));
   }
   if (absl::Status st = (*pool)->CheckInvariants(); !st.ok()) Fail("invariants", st);
-  std::printf("decode step host work: %d sequences x 1 token x %d layers, %d steps (segments handed to the backend: "
-              "%llu, layers with a placement of their own: %llu)\n",
-              sequences, layers, steps, static_cast<unsigned long long>(backend->appended_segments),
+  std::printf("AppendBatch host work: %d sequences x %d rows x %d layers, %d steps, view %s (segments handed to the "
+              "backend: %llu, layers with a placement of their own: %llu)\n",
+              sequences, rows_per, layers, steps, absl::GetFlag(FLAGS_view).c_str(), static_cast<unsigned long long>(backend->appended_segments),
               static_cast<unsigned long long>(backend->separate_placements));
   auto line = [](const char* what, std::vector<double> v) {
     const Summary s = Summarize(std::move(v));
@@ -231,7 +247,7 @@ int Run() {
   line("  prepare (rows, begin)", prepare);
   line("  stage", stage);
   line("  commit", commit);
-  line("  respond (BASIC view)", respond);
+  line("  respond", respond);
   line("  release (the call's state)", release);
   line("reference: one pass over pairs", reference);
   std::printf("  wire, by reference: request %zu bytes, response %zu bytes\n", request_bytes, response_bytes);
