@@ -197,23 +197,24 @@ absl::StatusOr<RegionRegistry::Resolved> RegionRegistry::ResolveOne(const std::s
                                                                     const RegionRef& ref, uint64_t row_bytes,
                                                                     uint32_t row_count, const Device& pool_device,
                                                                     RegionHold* hold) const {
-  const std::string what = absl::StrCat(who, ": ", field, "_ref region ", Quote(ref.region));
+  // Built only for a message (a decode step resolves 122 references).
+  const auto what = [&] { return absl::StrCat(who, ": ", field, "_ref region ", Quote(ref.region)); };
   if (ref.region.size() > kMaxNameBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, " names a region of ", ref.region.size(), " bytes; region names have 1..", kMaxNameBytes));
+        absl::StrCat(what(), " names a region of ", ref.region.size(), " bytes; region names have 1..", kMaxNameBytes));
   }
   std::shared_ptr<const Region> region;
   {
     absl::ReaderMutexLock lock(&mu_);
     auto it = regions_.find(ref.region);
     if (it == regions_.end()) {
-      return absl::NotFoundError(absl::StrCat(what, " is not registered (RegisterShmRegion / RegisterCudaRegion)"));
+      return absl::NotFoundError(absl::StrCat(what(), " is not registered (RegisterShmRegion / RegisterCudaRegion)"));
     }
     region = it->second;
   }
   const uint64_t stride = ref.row_stride_bytes == 0 ? row_bytes : ref.row_stride_bytes;
   if (stride < row_bytes || stride % kElementBytes != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": row_stride_bytes ", ref.row_stride_bytes,
+    return absl::InvalidArgumentError(absl::StrCat(what(), ": row_stride_bytes ", ref.row_stride_bytes,
                                                    " must be 0 (packed) or a multiple of 2 that is at least the ",
                                                    row_bytes, " bytes of a row"));
   }
@@ -223,7 +224,7 @@ absl::StatusOr<RegionRegistry::Resolved> RegionRegistry::ResolveOne(const std::s
                       (row_count == 0 || (row_bytes <= size - ref.offset &&
                                           (row_count - 1) <= (size - ref.offset - row_bytes) / stride));
   if (!inside) {
-    return absl::OutOfRangeError(absl::StrCat(what, ": offset ", ref.offset, " + ", row_count, " rows of ", row_bytes,
+    return absl::OutOfRangeError(absl::StrCat(what(), ": offset ", ref.offset, " + ", row_count, " rows of ", row_bytes,
                                               " bytes at stride ", stride, " reaches past the region's ", size,
                                               " bytes"));
   }
@@ -234,11 +235,11 @@ absl::StatusOr<RegionRegistry::Resolved> RegionRegistry::ResolveOne(const std::s
   if (region->kind() == Region::Kind::kCuda) {
     if (!pool_device.is_cuda()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          what, " is CUDA memory on cuda:", region->device(), " but the pool is on the ", pool_device.ToString(),
+          what(), " is CUDA memory on cuda:", region->device(), " but the pool is on the ", pool_device.ToString(),
           " backend, which cannot read device memory; register a shared-memory region or send the rows as bytes"));
     }
     absl::StatusOr<const uint8_t*> mapped = static_cast<const CudaIpcRegion&>(*region).DataOn(pool_device.ordinal());
-    if (!mapped.ok()) return WithContext(mapped.status(), what);
+    if (!mapped.ok()) return WithContext(mapped.status(), what());
     base = *mapped;
   }
   if (std::find(hold->regions.begin(), hold->regions.end(), region) == hold->regions.end()) {
@@ -246,11 +247,11 @@ absl::StatusOr<RegionRegistry::Resolved> RegionRegistry::ResolveOne(const std::s
   }
   if (region->faulted()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        what, ": ", region->Describe(),
+        what(), ": ", region->Describe(),
         " shrank while an earlier append read it and cannot be read again; unregister it and register it again"));
   }
   if (region->kind() == Region::Kind::kShm) {
-    MLAKV_RETURN_IF_ERROR(WithContext(static_cast<const ShmRegion&>(*region).CheckSize(), what));
+    if (absl::Status st = static_cast<const ShmRegion&>(*region).CheckSize(); !st.ok()) return WithContext(st, what());
   }
   const uint8_t* first = base + ref.offset;
   Resolved out;
