@@ -466,17 +466,20 @@ class Client:
              ckv_scale: Optional[float] = None, kpe_scale: Optional[float] = None,
              expect_length: Optional[int] = None, expect_generation: Optional[int] = None, reserve_tokens: int = 0,
              block_hashes: Optional[Sequence[bytes]] = None, block_hashes_first_page: int = 0, pin: bool = False,
-             layerwise_min_tokens: int = _save.DEFAULT_LAYERWISE_MIN_TOKENS) -> "_save.LayerwiseSave":
+             layerwise_min_tokens: int = _save.DEFAULT_LAYERWISE_MIN_TOKENS,
+             layers_per_message: int = _save.DEFAULT_LAYERS_PER_MESSAGE) -> "_save.LayerwiseSave":
         """A layer-wise save (mlakv.save.LayerwiseSave): `with c.save(seq) as s:
         s.layer(l, ckv, kpe)` for each layer, each call returning at once; leaving
         the block commits every layer atomically (one Append stream) or raises
         naming the layer. Arguments as for append; layerwise_min_tokens: below
-        this many rows per layer everything is sent at the end in one go."""
+        this many rows per layer everything is sent at the end in one go;
+        layers_per_message: layers handed to the stream together (mlakv.save)."""
         return _save.LayerwiseSave(self, sequence, start=start, pool=pool, dtype=dtype, ckv_scale=ckv_scale,
                                    kpe_scale=kpe_scale, expect_length=expect_length,
                                    expect_generation=expect_generation, reserve_tokens=reserve_tokens,
                                    block_hashes=block_hashes, block_hashes_first_page=block_hashes_first_page,
-                                   pin=pin, layerwise_min_tokens=layerwise_min_tokens)
+                                   pin=pin, layerwise_min_tokens=layerwise_min_tokens,
+                                   layers_per_message=layers_per_message)
 
     def append_batch(self, items: Iterable[Any], pool: str = "", ckv_scale: Optional[float] = None,
                      kpe_scale: Optional[float] = None, dtype: Optional[str] = None) -> "pb.AppendBatchResponse":

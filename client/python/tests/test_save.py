@@ -3,6 +3,7 @@ host rows: byte-exact against the blocking append, atomic under every failure
 (a bad layer, a failing message, the caller's exception), the short-prompt
 path, and the stream open while the caller is still giving layers."""
 
+import time
 import unittest
 
 import grpc
@@ -75,6 +76,37 @@ class LayerwiseSaveTest(ServerTestCase):
         for a, b in zip(self.exported("chunked", range(3)), self.exported("chunked-blocking", range(3))):
             np.testing.assert_array_equal(a["ckv_packed"], b["ckv_packed"])
         for sid in ("short", "short-blocking", "chunked", "chunked-blocking"):
+            self.client.free(sid)
+
+    def test_layers_go_to_the_stream_in_groups(self):
+        rows = prompt(7, 300)[:10]
+        with self.client.save("grouped", layers_per_message=4, **SCALES) as s:
+            for layer, (ckv, kpe) in enumerate(rows):
+                s.layer(layer, ckv, kpe)
+                if layer == 2:
+                    self.assertEqual(s._sent_layers, [], "three layers wait for the fourth")
+        sizes = [len(layers) for layers in s._sent_layers]
+        self.assertEqual(sum(sizes), 10, s._sent_layers)
+        self.assertTrue(all(n >= 4 for n in sizes[:-1]), s._sent_layers)
+        self.assertEqual([l for layers in s._sent_layers for l in layers], list(range(10)))
+        for layer, (ckv, kpe) in enumerate(rows):
+            self.client.append("grouped-blocking", layer, ckv, kpe, start=0, **SCALES)
+        for a, b in zip(self.exported("grouped", range(10)), self.exported("grouped-blocking", range(10))):
+            np.testing.assert_array_equal(a["ckv_packed"], b["ckv_packed"])
+            np.testing.assert_array_equal(a["kpe"], b["kpe"])
+        # One layer a message on request; a group size below 1 is refused.
+        with self.client.save("one-by-one", layers_per_message=1, **SCALES) as s:
+            s.layer(0, *rows[0])
+            for _ in range(200):
+                if s._sent_layers:
+                    break
+                time.sleep(0.01)
+            self.assertEqual(s._sent_layers, [[0]], "the first layer goes before the save ends")
+            s.layer(1, *rows[1])
+        with self.assertRaises(mlakv.Error) as ctx:
+            self.client.save("none", layers_per_message=0)
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        for sid in ("grouped", "grouped-blocking", "one-by-one"):
             self.client.free(sid)
 
     def test_a_layer_the_client_rejects_is_named_and_nothing_is_written(self):
