@@ -106,7 +106,7 @@ def check_interleaved(client, torch, tokens):
         client.free(name + "-bytes")
 
 
-def measure(client, torch, tokens, runs):
+def measure(client, torch, tokens, runs, per_message):
     loop = Loop(torch, tokens)
     base, total, commit, end_save, in_layer = [], [], [], [], []
     # Warm-up: cuBLAS, and the allocations' one registration with the server.
@@ -123,7 +123,7 @@ def measure(client, torch, tokens, runs):
 
         sid = "m-%d-%d" % (tokens, r)
         t0 = time.perf_counter()
-        s = client.save(sid, **SCALES)
+        s = client.save(sid, layers_per_message=per_message, **SCALES)
         in_layer.append(loop.run(s))
         torch.cuda.synchronize()  # the last layer's compute is done
         t_last = time.perf_counter()
@@ -147,6 +147,7 @@ def measure(client, torch, tokens, runs):
     return {
         "tokens": tokens,
         "layers": LAYERS,
+        "layers_per_message": per_message,
         "runs": runs,
         "loop_without_save_ms": med(base) * 1e3,
         "loop_with_layerwise_save_ms": med(total) * 1e3,
@@ -163,6 +164,7 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", default="")
     ap.add_argument("--tokens", default="1024,4096,16384")
+    ap.add_argument("--layers_per_message", default="4", help="comma-separated: each is measured")
     a = ap.parse_args()
     why = cuda_missing()
     if why:
@@ -182,9 +184,10 @@ def main():
             check_interleaved(client, torch, 2048)
             print("byte-exact: two saves open at once in one thread, out of one allocation", flush=True)
             for tokens in [int(x) for x in a.tokens.split(",")]:
-                r = measure(client, torch, tokens, a.runs)
-                results["sizes"].append(r)
-                print(json.dumps({k: v for k, v in r.items() if not k.endswith("_all_ms")}), flush=True)
+                for per_message in [int(x) for x in a.layers_per_message.split(",")]:
+                    r = measure(client, torch, tokens, a.runs, per_message)
+                    results["sizes"].append(r)
+                    print(json.dumps({k: v for k, v in r.items() if not k.endswith("_all_ms")}), flush=True)
             if client.pool().pages_used != 0:
                 raise AssertionError("pages left behind: %s" % client.pool())
     os.unlink(cfg.name)
