@@ -120,5 +120,45 @@ TEST(AtomicAppend, BeginPassesThePoolsRefusal) {
   EXPECT_EQ(second.Begin("").code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(AtomicAppend, BeginningSeveralStopsAtTheFirstRefusalAndAbortLeavesNothing) {
+  auto pool = MakePool();
+  Bytes b(2);
+  {  // "held" committed with 2 tokens, then held busy by another append
+    AtomicAppend setup(pool.get());
+    ASSERT_TRUE(setup.Begin("held").ok());
+    const SequenceRowsIn r = Rows(b, 0, 2);
+    const SequenceRowsIn* rows[] = {&r};
+    ASSERT_TRUE(setup.Stage(rows, DType::kBFloat16).ok());
+    ASSERT_TRUE(setup.Commit(Ok).ok());
+  }
+  AtomicAppend holder(pool.get());
+  ASSERT_TRUE(holder.Begin("held").ok());
+  const std::string a = "new-a", held = "held", c = "new-c";
+  const std::string* ids[] = {&a, &held, &c};
+  AtomicAppend batch(pool.get());
+  EXPECT_EQ(batch.Begin(ids).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(batch.size(), 1u) << "the sequences begun before the refusal, and no more";
+  batch.Abort();
+  EXPECT_EQ(pool->GetSequence("new-a").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(pool->GetSequence("new-c").status().code(), absl::StatusCode::kNotFound);
+  holder.Abort();
+  EXPECT_EQ(pool->GetSequence("held")->length, 2u);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  // All at once when none is refused; committed under one hold of the lock.
+  const std::string* fresh[] = {&a, &c};
+  AtomicAppend ok(pool.get());
+  ASSERT_TRUE(ok.Begin(fresh).ok());
+  Bytes one(1);
+  const SequenceRowsIn ra = Rows(b, 0, 2), rc = Rows(one, 0, 1);
+  const SequenceRowsIn* rows[] = {&ra, &rc};
+  ASSERT_TRUE(ok.Stage(rows, DType::kBFloat16).ok());
+  auto after = ok.Commit(Ok);
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_EQ(after->size(), 2u);
+  EXPECT_EQ((*after)[0].id, "new-a");
+  EXPECT_EQ((*after)[1].length, 1u);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
 }  // namespace
 }  // namespace mlakv::server
