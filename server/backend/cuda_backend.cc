@@ -273,7 +273,9 @@ absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> lay
     if (la.rows) MLAKV_RETURN_IF_ERROR(check_device(*la.rows));
     int64_t rows = 0;
     int32_t non_empty = 0;
-    if (li > 0 && SameSpan(layers[li - 1].segments, la.segments)) {  // counted (and their rows checked) already
+    // The previous layer's segments (the compact form's one list, rows given
+    // per layer): counted already, and no rows of their own to check.
+    if (li > 0 && la.rows && layers[li - 1].rows && SameSpan(layers[li - 1].segments, la.segments)) {
       rows = (*slots)[li - 1].rows;
       non_empty = (*slots)[li - 1].segments;
     } else {

@@ -440,7 +440,7 @@ absl::Status Pool::CheckScales(size_t index, const AppendTransaction& txn, const
 }
 
 absl::Status Pool::PlanPages(size_t index, const AppendTransaction& txn, const SequenceRowsIn& r,
-                                   StagePlan& plan) const {
+                             StagePlan& plan) const {
   const auto who = [&] { return Who(txn.id_); };  // built only for a message
   const std::span<const LayerRows> layers = r.written_layers();
   // Capacity this sequence needs (checked for the whole call afterwards).

@@ -443,8 +443,8 @@ class Pool {
   // pages the rows need (new ones, copies of shared ones, rewritten ones).
   absl::Status CheckScales(size_t index, const AppendTransaction& txn, const SequenceRowsIn& rows, StagePlan& plan) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  absl::Status PlanPages(size_t index, const AppendTransaction& txn, const SequenceRowsIn& rows,
-                               StagePlan& plan) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status PlanPages(size_t index, const AppendTransaction& txn, const SequenceRowsIn& rows, StagePlan& plan) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   absl::Status CheckCapacity(const StagePlan& plan) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Allocates the planned pages and sets the planned scales (cannot fail
   // after CheckCapacity).

@@ -303,7 +303,9 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
           rows.push_back(std::move(r));
         }
       }
-      for (const SequenceRowsIn& r : rows) row_bytes += static_cast<uint64_t>(r.row_count) * kRowBytes * r.written_layers().size();
+      for (const SequenceRowsIn& r : rows) {
+        row_bytes += static_cast<uint64_t>(r.row_count) * kRowBytes * r.written_layers().size();
+      }
       std::vector<const SequenceRowsIn*> row_ptrs;
       row_ptrs.reserve(rows.size());
       for (const SequenceRowsIn& r : rows) row_ptrs.push_back(&r);

@@ -149,8 +149,6 @@ LayerRowsRequest ToLayerRowsRequest(const v1::LayerRows& lr) {
   return in;
 }
 
-// Rows [first, first + count) of `whole` (resolved rows of one layer).
-
 }  // namespace
 
 absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t start, uint32_t row_count,
