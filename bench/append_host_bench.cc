@@ -38,6 +38,7 @@
 #include "absl/synchronization/mutex.h"
 #include "bench/bench_stats.h"
 #include "mlakv/v1/kv_cache.pb.h"
+#include "server/backend/forwarding_backend.h"
 #include "server/core/atomic_append.h"
 #include "server/core/kv_events.h"
 #include "server/core/pool.h"
@@ -62,11 +63,9 @@ using server::SequenceRowsIn;
 using server::SequenceSnapshot;
 // Forwards everything but Append, which it accepts without writing: the
 // bench measures the host work around the kernel, not the CPU quantizer.
-class NoWriteBackend final : public CacheBackend {
+class NoWriteBackend final : public server::ForwardingBackend {
  public:
-  explicit NoWriteBackend(std::unique_ptr<CacheBackend> inner) : inner_(std::move(inner)) {}
-  server::Device device() const override { return inner_->device(); }
-  uint64_t cache_bytes() const override { return inner_->cache_bytes(); }
+  using ForwardingBackend::ForwardingBackend;
   absl::Status Append(std::span<const server::LayerAppend> layers) override {
     for (const server::LayerAppend& la : layers) {
       appended_segments += la.segments.size();
@@ -74,19 +73,8 @@ class NoWriteBackend final : public CacheBackend {
     }
     return absl::OkStatus();
   }
-  absl::Status ReadEntries(int32_t layer, std::span<const int64_t> entries, const server::EntryRows& out) override {
-    return inner_->ReadEntries(layer, entries, out);
-  }
-  absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries,
-                            const server::EntryRows& in) override {
-    return inner_->WriteEntries(layer, entries, in);
-  }
-  absl::StatusOr<std::vector<LayerHandles>> ExportHandles() const override { return inner_->ExportHandles(); }
   uint64_t appended_segments = 0;
   uint64_t separate_placements = 0;  // layers whose segments are not the first layer's span
-
- private:
-  std::unique_ptr<CacheBackend> inner_;
 };
 
 double Us(Clock::time_point a, Clock::time_point b) { return Micros(b - a); }

@@ -197,8 +197,9 @@ std::optional<RowSource> ContiguousDeviceRows(const LayerAppend& la) {
                r.wait_events[1] != first->rows.wait_events[1]) {
       return std::nullopt;
     }
-    next_ckv = static_cast<const char*>(r.ckv) + seg.count * r.ckv_stride_bytes;
-    next_kpe = static_cast<const char*>(r.kpe) + seg.count * r.kpe_stride_bytes;
+    const RowSource next = r.From(static_cast<uint64_t>(seg.count), DTypeSize(la.dtype));
+    next_ckv = static_cast<const char*>(next.ckv);
+    next_kpe = static_cast<const char*>(next.kpe);
   }
   if (first == nullptr) return std::nullopt;
   return first->rows;

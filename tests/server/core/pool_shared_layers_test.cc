@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/status_macros.h"
+#include "server/backend/forwarding_backend.h"
 #include "server/core/atomic_append.h"
 #include "server/core/pool.h"
 #include "tests/server/core/random_rows.h"
@@ -26,11 +27,9 @@ constexpr float kCkv = 0.25f, kKpe = 0.5f;
 constexpr int32_t kLayers = 3, kPageSize = 4;
 
 // Forwards to the cpu backend and records how each Append was shaped.
-class RecordingBackend final : public CacheBackend {
+class RecordingBackend final : public ForwardingBackend {
  public:
-  explicit RecordingBackend(std::unique_ptr<CacheBackend> inner) : inner_(std::move(inner)) {}
-  Device device() const override { return inner_->device(); }
-  uint64_t cache_bytes() const override { return inner_->cache_bytes(); }
+  using ForwardingBackend::ForwardingBackend;
   absl::Status Append(std::span<const LayerAppend> layers) override {
     calls.push_back({});
     for (const LayerAppend& la : layers) {
@@ -38,24 +37,14 @@ class RecordingBackend final : public CacheBackend {
                                    la.segments.data() == layers.front().segments.data();
       calls.back().layers++;
     }
-    return inner_->Append(layers);
+    return inner().Append(layers);
   }
-  absl::Status ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) override {
-    return inner_->ReadEntries(layer, entries, out);
-  }
-  absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) override {
-    return inner_->WriteEntries(layer, entries, in);
-  }
-  absl::StatusOr<std::vector<LayerHandles>> ExportHandles() const override { return inner_->ExportHandles(); }
 
   struct Call {
     bool one_placement = true;  // every layer: `rows` set and the first layer's segments span
     int layers = 0;
   };
   std::vector<Call> calls;
-
- private:
-  std::unique_ptr<CacheBackend> inner_;
 };
 
 struct TestPool {
