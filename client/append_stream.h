@@ -11,18 +11,31 @@
 #pragma once
 
 #include <cstddef>
+#include <type_traits>
 
 #include "absl/functional/function_ref.h"
 #include "grpcpp/support/status.h"
 #include "grpcpp/support/sync_stream.h"
-#include "mlakv/v1/kv_cache.pb.h"
 
 namespace mlakv {
 
 // Writes message_at(0) .. message_at(messages - 1) (messages >= 1) and returns
 // the stream's status. A failed Write ends the writing early: the stream is
-// broken and Finish says why.
-grpc::Status WriteAppendStream(grpc::ClientWriterInterface<v1::AppendRequest>& writer, size_t messages,
-                               absl::FunctionRef<v1::AppendRequest(size_t)> message_at);
+// broken and Finish says why. Message: v1::AppendRequest, or a grpc::ByteBuffer
+// already serialized (client/append_wire.h).
+template <typename Message>
+grpc::Status WriteAppendStream(grpc::ClientWriterInterface<Message>& writer, size_t messages,
+                               absl::FunctionRef<std::type_identity_t<Message>(size_t)> message_at) {
+  bool half_close_started = false;
+  for (size_t i = 0; i < messages; ++i) {
+    const bool last = i + 1 == messages;
+    const bool written =
+        writer.Write(message_at(i), last ? grpc::WriteOptions().set_last_message() : grpc::WriteOptions());
+    half_close_started = last;  // started with the write, whatever it returned
+    if (!written) break;
+  }
+  if (!half_close_started) writer.WritesDone();
+  return writer.Finish();
+}
 
 }  // namespace mlakv

@@ -1,6 +1,7 @@
 #include "client/kv_cache_client.h"
 
 #include "client/append_stream.h"
+#include "client/append_wire.h"
 #include "common/status_macros.h"
 
 #include <algorithm>
@@ -128,8 +129,11 @@ void SetRegionRef(const RegionRows& region, uint32_t first, size_t row_bytes, v1
   ref->set_row_stride_bytes(region.row_stride_bytes);
 }
 
-// Message `index` of the stream: rows [first, first + count) of every layer.
-v1::AppendRequest AppendMessage(const AppendRows& append, uint32_t first, uint32_t count, bool is_first) {
+// Message `index` of the stream without its rows: rows [first, first + count)
+// of every layer, whose bytes (views into the caller's buffers) go to `rows`
+// (client/append_wire.h puts them in when it serializes).
+v1::AppendRequest AppendHead(const AppendRows& append, uint32_t first, uint32_t count, bool is_first,
+                             std::vector<LayerRowBytes>* rows) {
   const size_t element = RowDTypeBytes(append.dtype);
   v1::AppendRequest message;
   message.set_pool(append.pool);
@@ -146,21 +150,23 @@ v1::AppendRequest AppendMessage(const AppendRows& append, uint32_t first, uint32
     message.set_block_hashes_first_page(append.block_hashes_first_page);
     message.set_pin(append.pin);
   }
+  rows->clear();
   for (const LayerBytes& layer : append.layers) {
-    v1::LayerRows* rows = message.add_layers();
-    rows->set_layer(layer.layer);
+    v1::LayerRows* entry = message.add_layers();
+    LayerRowBytes& bytes = rows->emplace_back();
+    entry->set_layer(layer.layer);
     if (layer.ckv_region) {
-      SetRegionRef(*layer.ckv_region, first, kCkvDim * element, rows->mutable_ckv_ref());
+      SetRegionRef(*layer.ckv_region, first, kCkvDim * element, entry->mutable_ckv_ref());
     } else {
-      rows->set_ckv(layer.ckv.data() + size_t{first} * kCkvDim * element, size_t{count} * kCkvDim * element);
+      bytes.ckv = layer.ckv.substr(size_t{first} * kCkvDim * element, size_t{count} * kCkvDim * element);
     }
     if (layer.kpe_region) {
-      SetRegionRef(*layer.kpe_region, first, kKpeDim * element, rows->mutable_kpe_ref());
+      SetRegionRef(*layer.kpe_region, first, kKpeDim * element, entry->mutable_kpe_ref());
     } else {
-      rows->set_kpe(layer.kpe.data() + size_t{first} * kKpeDim * element, size_t{count} * kKpeDim * element);
+      bytes.kpe = layer.kpe.substr(size_t{first} * kKpeDim * element, size_t{count} * kKpeDim * element);
     }
-    if (layer.ckv_scale) rows->set_ckv_scale(*layer.ckv_scale);
-    if (layer.kpe_scale) rows->set_kpe_scale(*layer.kpe_scale);
+    if (layer.ckv_scale) entry->set_ckv_scale(*layer.ckv_scale);
+    if (layer.kpe_scale) entry->set_kpe_scale(*layer.kpe_scale);
   }
   return message;
 }
@@ -224,7 +230,12 @@ absl::StatusOr<std::unique_ptr<KvCacheClient>> KvCacheClient::Create(Options opt
 }
 
 KvCacheClient::KvCacheClient(Options options, std::shared_ptr<grpc::Channel> channel)
-    : options_(std::move(options)), channel_(std::move(channel)), stub_(v1::KvCache::NewStub(channel_)) {}
+    : options_(std::move(options)),
+      channel_(std::move(channel)),
+      stub_(v1::KvCache::NewStub(channel_)),
+      append_method_name_(absl::StrCat("/", v1::KvCache::service_full_name(), "/Append")),
+      append_method_(std::make_unique<grpc::internal::RpcMethod>(
+          append_method_name_.c_str(), grpc::internal::RpcMethod::CLIENT_STREAMING, channel_)) {}
 
 void KvCacheClient::PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const {
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
@@ -370,14 +381,27 @@ absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& appen
   // Initial metadata travels with the first message, and the last message
   // carries the half-close: a one-message append is one batch on the wire.
   context.set_initial_metadata_corked(true);
-  std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer = stub_->Append(&context, &response);
+  // Messages go out serialized by client/append_wire.h (the rows copied once).
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(channel_.get(), *append_method_, &context,
+                                                                    &response));
   // An append of zero rows is still one message: it creates the sequence and
   // may reserve pages.
   const size_t messages = append.rows == 0 ? 1 : (size_t{append.rows} + rows_per_message - 1) / rows_per_message;
-  const grpc::Status status = WriteAppendStream(*writer, messages, [&](size_t i) {
+  std::vector<LayerRowBytes> rows;
+  absl::Status serialized;
+  const grpc::Status status = WriteAppendStream<grpc::ByteBuffer>(*writer, messages, [&](size_t i) {
     const uint32_t first = static_cast<uint32_t>(i * rows_per_message);
-    return AppendMessage(append, first, std::min(rows_per_message, append.rows - first), i == 0);
+    const v1::AppendRequest head =
+        AppendHead(append, first, std::min(rows_per_message, append.rows - first), i == 0, &rows);
+    absl::StatusOr<grpc::ByteBuffer> message = SerializeAppendRequest(head, rows);
+    if (message.ok()) return *std::move(message);
+    if (serialized.ok()) serialized = message.status();
+    context.TryCancel();  // the write then fails, and nothing commits
+    grpc::Slice empty;
+    return grpc::ByteBuffer(&empty, 1);
   });
+  MLAKV_RETURN_IF_ERROR(serialized);
   MLAKV_RETURN_IF_ERROR(FromGrpcStatus(status));
   return response;
 }

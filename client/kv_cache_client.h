@@ -271,6 +271,9 @@ class KvCacheClient {
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvCache::Stub> stub_;
+  // Append by hand (ByteBuffer messages, client/append_wire.h): its method.
+  std::string append_method_name_;
+  std::unique_ptr<grpc::internal::RpcMethod> append_method_;
 };
 
 // grpc::Status -> absl::Status: the same code and message.

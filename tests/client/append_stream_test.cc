@@ -3,6 +3,7 @@
 // write carrying it fails (a second one aborts the process inside gRPC), and
 // a broken stream stops the writing and still reports the server's status.
 #include "client/append_stream.h"
+#include "mlakv/v1/kv_cache.pb.h"
 
 #include <string>
 #include <vector>
@@ -68,7 +69,7 @@ constexpr size_t kNeverFails = ~size_t{0};
 
 TEST(WriteAppendStream, AllMessagesInOrderTheLastCarryingTheHalfClose) {
   ScriptedWriter writer(kNeverFails);
-  const grpc::Status status = WriteAppendStream(writer, 3, Message);
+  const grpc::Status status = WriteAppendStream<v1::AppendRequest>(writer, 3, Message);
   EXPECT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(writer.rows_written(), (std::vector<uint32_t>{1, 2, 3}));
   EXPECT_EQ(writer.sequences_written(), (std::vector<std::string>{"s", "", ""}));
@@ -79,7 +80,7 @@ TEST(WriteAppendStream, AllMessagesInOrderTheLastCarryingTheHalfClose) {
 
 TEST(WriteAppendStream, OneMessageIsOneWriteWithTheHalfClose) {
   ScriptedWriter writer(kNeverFails);
-  EXPECT_TRUE(WriteAppendStream(writer, 1, Message).ok());
+  EXPECT_TRUE(WriteAppendStream<v1::AppendRequest>(writer, 1, Message).ok());
   EXPECT_EQ(writer.writes(), 1u);
   EXPECT_EQ(writer.half_closes(), 1);
   EXPECT_EQ(writer.writes_done_calls(), 0);
@@ -92,7 +93,7 @@ TEST(WriteAppendStream, FailedLastWriteIsNotFollowedByASecondHalfClose) {
     SCOPED_TRACE(messages);
     ScriptedWriter writer(/*fail_from=*/messages - 1,
                           grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "rows do not continue the sequence"));
-    const grpc::Status status = WriteAppendStream(writer, messages, Message);
+    const grpc::Status status = WriteAppendStream<v1::AppendRequest>(writer, messages, Message);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_EQ(status.error_message(), "rows do not continue the sequence");
     EXPECT_EQ(writer.writes(), messages);
@@ -104,7 +105,7 @@ TEST(WriteAppendStream, FailedLastWriteIsNotFollowedByASecondHalfClose) {
 
 TEST(WriteAppendStream, FailedEarlierWriteStopsWritingAndHalfClosesOnce) {
   ScriptedWriter writer(/*fail_from=*/1, grpc::Status(grpc::StatusCode::NOT_FOUND, "pool 'x' does not exist"));
-  const grpc::Status status = WriteAppendStream(writer, 4, Message);
+  const grpc::Status status = WriteAppendStream<v1::AppendRequest>(writer, 4, Message);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(writer.writes(), 2u);  // the second write failed; the rest were never tried
   EXPECT_EQ(writer.half_closes(), 1);

@@ -143,7 +143,7 @@ grpc::Status ClientSession::AppendStream(const std::vector<v1::AppendRequest>& r
                                          v1::AppendResponse* response, std::optional<absl::Duration> timeout) {
   std::unique_ptr<grpc::ClientContext> context = Context(timeout);
   std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer = stub_->Append(context.get(), response);
-  return WriteAppendStream(*writer, requests.size(), [&](size_t i) { return requests[i]; });
+  return WriteAppendStream<v1::AppendRequest>(*writer, requests.size(), [&](size_t i) { return requests[i]; });
 }
 
 grpc::Status ClientSession::RetryAborted(const std::vector<const Slot*>& slots,

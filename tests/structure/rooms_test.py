@@ -69,7 +69,7 @@ FORBIDDEN_INCLUDES = {
 }
 # The client library's own files (client/cli and the row-file helpers use kernels).
 CLIENT_LIBRARY = ["client/kv_cache_client.h", "client/kv_cache_client.cc", "client/append_stream.h",
-                  "client/append_stream.cc"]
+                  "client/append_wire.h", "client/append_wire.cc"]
 CLIENT_FORBIDDEN = ["server/", "kernels/", "cuda"]
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^">]+)[">]', re.M)

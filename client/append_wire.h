@@ -1,0 +1,41 @@
+// An Append message serialized with each layer's rows copied once, from the
+// caller's buffers straight into the message's one slice.
+//
+// The plain way costs two copies of every row: into the message's bytes
+// fields, then into the buffer gRPC sends. Here the message's small fields
+// (everything but the rows) are built and serialized by protobuf, and the
+// rows' two bytes fields of each layer are written after the layer's other
+// fields: protobuf parses fields in any order, so the bytes parse back to the
+// same AppendRequest the plain way sends (tests/client/append_wire_test.cc
+// checks field by field).
+//
+// Wire layout of one message (proto3, docs/api.md):
+//   [AppendRequest without `layers`]
+//   per layer: tag(6, LEN) varint(n) [LayerRows without ckv, kpe]
+//              tag(2, LEN) varint(|ckv|) ckv   (left out when empty)
+//              tag(3, LEN) varint(|kpe|) kpe   (left out when empty)
+#pragma once
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include <span>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "mlakv/v1/kv_cache.pb.h"
+
+namespace mlakv {
+
+// The rows of one layer entry of a message: views of the caller's buffers.
+struct LayerRowBytes {
+  std::string_view ckv;
+  std::string_view kpe;
+};
+
+// `head` with rows[i] as the ckv and kpe of head.layers(i) (whose own ckv and
+// kpe must be empty); rows.size() == head.layers_size(). INTERNAL when
+// either is not so (a caller's bug).
+absl::StatusOr<grpc::ByteBuffer> SerializeAppendRequest(const v1::AppendRequest& head,
+                                                        std::span<const LayerRowBytes> rows);
+
+}  // namespace mlakv
