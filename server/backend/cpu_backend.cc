@@ -1,6 +1,8 @@
 #include "server/backend/cpu_backend.h"
 
 #include <array>
+#include <deque>
+#include <string>
 #include <limits>
 
 #include <cstdlib>
@@ -15,11 +17,24 @@
 namespace mlakv::server {
 namespace {
 
+using format::kCkvDim;
 using format::kCkvPackedBytes;
 using format::kCkvSfBytes;
 using format::kKpeBytes;
+using format::kKpeDim;
 
 int64_t Entries(const CacheBackend::Geometry& g) { return static_cast<int64_t>(g.num_pages) * g.page_size; }
+
+// The first `bytes` bytes of host rows of ckv (or kpe) in one buffer: where
+// they are, or for rows in pieces a copy of them kept in `gathered` (the
+// kernel reads packed rows from one pointer).
+const void* HostRows(const RowSource& rows, bool ckv, uint64_t bytes, std::deque<std::string>* gathered) {
+  if ((ckv ? rows.ckv_pieces : rows.kpe_pieces) == nullptr) return ckv ? rows.ckv : rows.kpe;
+  std::string& out = gathered->emplace_back();
+  out.reserve(static_cast<size_t>(bytes));
+  ForEachHostRun(rows, ckv, bytes, [&](const char* data, size_t n) { out.append(data, n); });
+  return out.data();
+}
 
 }  // namespace
 
@@ -74,6 +89,7 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
   // One segment per params: {indptr 0, rows, request, start}.
   std::vector<std::array<int32_t, 4>> placements;
   std::vector<int32_t> layer_indptr, layer_request, layer_start;
+  std::deque<std::string> gathered;  // rows in pieces, copied together for the kernel
   for (const LayerAppend& la : layers) {
     if (la.layer < 0 || la.layer >= g.num_layers) {
       return absl::InternalError(absl::StrCat("cpu backend: layer ", la.layer, " outside [0, ", g.num_layers, ")"));
@@ -102,8 +118,8 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
       layer_request.push_back(seg.request);
       layer_start.push_back(seg.start);
       QuantizeAppendParams one = p;
-      one.append_ckv = rows.ckv;
-      one.append_kpe = rows.kpe;
+      one.append_ckv = HostRows(rows, true, seg.count * kCkvDim * DTypeSize(la.dtype), &gathered);
+      one.append_kpe = HostRows(rows, false, seg.count * kKpeDim * DTypeSize(la.dtype), &gathered);
       one.num_rows = seg.count;
       placements.push_back({0, seg.count, seg.request, seg.start});
       all.push_back(one);

@@ -357,8 +357,15 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
               {rows, static_cast<int32_t>(count), s.ckv + r * kCkvDim * esize, s.kpe + r * kKpeDim * esize, esize});
         }
       } else {
-        AddCopy(&out.host_copies, {pinned_ + s.ckv + r * kCkvDim * esize, rows.ckv, count * kCkvDim * esize});
-        AddCopy(&out.host_copies, {pinned_ + s.kpe + r * kKpeDim * esize, rows.kpe, count * kKpeDim * esize});
+        // One copy per run of host bytes: the rows' one buffer, or each piece
+        // of the transport's slices they arrived in.
+        for (const bool ckv : {true, false}) {
+          uint8_t* dst = pinned_ + (ckv ? s.ckv + r * kCkvDim * esize : s.kpe + r * kKpeDim * esize);
+          ForEachHostRun(rows, ckv, count * (ckv ? kCkvDim : kKpeDim) * esize, [&](const char* src, size_t n) {
+            AddCopy(&out.host_copies, {dst, src, n});
+            dst += n;
+          });
+        }
       }
     };
     if (la.rows) stage_rows(*la.rows, 0, s.rows);

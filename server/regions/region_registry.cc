@@ -284,23 +284,35 @@ absl::Status RegionRegistry::ResolveRows(const std::string& who, const LayerRows
   out->source = RowSource{.ckv = in.ckv.data(), .kpe = in.kpe.data()};
   out->ckv_bytes = in.ckv.size();
   out->kpe_bytes = in.kpe.size();
+  if (in.ckv_pieces != nullptr) {
+    out->source.ckv = nullptr;
+    out->source.ckv_pieces = in.ckv_pieces;
+    out->ckv_bytes = in.ckv_pieces->size();
+  }
+  if (in.kpe_pieces != nullptr) {
+    out->source.kpe = nullptr;
+    out->source.kpe_pieces = in.kpe_pieces;
+    out->kpe_bytes = in.kpe_pieces->size();
+  }
   out->ckv_scale = in.ckv_scale;
   out->kpe_scale = in.kpe_scale;
   if (!in.ckv_ref && !in.kpe_ref) return absl::OkStatus();
   MLAKV_RETURN_IF_ERROR(CheckAllowed("an append naming a region"));
   // One tensor's rows by reference, when it names a region.
-  auto resolve = [&](const char* tensor, const std::optional<RegionRef>& ref, absl::string_view inline_bytes,
+  auto resolve = [&](const char* tensor, const std::optional<RegionRef>& ref, uint64_t inline_bytes,
                      uint64_t row_bytes) -> absl::StatusOr<std::optional<Resolved>> {
     if (!ref) return std::optional<Resolved>();
-    if (!inline_bytes.empty()) {
+    if (inline_bytes != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat(who, ": carries both ", tensor, " bytes and ", tensor, "_ref; send the rows one way"));
     }
     MLAKV_ASSIGN_OR_RETURN(Resolved r, ResolveOne(who, tensor, *ref, row_bytes, row_count, pool_device, hold));
     return std::optional<Resolved>(r);
   };
-  MLAKV_ASSIGN_OR_RETURN(std::optional<Resolved> ckv, resolve("ckv", in.ckv_ref, in.ckv, format::kCkvDim * kElementBytes));
-  MLAKV_ASSIGN_OR_RETURN(std::optional<Resolved> kpe, resolve("kpe", in.kpe_ref, in.kpe, format::kKpeDim * kElementBytes));
+  MLAKV_ASSIGN_OR_RETURN(std::optional<Resolved> ckv,
+                         resolve("ckv", in.ckv_ref, out->ckv_bytes, format::kCkvDim * kElementBytes));
+  MLAKV_ASSIGN_OR_RETURN(std::optional<Resolved> kpe,
+                         resolve("kpe", in.kpe_ref, out->kpe_bytes, format::kKpeDim * kElementBytes));
   if (ckv) {
     out->source.ckv = ckv->data;
     out->ckv_bytes = ckv->bytes;

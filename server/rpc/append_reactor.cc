@@ -67,8 +67,7 @@ void AppendReactor::OnMessage(int got, int index) {
   const size_t raw_bytes = slot.raw.Length();
   const uint32_t max_bytes = service_->options().max_message_bytes;
   const bool too_large = raw_bytes > max_bytes;
-  const bool parsed =
-      !too_large && grpc::SerializationTraits<v1::AppendRequest>::Deserialize(&slot.raw, &slot.message).ok();
+  const bool parsed = !too_large && ParseAppendMessage(&slot.raw, &slot.received);
   if (too_large) slot.raw.Clear();
   int next_read = -1;
   std::optional<absl::Status> finish;
@@ -85,7 +84,7 @@ void AppendReactor::OnMessage(int got, int index) {
           "(pool, sequence, region) that is not valid UTF-8; the whole append was rolled back")));
     } else if (pool_ == nullptr) {
       // The first message names the pool and the sequence for the stream.
-      const v1::AppendRequest& first = slot.message;
+      const v1::AppendRequest& first = slot.received.message;
       absl::Status named = CheckFieldLength("pool", first.pool());
       if (named.ok()) named = CheckFieldLength("sequence", first.sequence(), kMaxSequenceIdBytes);
       absl::StatusOr<v1::SequenceView> view = ToView(first.view());
@@ -200,7 +199,8 @@ void AppendReactor::Process(int slot, int index) {
     absl::MutexLock lock(&mu_);
     skip = finishing_ || doomed_;
   }
-  const absl::Status status = skip ? absl::OkStatus() : ProcessMessage(slots_[slot].message, index);
+  const absl::Status status = skip ? absl::OkStatus() : ProcessMessage(slots_[slot].received, index);
+  slots_[slot].received.Clear();  // the rows are staged: the transport's slices go back
   int next_read = -1;
   std::optional<absl::Status> finish;
   {
@@ -222,7 +222,8 @@ void AppendReactor::Process(int slot, int index) {
   if (next_read >= 0) StartReadInto(next_read);
 }
 
-absl::Status AppendReactor::ProcessMessage(const v1::AppendRequest& req, int index) {
+absl::Status AppendReactor::ProcessMessage(const ReceivedAppend& received, int index) {
+  const v1::AppendRequest& req = received.message;
   messages_processed_.store(index);
   absl::Status status = [&]() -> absl::Status {
     if (index > 1) {
@@ -258,7 +259,7 @@ absl::Status AppendReactor::ProcessMessage(const v1::AppendRequest& req, int ind
         req.has_expect_length() ? std::optional<uint32_t>(req.expect_length()) : std::nullopt;
     MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn rows, ToRows(sequence_, req.start(), req.row_count(), req.layers(),
                                                        req.reserve_tokens(), expect, *service_->options().regions,
-                                                       *pool_, &regions_held_));
+                                                       *pool_, &regions_held_, received.rows));
     AddCacheFields(req, &rows);  // later messages cannot name a generation or a pin (checked above)
     rows.pin = req.pin();
     const SequenceRowsIn* rows_ptr = &rows;

@@ -40,6 +40,7 @@
 #include "absl/time/time.h"
 #include "mlakv/v1/kv_cache.pb.h"
 #include "server/core/atomic_append.h"
+#include "server/rpc/append_wire.h"
 #include "server/rpc/kv_cache_service.h"
 #include "server/regions/region_registry.h"
 #include "server/rpc/stream_watchdog.h"
@@ -57,7 +58,7 @@ class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
  private:
   struct Slot {
     grpc::ByteBuffer raw;      // what the read delivers
-    v1::AppendRequest message;  // parsed from raw
+    ReceivedAppend received;   // parsed from raw, the rows left in its slices (server/rpc/append_wire.h)
     bool busy = false;         // holds a message queued on / being processed by the worker
   };
 
@@ -78,7 +79,7 @@ class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
 
   // ---- worker side ----
   void Process(int slot, int index);
-  absl::Status ProcessMessage(const v1::AppendRequest& req, int index);
+  absl::Status ProcessMessage(const ReceivedAppend& received, int index);
   void Complete();
   absl::Status CommitStream();
   void Fail(const absl::Status& status);

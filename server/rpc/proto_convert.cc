@@ -137,13 +137,28 @@ uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t page
 
 namespace {
 
-// `lr` as the registry takes it.
-LayerRowsRequest ToLayerRowsRequest(const v1::LayerRows& lr) {
+// Bytes in pieces as the registry takes them: one piece (or none) as a
+// plain view, several as the pieces.
+void SetBytes(const BytePieces& pieces, absl::string_view* view, const BytePieces** many) {
+  if (pieces.parts.size() > 1) {
+    *many = &pieces;
+  } else if (pieces.parts.size() == 1) {
+    *view = absl::string_view(pieces.parts[0].data(), pieces.parts[0].size());
+  }
+}
+
+// `lr` as the registry takes it; `pieces`: its rows, when the message was
+// parsed leaving them in its slices (server/rpc/append_wire.h).
+LayerRowsRequest ToLayerRowsRequest(const v1::LayerRows& lr, const LayerPieces* pieces = nullptr) {
   LayerRowsRequest in{.layer = static_cast<int32_t>(std::min<uint32_t>(lr.layer(), INT32_MAX)),
                       .ckv = lr.ckv(),
                       .kpe = lr.kpe(),
                       .ckv_scale = lr.ckv_scale(),
                       .kpe_scale = lr.kpe_scale()};
+  if (pieces != nullptr) {
+    SetBytes(pieces->ckv, &in.ckv, &in.ckv_pieces);
+    SetBytes(pieces->kpe, &in.kpe, &in.kpe_pieces);
+  }
   if (lr.has_ckv_ref()) in.ckv_ref = RegionRef{lr.ckv_ref().region(), lr.ckv_ref().offset(), lr.ckv_ref().row_stride_bytes()};
   if (lr.has_kpe_ref()) in.kpe_ref = RegionRef{lr.kpe_ref().region(), lr.kpe_ref().offset(), lr.kpe_ref().row_stride_bytes()};
   return in;
@@ -154,7 +169,11 @@ LayerRowsRequest ToLayerRowsRequest(const v1::LayerRows& lr) {
 absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t start, uint32_t row_count,
                                       const google::protobuf::RepeatedPtrField<v1::LayerRows>& layers,
                                       uint32_t reserve_tokens, std::optional<uint32_t> expect_length,
-                                      const RegionRegistry& regions, const Pool& pool, RegionHold* hold) {
+                                      const RegionRegistry& regions, const Pool& pool, RegionHold* hold,
+                                      std::span<const LayerPieces> pieces) {
+  if (!pieces.empty() && pieces.size() != static_cast<size_t>(layers.size())) {
+    return absl::InternalError("append: rows in pieces for another number of layers (a server bug)");
+  }
   if (layers.size() > pool.num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat("sequence ", Quote(sequence), ": ", layers.size(),
                                                    " LayerRows entries but pool ", Quote(pool.name()), " has ",
@@ -166,10 +185,12 @@ absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t star
   r.reserve_tokens = reserve_tokens;
   r.expect_length = expect_length;
   r.layers.reserve(layers.size());
-  for (const v1::LayerRows& lr : layers) {
+  for (int i = 0; i < layers.size(); ++i) {
+    const v1::LayerRows& lr = layers[i];
     LayerRows out;
     MLAKV_RETURN_IF_ERROR(regions.ResolveRows(absl::StrCat("sequence ", Quote(sequence), " layer ", lr.layer()),
-                                              ToLayerRowsRequest(lr), row_count, pool.device(), &out, hold));
+                                              ToLayerRowsRequest(lr, pieces.empty() ? nullptr : &pieces[i]),
+                                              row_count, pool.device(), &out, hold));
     r.layers.push_back(out);
   }
   return r;

@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "mlakv/v1/kv_cache.pb.h"
+#include "server/rpc/append_wire.h"
 #include "server/core/pool.h"
 #include "server/regions/region_registry.h"
 
@@ -81,10 +82,13 @@ v1::Region ToProto(const RegionInfo& region);
 
 // The rows of one sequence as Pool::Stage takes them: LayerRows' bytes, or
 // the rows their RegionRefs name (resolved by `regions`; `hold` keeps them
-// valid while the append is in flight).
+// valid while the append is in flight). `pieces`, when not empty: layers[i]'s
+// bytes are pieces[i] (a message parsed leaving its rows in the slices it
+// arrived in, server/rpc/append_wire.h; they outlive the append's staging).
 absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t start, uint32_t row_count,
                                       const google::protobuf::RepeatedPtrField<v1::LayerRows>& layers,
                                       uint32_t reserve_tokens, std::optional<uint32_t> expect_length,
-                                      const RegionRegistry& regions, const Pool& pool, RegionHold* hold);
+                                      const RegionRegistry& regions, const Pool& pool, RegionHold* hold,
+                                      std::span<const LayerPieces> pieces = {});
 
 }  // namespace mlakv::server

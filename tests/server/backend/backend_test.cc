@@ -133,6 +133,48 @@ TEST_F(BackendTest, LayersSharingOnePlacementReadTheirRowsInSegmentOrder) {
   }
 }
 
+// Host rows in pieces (as an Append message's rows lie in the slices gRPC
+// received): cut mid-row and mid-element, across both segments, read per
+// segment (layer 0) and as the layer's one run (layer 1); the same bytes as
+// from one buffer.
+TEST_F(BackendTest, RowsInPiecesStoreWhatTheSameRowsInOneBufferStore) {
+  const Rows layer0(5, 4), layer1(5, 5);
+  auto cut = [](const std::vector<uint16_t>& v, std::vector<size_t> cuts) {
+    BytePieces p;
+    const char* b = reinterpret_cast<const char*>(v.data());
+    size_t at = 0;
+    cuts.push_back(v.size() * 2);
+    for (size_t c : cuts) {
+      p.Add(std::string_view(b + at, c - at));
+      at = c;
+    }
+    return p;
+  };
+  const BytePieces ckv0 = cut(layer0.ckv, {1, 1000, 1024 * 3 + 5}), kpe0 = cut(layer0.kpe, {127, 129, 300});
+  const BytePieces ckv1 = cut(layer1.ckv, {4000}), kpe1 = cut(layer1.kpe, {1, 2, 3, 639});
+  const std::vector<int32_t> indptr = {0, 1, 2}, indices = {2, 5};
+  const RowSource whole0{.ckv_pieces = &ckv0, .kpe_pieces = &kpe0};
+  const std::vector<AppendSegment> segments0 = {
+      {.rows = whole0, .count = 3, .request = 0, .start = 0},
+      {.rows = whole0.From(3, 2), .count = 2, .request = 1, .start = 1}};
+  const std::vector<AppendSegment> segments1 = {{.rows = {}, .count = 3, .request = 0, .start = 0},
+                                                {.rows = {}, .count = 2, .request = 1, .start = 1}};
+  const std::vector<LayerAppend> layers = {
+      {.layer = 0, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe, .segments = segments0,
+       .rows = std::nullopt, .kv_indptr = indptr, .kv_indices = indices},
+      {.layer = 1, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe, .segments = segments1,
+       .rows = RowSource{.ckv_pieces = &ckv1, .kpe_pieces = &kpe1}, .kv_indptr = indptr, .kv_indices = indices}};
+  ASSERT_TRUE(backend_->Append(layers).ok());
+  const std::vector<int64_t> placed = {8, 9, 10, 21, 22};
+  for (int32_t layer : {0, 1}) {
+    const Rows& want = layer == 0 ? layer0 : layer1;
+    const Stored got = Read(layer, placed);
+    EXPECT_EQ(got.ckv, want.expected.ckv_packed) << "layer " << layer;
+    EXPECT_EQ(got.sf, want.expected.ckv_sf) << "layer " << layer;
+    EXPECT_EQ(got.kpe, want.expected.kpe) << "layer " << layer;
+  }
+}
+
 TEST_F(BackendTest, WrittenEntriesReadBackAsTheyWere) {
   const std::vector<int64_t> entries = {3, 4, 5, 20};
   Stored in;

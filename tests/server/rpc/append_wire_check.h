@@ -1,0 +1,69 @@
+// What tests/server/rpc/append_wire_test.cc and the append_wire fuzzer
+// check: ParseAppendMessage (server/rpc/append_wire.h) over `slices` agrees
+// with protobuf's plain parse of the same bytes, accepting and refusing the
+// same messages and, with the rows put back, giving the same one.
+#pragma once
+
+#include <google/protobuf/util/message_differencer.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
+
+#include <string>
+#include <vector>
+
+#include "server/rpc/append_wire.h"
+
+namespace mlakv::server::testing {
+
+struct WireVerdict {
+  bool plain_ok = false;      // protobuf parsed it
+  bool split_ok = false;      // ParseAppendMessage did
+  bool took_apart = false;    // ... leaving the rows in the slices
+  bool same = false;          // both parsed and agree (with the rows put back)
+  std::string difference;
+};
+
+inline std::string Join(const BytePieces& pieces) {
+  std::string out;
+  pieces.ForEach(0, pieces.size(), [&](const char* d, size_t n) { out.append(d, n); });
+  return out;
+}
+
+inline WireVerdict CompareWithPlainParse(const std::vector<grpc::Slice>& slices) {
+  WireVerdict v;
+  grpc::ByteBuffer plain_buffer(slices.data(), slices.size());
+  v1::AppendRequest plain;
+  v.plain_ok = grpc::SerializationTraits<v1::AppendRequest>::Deserialize(&plain_buffer, &plain).ok();
+  grpc::ByteBuffer raw(slices.data(), slices.size());
+  ReceivedAppend received;
+  v.split_ok = ParseAppendMessage(&raw, &received);
+  v.took_apart = v.split_ok && !received.rows.empty();
+  if (!v.plain_ok || !v.split_ok) return v;
+  v1::AppendRequest rebuilt = received.message;
+  for (size_t i = 0; i < received.rows.size(); ++i) {
+    if (!rebuilt.layers(static_cast<int>(i)).ckv().empty() || !rebuilt.layers(static_cast<int>(i)).kpe().empty()) {
+      v.difference = "a layer taken apart kept bytes in the message";
+      return v;
+    }
+    rebuilt.mutable_layers(static_cast<int>(i))->set_ckv(Join(received.rows[i].ckv));
+    rebuilt.mutable_layers(static_cast<int>(i))->set_kpe(Join(received.rows[i].kpe));
+  }
+  google::protobuf::util::MessageDifferencer differencer;
+  differencer.ReportDifferencesToString(&v.difference);
+  v.same = differencer.Compare(plain, rebuilt) && plain.SerializeAsString() == rebuilt.SerializeAsString();
+  if (!v.same && v.difference.empty()) v.difference = "unknown fields differ";
+  return v;
+}
+
+// `bytes` cut into slices at `cuts` (offsets, ascending, within bytes).
+inline std::vector<grpc::Slice> CutInto(const std::string& bytes, const std::vector<size_t>& cuts) {
+  std::vector<grpc::Slice> slices;
+  size_t begin = 0;
+  for (size_t cut : cuts) {
+    slices.emplace_back(bytes.data() + begin, cut - begin);
+    begin = cut;
+  }
+  slices.emplace_back(bytes.data() + begin, bytes.size() - begin);
+  return slices;
+}
+
+}  // namespace mlakv::server::testing
