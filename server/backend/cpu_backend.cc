@@ -25,11 +25,14 @@ using format::kKpeDim;
 
 int64_t Entries(const CacheBackend::Geometry& g) { return static_cast<int64_t>(g.num_pages) * g.page_size; }
 
-// The first `bytes` bytes of host rows of ckv (or kpe) in one buffer: where
-// they are, or for rows in pieces a copy of them kept in `gathered` (the
-// kernel reads packed rows from one pointer).
+// The first `bytes` bytes of host rows of ckv (or kpe) in one buffer of
+// 2-byte elements: where they are, or a copy kept in `gathered` for rows in
+// pieces (the kernel reads packed rows from one pointer) and for rows at an
+// odd address (an Append message's rows lie in gRPC's slices wherever the
+// wire put them; the kernel loads uint16_t elements).
 const void* HostRows(const RowSource& rows, bool ckv, uint64_t bytes, std::deque<std::string>* gathered) {
-  if ((ckv ? rows.ckv_pieces : rows.kpe_pieces) == nullptr) return ckv ? rows.ckv : rows.kpe;
+  const void* at = ckv ? rows.ckv : rows.kpe;
+  if ((ckv ? rows.ckv_pieces : rows.kpe_pieces) == nullptr && reinterpret_cast<uintptr_t>(at) % 2 == 0) return at;
   std::string& out = gathered->emplace_back();
   out.reserve(static_cast<size_t>(bytes));
   ForEachHostRun(rows, ckv, bytes, [&](const char* data, size_t n) { out.append(data, n); });

@@ -175,6 +175,25 @@ TEST_F(BackendTest, RowsInPiecesStoreWhatTheSameRowsInOneBufferStore) {
   }
 }
 
+// Host rows at an odd address (one piece of an Append message's slices can
+// start anywhere): stored as from an aligned buffer (the cpu kernel loads
+// 2-byte elements, so the backend copies such rows first; UBSan checks).
+TEST_F(BackendTest, RowsAtAnOddAddressStoreWhatAlignedRowsStore) {
+  const Rows rows(3, 6);
+  std::vector<char> ckv(rows.ckv.size() * 2 + 1), kpe(rows.kpe.size() * 2 + 1);
+  std::memcpy(ckv.data() + 1, rows.ckv.data(), rows.ckv.size() * 2);
+  std::memcpy(kpe.data() + 1, rows.kpe.data(), rows.kpe.size() * 2);
+  const std::vector<int32_t> indptr = {0, 1}, indices = {4};
+  const AppendSegment seg{.rows = {.ckv = ckv.data() + 1, .kpe = kpe.data() + 1}, .count = 3, .request = 0, .start = 0};
+  const LayerAppend la{.layer = 1, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe,
+                       .segments = {&seg, 1}, .rows = std::nullopt, .kv_indptr = indptr, .kv_indices = indices};
+  ASSERT_TRUE(backend_->Append({&la, 1}).ok());
+  const Stored got = Read(1, {16, 17, 18});
+  EXPECT_EQ(got.ckv, rows.expected.ckv_packed);
+  EXPECT_EQ(got.sf, rows.expected.ckv_sf);
+  EXPECT_EQ(got.kpe, rows.expected.kpe);
+}
+
 TEST_F(BackendTest, WrittenEntriesReadBackAsTheyWere) {
   const std::vector<int64_t> entries = {3, 4, 5, 20};
   Stored in;
