@@ -14,10 +14,12 @@
 //                   each message as a ByteBuffer and drops it: gRPC's
 //                   transport with no parse on the server
 //   mlakv client -> raw   KvCacheClient::Append into that raw server: what the
-//                   client's own serialization costs over the transport
-//   mlakv           KvCacheClient::Append into a KvCacheServer with one pool
-//                   on --device (the whole service: parse, staging, kernel,
-//                   commit)
+//                   client's own serialization costs over the transport (the
+//                   rows copied once; "by reference": AppendRows::rows_owner
+//                   set, the rows not copied at all)
+//   mlakv           KvCacheClient::Append (both ways) into a KvCacheServer
+//                   with one pool on --device (the whole service: parse,
+//                   staging, kernel, commit)
 // The variants take turns in --rounds rounds of --samples calls. Printed per
 // variant: p50 / p90 / p99 of a call, the rows' GB/s at the p50, and each
 // p50 over the typed -> raw floor.
@@ -162,13 +164,18 @@ int Main() {
   absl::StatusOr<std::unique_ptr<server::KvCacheServer>> mlakv = server::KvCacheServer::Create(options);
   if (!mlakv.ok()) Die(std::string(mlakv.status().message()));
 
-  const std::string ckv = RandomRowBytes(size_t(rows) * 512, v1::ROW_DTYPE_BFLOAT16, 1);
-  const std::string kpe = RandomRowBytes(size_t(rows) * 64, v1::ROW_DTYPE_BFLOAT16, 2);
+  auto owned = std::make_shared<const std::pair<std::string, std::string>>(
+      RandomRowBytes(size_t(rows) * 512, v1::ROW_DTYPE_BFLOAT16, 1),
+      RandomRowBytes(size_t(rows) * 64, v1::ROW_DTYPE_BFLOAT16, 2));
+  const std::string& ckv = owned->first;
+  const std::string& kpe = owned->second;
   AppendRows append;
   append.sequence = "ingest";
   append.rows = static_cast<uint32_t>(rows);
   append.dtype = v1::ROW_DTYPE_BFLOAT16;
   append.layers.push_back({.layer = 0, .ckv = ckv, .kpe = kpe, .ckv_scale = 8.0f / (6 * 448), .kpe_scale = 8.0f / 448});
+  AppendRows by_reference = append;  // the rows sent by reference (AppendRows::rows_owner)
+  by_reference.rows_owner = owned;
 
   // The generated stub, the message built the plain way.
   auto typed_call = [&](v1::KvCache::Stub& stub) {
@@ -193,7 +200,6 @@ int Main() {
   auto raw_stub = v1::KvCache::NewStub(Channel(raw_port));
   std::unique_ptr<KvCacheClient> raw_client = Client(raw_port);
   std::unique_ptr<KvCacheClient> mlakv_client = Client((*mlakv)->bound_port());
-  // mlakv appends at the end of one sequence, freed (untimed) when the pool fills.
   uint32_t position = 0;
   const uint32_t capacity = pool->num_pages() * 64 / 2;
 
@@ -213,20 +219,30 @@ int Main() {
        },
        nullptr,
        {}},
-      {"mlakv client -> mlakv-server",
-       [&] {
-         append.start = position;
-         absl::StatusOr<v1::AppendResponse> r = mlakv_client->Append(append);
-         if (!r.ok()) Die("mlakv Append failed: " + std::string(r.status().message()));
-         position += append.rows;
+      {"mlakv client, by reference -> raw", [&] {
+         absl::StatusOr<v1::AppendResponse> r = raw_client->Append(by_reference);
+         if (!r.ok()) Die("client Append failed: " + std::string(r.status().message()));
        },
-       [&] {
-         if (position + append.rows <= capacity) return;
-         if (!mlakv_client->Free("", append.sequence).ok()) Die("free failed");
-         position = 0;
-       },
+       nullptr,
        {}},
   };
+  // mlakv appends at the end of one sequence, freed (untimed) when the pool fills.
+  auto free_when_full = [&] {
+    if (position + append.rows <= capacity) return;
+    if (!mlakv_client->Free("", append.sequence).ok()) Die("free failed");
+    position = 0;
+  };
+  for (AppendRows* a : {&append, &by_reference}) {
+    variants.push_back({a == &append ? "mlakv client -> mlakv-server" : "mlakv client, by reference -> mlakv-server",
+                        [&, a] {
+                          a->start = position;
+                          absl::StatusOr<v1::AppendResponse> r = mlakv_client->Append(*a);
+                          if (!r.ok()) Die("mlakv Append failed: " + std::string(r.status().message()));
+                          position += a->rows;
+                        },
+                        free_when_full,
+                        {}});
+  }
   for (Variant& v : variants) {
     for (int i = 0; i < 20; ++i) {  // connect and warm up
       if (v.untimed) v.untimed();
@@ -248,10 +264,10 @@ int Main() {
               "%u cores, mlakv on %s\n",
               rounds, samples, rows, bytes / (1 << 20), std::thread::hardware_concurrency(),
               options.default_device.c_str());
-  const double floor = Summarize(variants[1].us).p50;
+  const double floor = Summarize(variants[1].us).p50;  // typed -> raw
   for (const Variant& v : variants) {
     const Summary s = Summarize(v.us);
-    std::printf("  %-38s p50 %8.1f us  p90 %8.1f  p99 %8.1f   %.2f GB/s at p50   p50 / raw floor %.2fx\n", v.name,
+    std::printf("  %-44s p50 %8.1f us  p90 %8.1f  p99 %8.1f   %.2f GB/s at p50   p50 / raw floor %.2fx\n", v.name,
                 s.p50, s.p90, s.p99, bytes / s.p50 / 1e3, s.p50 / floor);
   }
   (*mlakv)->Shutdown(absl::Seconds(1));

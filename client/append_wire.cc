@@ -5,6 +5,8 @@
 #include <grpcpp/support/slice.h>
 
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -18,6 +20,7 @@ using google::protobuf::internal::WireFormatLite;
 constexpr int kLayersField = v1::AppendRequest::kLayersFieldNumber;
 constexpr int kCkvField = v1::LayerRows::kCkvFieldNumber;
 constexpr int kKpeField = v1::LayerRows::kKpeFieldNumber;
+constexpr size_t kMaxPrefix = 5 + 10;  // a tag and a 64-bit length, at most
 
 // Bytes of a length-delimited field of `n` bytes (an empty one is left out,
 // as proto3 leaves out an empty bytes field).
@@ -46,10 +49,51 @@ uint8_t* WriteBytesField(int field, std::string_view bytes, uint8_t* out) {
   return out + bytes.size();
 }
 
+// The bytes of a message as slices: small parts written into a buffer of
+// our own, the rows' bytes referenced where they are (each reference slice
+// holding a copy of the owner).
+class SliceWriter {
+ public:
+  explicit SliceWriter(const std::shared_ptr<const void>& owner) : owner_(owner) {}
+
+  // Room for `n` small bytes; returns where to write them.
+  uint8_t* Small(size_t n) {
+    const size_t at = pending_.size();
+    pending_.resize(at + n);
+    return reinterpret_cast<uint8_t*>(pending_.data() + at);
+  }
+  void TrimSmall(const uint8_t* end) { pending_.resize(end - reinterpret_cast<const uint8_t*>(pending_.data())); }
+
+  void Reference(std::string_view bytes) {
+    if (bytes.empty()) return;
+    Flush();
+    auto* hold = new std::shared_ptr<const void>(owner_);
+    slices_.emplace_back(const_cast<char*>(bytes.data()), bytes.size(), &Release, hold);
+  }
+
+  grpc::ByteBuffer Finish() {
+    Flush();
+    return grpc::ByteBuffer(slices_.data(), slices_.size());
+  }
+
+ private:
+  static void Release(void* hold) { delete static_cast<std::shared_ptr<const void>*>(hold); }
+  void Flush() {
+    if (pending_.empty()) return;
+    slices_.emplace_back(pending_.data(), pending_.size());  // copied: a few bytes
+    pending_.clear();
+  }
+
+  const std::shared_ptr<const void>& owner_;
+  std::string pending_;
+  std::vector<grpc::Slice> slices_;
+};
+
 }  // namespace
 
 absl::StatusOr<grpc::ByteBuffer> SerializeAppendRequest(const v1::AppendRequest& head,
-                                                        std::span<const LayerRowBytes> rows) {
+                                                        std::span<const LayerRowBytes> rows,
+                                                        const std::shared_ptr<const void>& rows_owner) {
   if (rows.size() != static_cast<size_t>(head.layers_size())) {
     return absl::InternalError(absl::StrCat("append: ", rows.size(), " row sets for ", head.layers_size(), " layers"));
   }
@@ -65,6 +109,28 @@ absl::StatusOr<grpc::ByteBuffer> SerializeAppendRequest(const v1::AppendRequest&
     layer_sizes[i] =
         layer.ByteSizeLong() + BytesFieldSize(kCkvField, rows[i].ckv.size()) + BytesFieldSize(kKpeField, rows[i].kpe.size());
     total += MessageFieldSize(kLayersField, layer_sizes[i]);
+  }
+  if (rows_owner != nullptr) {
+    // By reference: every small part into the writer's own buffer, the rows
+    // as slices of their own. Sizes were computed (and cached) above.
+    SliceWriter w(rows_owner);
+    w.TrimSmall(top.SerializeWithCachedSizesToArray(w.Small(top.GetCachedSize())));
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const v1::LayerRows& layer = head.layers(static_cast<int>(i));
+      uint8_t* out = WriteLengthPrefix(kLayersField, layer_sizes[i], w.Small(kMaxPrefix + layer.GetCachedSize()));
+      w.TrimSmall(layer.SerializeWithCachedSizesToArray(out));
+      for (const bool ckv : {true, false}) {
+        const std::string_view bytes = ckv ? rows[i].ckv : rows[i].kpe;
+        if (bytes.empty()) continue;
+        w.TrimSmall(WriteLengthPrefix(ckv ? kCkvField : kKpeField, bytes.size(), w.Small(kMaxPrefix)));
+        w.Reference(bytes);
+      }
+    }
+    grpc::ByteBuffer out = w.Finish();
+    if (out.Length() != total) {
+      return absl::InternalError(absl::StrCat("append: serialized ", out.Length(), " bytes, sized ", total));
+    }
+    return out;
   }
   grpc::Slice slice(total);
   uint8_t* const begin = const_cast<uint8_t*>(slice.begin());  // ours until it is sent

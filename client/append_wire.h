@@ -9,7 +9,7 @@
 // same AppendRequest the plain way sends (tests/client/append_wire_test.cc
 // checks field by field).
 //
-// Wire layout of one message (proto3, docs/api.md):
+// Wire layout of one message (proto3):
 //   [AppendRequest without `layers`]
 //   per layer: tag(6, LEN) varint(n) [LayerRows without ckv, kpe]
 //              tag(2, LEN) varint(|ckv|) ckv   (left out when empty)
@@ -18,6 +18,7 @@
 
 #include <grpcpp/support/byte_buffer.h>
 
+#include <memory>
 #include <span>
 #include <string_view>
 
@@ -35,7 +36,14 @@ struct LayerRowBytes {
 // `head` with rows[i] as the ckv and kpe of head.layers(i) (whose own ckv and
 // kpe must be empty); rows.size() == head.layers_size(). INTERNAL when
 // either is not so (a caller's bug).
+//
+// With `rows_owner` set, the rows are not copied at all: the message is a
+// list of slices, the rows' own bytes among them, each holding a reference
+// to `rows_owner` (which must keep the rows' bytes alive and unchanged) until
+// gRPC's transport has written it, which may be after the call returns (a
+// cancelled call's bytes can sit in the connection's write buffer).
 absl::StatusOr<grpc::ByteBuffer> SerializeAppendRequest(const v1::AppendRequest& head,
-                                                        std::span<const LayerRowBytes> rows);
+                                                        std::span<const LayerRowBytes> rows,
+                                                        const std::shared_ptr<const void>& rows_owner = nullptr);
 
 }  // namespace mlakv

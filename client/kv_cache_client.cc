@@ -381,7 +381,8 @@ absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& appen
   // Initial metadata travels with the first message, and the last message
   // carries the half-close: a one-message append is one batch on the wire.
   context.set_initial_metadata_corked(true);
-  // Messages go out serialized by client/append_wire.h (the rows copied once).
+  // Messages go out serialized by client/append_wire.h: the rows copied once,
+  // or (rows_owner set) referenced.
   std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
       grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(channel_.get(), *append_method_, &context,
                                                                     &response));
@@ -394,7 +395,7 @@ absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& appen
     const uint32_t first = static_cast<uint32_t>(i * rows_per_message);
     const v1::AppendRequest head =
         AppendHead(append, first, std::min(rows_per_message, append.rows - first), i == 0, &rows);
-    absl::StatusOr<grpc::ByteBuffer> message = SerializeAppendRequest(head, rows);
+    absl::StatusOr<grpc::ByteBuffer> message = SerializeAppendRequest(head, rows, append.rows_owner);
     if (message.ok()) return *std::move(message);
     if (serialized.ok()) serialized = message.status();
     context.TryCancel();  // the write then fails, and nothing commits

@@ -53,6 +53,13 @@ struct LayerBytes {
 // `start`. The byte views must stay valid for the duration of the call, and
 // region rows unchanged until it returns.
 struct AppendRows {
+  // Optional: what keeps the byte views' memory alive. When set, the rows go
+  // to gRPC by reference instead of being copied into each message, and
+  // gRPC holds a reference to the owner until its transport has written
+  // them, which can be after Append returns (a cancelled call's bytes may
+  // still sit in the connection's write buffer); the bytes must not change
+  // until the owner is released. Unset: each message holds a copy.
+  std::shared_ptr<const void> rows_owner{};
   std::string pool{};  // empty: the server's default pool
   std::string sequence{};
   uint32_t start = 0;

@@ -42,7 +42,10 @@ std::string RandomRowBytes(size_t count, v1::RowDType dtype, uint64_t seed) {
 }
 
 struct LoadGenerator::Worker {
-  std::string ckv, kpe;                    // random rows, reused by every request and layer
+  // Random rows, reused by every request and layer; shared so that Append
+  // sends them by reference (AppendRows::rows_owner) and gRPC may hold them
+  // past the run.
+  std::shared_ptr<const std::string> ckv, kpe;
   v1::AppendBatchRequest batch;            // prebuilt AppendBatch; only starts change
   std::vector<double> latency_us;
   std::map<std::string, int64_t> errors_by_code;
@@ -131,8 +134,10 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
 
   // Random rows: `rows` rows for append, one row per sequence for decode.
   const size_t buffer_rows = decode ? sequences : rows;
-  worker.ckv = RandomRowBytes(buffer_rows * kCkvDim, options_.dtype, 2 * index + 1);
-  worker.kpe = RandomRowBytes(buffer_rows * kKpeDim, options_.dtype, 2 * index + 2);
+  worker.ckv = std::make_shared<const std::string>(RandomRowBytes(buffer_rows * kCkvDim, options_.dtype, 2 * index + 1));
+  worker.kpe = std::make_shared<const std::string>(RandomRowBytes(buffer_rows * kKpeDim, options_.dtype, 2 * index + 2));
+  const std::string& ckv = *worker.ckv;
+  const std::string& kpe = *worker.kpe;
 
   worker.batch.set_pool(options_.pool);
   worker.batch.set_dtype(options_.dtype);
@@ -144,8 +149,8 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
     for (uint32_t layer = 0; layer < options_.layers && !(decode && options_.compact); ++layer) {
       v1::LayerRows* l = seq->add_layers();
       l->set_layer(layer);
-      l->set_ckv(worker.ckv.substr(row0 * kCkvDim * element, size_t{rows} * kCkvDim * element));
-      l->set_kpe(worker.kpe.substr(row0 * kKpeDim * element, size_t{rows} * kKpeDim * element));
+      l->set_ckv(ckv.substr(row0 * kCkvDim * element, size_t{rows} * kCkvDim * element));
+      l->set_kpe(kpe.substr(row0 * kKpeDim * element, size_t{rows} * kKpeDim * element));
       l->set_ckv_scale(ckv_scales_[layer]);
       l->set_kpe_scale(kpe_scales_[layer]);
     }
@@ -155,8 +160,8 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
   for (uint32_t layer = 0; layer < options_.layers && decode && options_.compact; ++layer) {
     v1::LayerRows* l = worker.batch.add_batch_layers();
     l->set_layer(layer);
-    l->set_ckv(worker.ckv);
-    l->set_kpe(worker.kpe);
+    l->set_ckv(ckv);
+    l->set_kpe(kpe);
     l->set_ckv_scale(ckv_scales_[layer]);
     l->set_kpe_scale(kpe_scales_[layer]);
   }
@@ -165,8 +170,10 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
   append.sequence = SequenceId(index, 0);
   append.rows = rows;
   append.dtype = options_.dtype;
+  append.rows_owner = std::make_shared<std::pair<std::shared_ptr<const std::string>, std::shared_ptr<const std::string>>>(
+      worker.ckv, worker.kpe);
   for (uint32_t layer = 0; layer < options_.layers && !decode; ++layer) {  // decode sends only AppendBatch
-    append.layers.push_back({layer, worker.ckv, worker.kpe, ckv_scales_[layer], kpe_scales_[layer]});
+    append.layers.push_back({layer, ckv, kpe, ckv_scales_[layer], kpe_scales_[layer]});
   }
 
   std::mt19937_64 rng(1000 + index);

@@ -9,6 +9,7 @@
 
 #include <google/protobuf/util/message_differencer.h>
 
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -35,10 +36,22 @@ std::string Flatten(const grpc::ByteBuffer& buffer) {
   return out;
 }
 
-// Serializes, checks the size against protobuf's own, parses back and
-// compares field by field.
+// Serializes (rows copied, and rows by reference), checks the size against
+// protobuf's own, parses back and compares field by field.
+void ExpectRoundTripOnce(const v1::AppendRequest& head, const std::vector<LayerRowBytes>& rows,
+                         const std::shared_ptr<const void>& owner);
+
 void ExpectRoundTrip(const v1::AppendRequest& head, const std::vector<LayerRowBytes>& rows) {
-  absl::StatusOr<grpc::ByteBuffer> wire = SerializeAppendRequest(head, rows);
+  ExpectRoundTripOnce(head, rows, nullptr);
+  auto owner = std::make_shared<int>(0);
+  ExpectRoundTripOnce(head, rows, owner);
+  EXPECT_EQ(owner.use_count(), 1) << "every reference slice gave its owner back";
+}
+
+void ExpectRoundTripOnce(const v1::AppendRequest& head, const std::vector<LayerRowBytes>& rows,
+                         const std::shared_ptr<const void>& owner) {
+  SCOPED_TRACE(owner ? "rows by reference" : "rows copied");
+  absl::StatusOr<grpc::ByteBuffer> wire = SerializeAppendRequest(head, rows, owner);
   ASSERT_TRUE(wire.ok()) << wire.status();
   const v1::AppendRequest want = Plain(head, rows);
   const std::string bytes = Flatten(*wire);
@@ -150,6 +163,36 @@ TEST(SerializeAppendRequest, RandomShapes) {
     for (int l = 0; l < layers; ++l) rows.push_back({keep[2 * l], keep[2 * l + 1]});
     ExpectRoundTrip(head, rows);
   }
+}
+
+TEST(SerializeAppendRequest, RowsByReferenceAreTheCallersBytesHeldUntilGrpcLetsGo) {
+  v1::AppendRequest head;
+  head.set_sequence("s");
+  head.add_layers()->set_layer(0);
+  head.add_layers()->set_layer(1);
+  const std::string ckv0 = Bytes(5000, 1), kpe0 = Bytes(600, 2), ckv1 = Bytes(70000, 3), kpe1 = Bytes(1, 4);
+  const std::vector<LayerRowBytes> rows = {{ckv0, kpe0}, {ckv1, kpe1}};
+  auto owner = std::make_shared<int>(0);
+  {
+    absl::StatusOr<grpc::ByteBuffer> wire = SerializeAppendRequest(head, rows, owner);
+    ASSERT_TRUE(wire.ok()) << wire.status();
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(wire->Dump(&slices).ok());
+    // Every row field is one slice that is the caller's memory itself.
+    for (const std::string* bytes : {&ckv0, &kpe0, &ckv1, &kpe1}) {
+      int found = 0;
+      for (const grpc::Slice& s : slices) {
+        found += reinterpret_cast<const char*>(s.begin()) == bytes->data() && s.size() == bytes->size();
+      }
+      EXPECT_EQ(found, 1);
+    }
+    EXPECT_EQ(owner.use_count(), 1 + 4) << "one hold per row slice";
+    grpc::ByteBuffer copy(*wire);  // gRPC taking its own reference
+    wire->Clear();
+    slices.clear();
+    EXPECT_EQ(owner.use_count(), 1 + 4) << "still held by the copy";
+  }
+  EXPECT_EQ(owner.use_count(), 1);
 }
 
 TEST(SerializeAppendRequest, AHeadThatBreaksTheContractIsRefused) {

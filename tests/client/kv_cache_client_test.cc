@@ -10,6 +10,8 @@
 
 #include <chrono>
 #include <map>
+#include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -327,6 +329,87 @@ TEST_F(KvCacheClientTest, AppendSplitsRowsIntoMessagesOfTheConfiguredSize) {
     first += counts[i];
   }
   EXPECT_EQ(got[0].expect_length(), 5u);
+}
+
+TEST_F(KvCacheClientTest, RowsSentByReferenceArriveTheSameAndTheOwnerIsGivenBack) {
+  const size_t row_bytes = kCkvRowBytes + kKpeRowBytes;
+  auto client = Client(4 * row_bytes);
+  auto owner = std::make_shared<std::pair<std::string, std::string>>(Rows(10, kCkvRowBytes, 'a'),
+                                                                   Rows(10, kKpeRowBytes, 'A'));
+  AppendRows append{.rows_owner = owner, .sequence = "s", .rows = 10,
+                    .layers = {{.layer = 3, .ckv = owner->first, .kpe = owner->second, .ckv_scale = 2.0f}}};
+  ASSERT_TRUE(client->Append(append).ok());
+  const std::vector<v1::AppendRequest> got = service_.appends();
+  ASSERT_EQ(got.size(), 3u);  // 4 + 4 + 2 rows
+  std::string ckv, kpe;
+  for (const v1::AppendRequest& m : got) {
+    ASSERT_EQ(m.layers_size(), 1);
+    EXPECT_EQ(m.layers(0).layer(), 3u);
+    EXPECT_FLOAT_EQ(m.layers(0).ckv_scale(), 2.0f);
+    ckv += m.layers(0).ckv();
+    kpe += m.layers(0).kpe();
+  }
+  EXPECT_EQ(ckv, owner->first);
+  EXPECT_EQ(kpe, owner->second);
+  append.rows_owner.reset();
+  // gRPC lets go once its transport has written the bytes (by now, or soon).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (owner.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(owner.use_count(), 1);
+}
+
+// A server that takes the call and never reads: the client's bytes stay
+// queued in its transport past the deadline. The owner outlives Append's
+// return (the caller drops its own reference at once) until gRPC is done with
+// the bytes, and is then released, not leaked. Under ASan a read of freed row
+// bytes by the transport would fail this test.
+class NeverReadingAppend final : public v1::KvCache::WithRawCallbackMethod_Append<v1::KvCache::Service> {
+ public:
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext*, grpc::ByteBuffer*) override {
+    class Stall final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+     public:
+      void OnCancel() override { Finish(grpc::Status::CANCELLED); }
+      void OnDone() override { delete this; }
+    };
+    return new Stall;
+  }
+};
+
+TEST(KvCacheClientOwnerTest, ACancelledAppendKeepsTheRowsAliveUntilTheTransportLetsGo) {
+  NeverReadingAppend service;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  std::weak_ptr<std::pair<std::string, std::string>> watch;
+  {
+    absl::StatusOr<std::unique_ptr<KvCacheClient>> client = KvCacheClient::Create(
+        {.target = "127.0.0.1:" + std::to_string(port), .timeout = absl::Milliseconds(300)});
+    ASSERT_TRUE(client.ok()) << client.status();
+    {
+      // 16 MiB of rows in 4 messages: far more than the stream's window.
+      constexpr uint32_t kRows = 16 * 1024 * 1024 / (kCkvRowBytes + kKpeRowBytes);
+      auto owner = std::make_shared<std::pair<std::string, std::string>>(Rows(kRows, kCkvRowBytes, 'a'),
+                                                                       Rows(kRows, kKpeRowBytes, 'A'));
+      watch = owner;
+      AppendRows append{.rows_owner = owner, .sequence = "s", .rows = kRows,
+                        .layers = {{.layer = 0, .ckv = owner->first, .kpe = owner->second}}};
+      owner.reset();
+      const absl::Status status = (*client)->Append(append).status();
+      EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+    }  // the caller's last reference goes here
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!watch.expired() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_TRUE(watch.expired()) << "gRPC still holds the rows 10 s after the call ended";
+  }
+  server->Shutdown();
 }
 
 TEST_F(KvCacheClientTest, AMessageHoldsAtLeastOneRowAndZeroRowsIsOneMessage) {
