@@ -156,6 +156,9 @@ TEST(ParseAppendMessage, MalformedAndUnusualMessagesGetTheSameVerdict) {
       std::string("\x32\x02\x10\x80\x01", 5),          // a varint running past the layer's end
       std::string("\x32\x0b\x08\xff\xff\xff\xff\xff\xff\xff\xff\x01", 12),  // layer = 2^64 - 1, kept to 32 bits
       std::string("\x32\x02\x16\x00", 4),              // wire type 6 inside a layer
+      // A NaN kpe_scale among unknown fields of the wrong wire types (the
+      // fuzzer's first find: a comparison that called NaN unequal to itself).
+      std::string("\x2d\xe0\x12\x01\x73\x32\x0f\x08\x03\x20\x3a\x0a\x01\x72\x10\x80\x20\x2d\x2d\xff\xff\xff", 22),
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(i);
