@@ -1,6 +1,7 @@
 // ingest_floor_bench: how far mlakv's bytes ingest (one Append stream of one
 // message at a time) is from what gRPC itself moves on this host, measured in
-// one process run (docs/performance.md "Bytes ingest: the floor").
+// one process run (docs/performance.md "Bytes ingest: the floor and the copies
+// of a message").
 //
 //   ingest_floor_bench [--rows 3584] [--samples 200] [--rounds 5] [--device cpu|cuda:0]
 //
