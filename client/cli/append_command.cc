@@ -3,6 +3,7 @@
 // layer of a sequence in one atomic Append stream; or, with --ckv_region and
 // --kpe_region, N rows the server reads from registered regions itself.
 #include <cstdio>
+#include <memory>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
@@ -93,7 +94,9 @@ int RunAppend(const std::vector<std::string>& args) {
   append.sequence = sequence;
   LayerBytes& bytes = append.layers.emplace_back();
   bytes.layer = static_cast<uint32_t>(layer);
-  RowFile file;  // the rows the byte views point into (file input)
+  // The rows the byte views point into (file input), sent by reference:
+  // gRPC holds the file's buffers until it has written them.
+  std::shared_ptr<const RowFile> file;
   if (from_regions) {
     if (!input.empty()) return UsageError(kUsage, "mlakv append: give --input or the region flags, not both");
     if (ckv_region.empty() || kpe_region.empty()) {
@@ -118,14 +121,15 @@ int RunAppend(const std::vector<std::string>& args) {
     if (rows_flag >= 0) return UsageError(kUsage, "mlakv append: --rows is for the region flags; --input has its rows");
     absl::StatusOr<RowFile> loaded = LoadRowFile(input);
     if (!loaded.ok()) return Fail("append", loaded.status());
-    file = *std::move(loaded);
-    if (file.rows > UINT32_MAX) return Fail("append", absl::InvalidArgumentError("too many rows for one append"));
-    append.rows = static_cast<uint32_t>(file.rows);
-    append.dtype = file.dtype == DType::kFloat16 ? v1::ROW_DTYPE_FLOAT16 : v1::ROW_DTYPE_BFLOAT16;
-    bytes.ckv = Bytes(file.ckv);
-    bytes.kpe = Bytes(file.kpe);
-    bytes.ckv_scale = file.ckv_scale;
-    bytes.kpe_scale = file.kpe_scale;
+    file = std::make_shared<const RowFile>(*std::move(loaded));
+    if (file->rows > UINT32_MAX) return Fail("append", absl::InvalidArgumentError("too many rows for one append"));
+    append.rows = static_cast<uint32_t>(file->rows);
+    append.dtype = file->dtype == DType::kFloat16 ? v1::ROW_DTYPE_FLOAT16 : v1::ROW_DTYPE_BFLOAT16;
+    bytes.ckv = Bytes(file->ckv);
+    bytes.kpe = Bytes(file->kpe);
+    bytes.ckv_scale = file->ckv_scale;
+    bytes.kpe_scale = file->kpe_scale;
+    append.rows_owner = file;
   }
   if (std::optional<double> s = absl::GetFlag(FLAGS_ckv_scale)) bytes.ckv_scale = static_cast<float>(*s);
   if (std::optional<double> s = absl::GetFlag(FLAGS_kpe_scale)) bytes.kpe_scale = static_cast<float>(*s);
