@@ -2,6 +2,7 @@
 
 #include <grpcpp/impl/codegen/proto_utils.h>
 
+#include <cstdint>
 #include <cstring>
 #include <string_view>
 
@@ -11,6 +12,7 @@ namespace {
 constexpr uint32_t kLayersField = v1::AppendRequest::kLayersFieldNumber;
 constexpr uint32_t kCkvField = v1::LayerRows::kCkvFieldNumber;
 constexpr uint32_t kKpeField = v1::LayerRows::kKpeFieldNumber;
+constexpr uint64_t kMaxLength = INT32_MAX - 16;
 enum WireType : uint32_t { kVarint = 0, kFixed64 = 1, kLengthDelimited = 2, kFixed32 = 5 };
 
 // Reads the bytes of a list of slices in order, as one run.
@@ -30,10 +32,12 @@ class SliceReader {
     return true;
   }
 
-  // A base-128 varint of at most 10 bytes (protobuf's own limit).
-  bool ReadVarint(uint64_t* value) {
+  // A base-128 varint of at most `max_bytes` bytes: 10 for a value, 5 for a
+  // tag or a length (protobuf's parser refuses longer ones there, so this
+  // reading must not accept them).
+  bool ReadVarint(uint64_t* value, int max_bytes = 10) {
     uint64_t v = 0;
-    for (int shift = 0; shift < 70; shift += 7) {
+    for (int shift = 0; shift < 7 * max_bytes; shift += 7) {
       uint8_t b = 0;
       if (!ReadByte(&b)) return false;
       v |= static_cast<uint64_t>(b & 0x7f) << shift;
@@ -103,7 +107,7 @@ void PutVarint(uint64_t v, std::string* out) {
 template <typename Take>
 bool CopyField(SliceReader& r, uint64_t end, std::string* out, Take&& take) {
   uint64_t tag = 0;
-  if (!r.ReadVarint(&tag) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
+  if (!r.ReadVarint(&tag, 5) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
   const uint32_t field = static_cast<uint32_t>(tag >> 3);
   switch (static_cast<uint32_t>(tag & 7)) {
     case kVarint: {
@@ -120,7 +124,8 @@ bool CopyField(SliceReader& r, uint64_t end, std::string* out, Take&& take) {
       break;
     case kLengthDelimited: {
       uint64_t n = 0;
-      if (!r.ReadVarint(&n) || n > r.remaining() - end) return false;
+      // Protobuf takes lengths of at most 5 bytes and below INT_MAX - 16.
+      if (!r.ReadVarint(&n, 5) || n > kMaxLength || n > r.remaining() - end) return false;
       bool handled = false;
       if (!take(field, n, &handled)) return false;
       if (!handled) {
