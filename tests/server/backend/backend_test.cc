@@ -50,6 +50,16 @@ class BackendTest : public ::testing::Test {
     return s;
   }
 
+  // The entries `placed` of `layer` hold what the format says `want`'s rows
+  // (a Rows, below) store.
+  template <typename WantRows>
+  void ExpectStored(int32_t layer, const std::vector<int64_t>& placed, const WantRows& want) {
+    const Stored got = Read(layer, placed);
+    EXPECT_EQ(got.ckv, want.expected.ckv_packed) << "layer " << layer;
+    EXPECT_EQ(got.sf, want.expected.ckv_sf) << "layer " << layer;
+    EXPECT_EQ(got.kpe, want.expected.kpe) << "layer " << layer;
+  }
+
   Device device_ = Device::Cpu();
   std::unique_ptr<CacheBackend> backend_;
 };
@@ -120,10 +130,7 @@ TEST_F(BackendTest, LayersSharingOnePlacementReadTheirRowsInSegmentOrder) {
   const std::vector<int64_t> placed = {8, 9, 10, 21, 22};
   for (int32_t layer : {0, 1}) {
     const Rows& want = layer == 0 ? layer0 : layer1;
-    const Stored got = Read(layer, placed);
-    EXPECT_EQ(got.ckv, want.expected.ckv_packed) << "layer " << layer;
-    EXPECT_EQ(got.sf, want.expected.ckv_sf) << "layer " << layer;
-    EXPECT_EQ(got.kpe, want.expected.kpe) << "layer " << layer;
+    ExpectStored(layer, placed, want);
     std::vector<int64_t> others;
     for (int64_t e = 0; e < 24; ++e) {
       if (std::find(placed.begin(), placed.end(), e) == placed.end()) others.push_back(e);
@@ -168,10 +175,7 @@ TEST_F(BackendTest, RowsInPiecesStoreWhatTheSameRowsInOneBufferStore) {
   const std::vector<int64_t> placed = {8, 9, 10, 21, 22};
   for (int32_t layer : {0, 1}) {
     const Rows& want = layer == 0 ? layer0 : layer1;
-    const Stored got = Read(layer, placed);
-    EXPECT_EQ(got.ckv, want.expected.ckv_packed) << "layer " << layer;
-    EXPECT_EQ(got.sf, want.expected.ckv_sf) << "layer " << layer;
-    EXPECT_EQ(got.kpe, want.expected.kpe) << "layer " << layer;
+    ExpectStored(layer, placed, want);
   }
 }
 
@@ -188,10 +192,7 @@ TEST_F(BackendTest, RowsAtAnOddAddressStoreWhatAlignedRowsStore) {
   const LayerAppend la{.layer = 1, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe,
                        .segments = {&seg, 1}, .rows = std::nullopt, .kv_indptr = indptr, .kv_indices = indices};
   ASSERT_TRUE(backend_->Append({&la, 1}).ok());
-  const Stored got = Read(1, {16, 17, 18});
-  EXPECT_EQ(got.ckv, rows.expected.ckv_packed);
-  EXPECT_EQ(got.sf, rows.expected.ckv_sf);
-  EXPECT_EQ(got.kpe, rows.expected.kpe);
+  ExpectStored(1, {16, 17, 18}, rows);
 }
 
 TEST_F(BackendTest, WrittenEntriesReadBackAsTheyWere) {
