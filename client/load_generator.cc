@@ -42,10 +42,10 @@ std::string RandomRowBytes(size_t count, v1::RowDType dtype, uint64_t seed) {
 }
 
 struct LoadGenerator::Worker {
-  // Random rows, reused by every request and layer; shared so that Append
-  // sends them by reference (AppendRows::rows_owner) and gRPC may hold them
-  // past the run.
-  std::shared_ptr<const std::string> ckv, kpe;
+  // Random rows (ckv, kpe), reused by every request and layer; shared so
+  // that Append sends them by reference (AppendRows::rows_owner) and gRPC may
+  // hold them past the run.
+  std::shared_ptr<const std::pair<std::string, std::string>> random_rows;
   v1::AppendBatchRequest batch;            // prebuilt AppendBatch; only starts change
   std::vector<double> latency_us;
   std::map<std::string, int64_t> errors_by_code;
@@ -134,10 +134,11 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
 
   // Random rows: `rows` rows for append, one row per sequence for decode.
   const size_t buffer_rows = decode ? sequences : rows;
-  worker.ckv = std::make_shared<const std::string>(RandomRowBytes(buffer_rows * kCkvDim, options_.dtype, 2 * index + 1));
-  worker.kpe = std::make_shared<const std::string>(RandomRowBytes(buffer_rows * kKpeDim, options_.dtype, 2 * index + 2));
-  const std::string& ckv = *worker.ckv;
-  const std::string& kpe = *worker.kpe;
+  worker.random_rows = std::make_shared<const std::pair<std::string, std::string>>(
+      RandomRowBytes(buffer_rows * kCkvDim, options_.dtype, 2 * index + 1),
+      RandomRowBytes(buffer_rows * kKpeDim, options_.dtype, 2 * index + 2));
+  const std::string& ckv = worker.random_rows->first;
+  const std::string& kpe = worker.random_rows->second;
 
   worker.batch.set_pool(options_.pool);
   worker.batch.set_dtype(options_.dtype);
@@ -170,8 +171,7 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
   append.sequence = SequenceId(index, 0);
   append.rows = rows;
   append.dtype = options_.dtype;
-  append.rows_owner = std::make_shared<std::pair<std::shared_ptr<const std::string>, std::shared_ptr<const std::string>>>(
-      worker.ckv, worker.kpe);
+  append.rows_owner = worker.random_rows;
   for (uint32_t layer = 0; layer < options_.layers && !decode; ++layer) {  // decode sends only AppendBatch
     append.layers.push_back({layer, ckv, kpe, ckv_scales_[layer], kpe_scales_[layer]});
   }
