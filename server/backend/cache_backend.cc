@@ -20,4 +20,29 @@ QuantizeAppendParams LayerParams(const LayerAppend& la, const CacheBackend::Geom
   return p;
 }
 
+std::optional<RowSource> ContiguousDeviceRows(const LayerAppend& la) {
+  if (la.rows) return la.rows->on_device() ? la.rows : std::nullopt;  // in segment order by definition
+  const AppendSegment* first = nullptr;
+  const char* next_ckv = nullptr;
+  const char* next_kpe = nullptr;
+  for (const AppendSegment& seg : la.segments) {
+    if (seg.count <= 0) continue;
+    const RowSource& r = seg.rows;
+    if (!r.on_device()) return std::nullopt;
+    if (first == nullptr) {
+      first = &seg;
+    } else if (r.ckv != next_ckv || r.kpe != next_kpe || r.device != first->rows.device ||
+               r.ckv_stride_bytes != first->rows.ckv_stride_bytes ||
+               r.kpe_stride_bytes != first->rows.kpe_stride_bytes || r.wait_events[0] != first->rows.wait_events[0] ||
+               r.wait_events[1] != first->rows.wait_events[1]) {
+      return std::nullopt;
+    }
+    const RowSource next = r.From(static_cast<uint64_t>(seg.count), DTypeSize(la.dtype));
+    next_ckv = static_cast<const char*>(next.ckv);
+    next_kpe = static_cast<const char*>(next.kpe);
+  }
+  if (first == nullptr) return std::nullopt;
+  return first->rows;
+}
+
 }  // namespace mlakv::server

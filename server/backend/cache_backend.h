@@ -62,6 +62,13 @@ inline RowSource SegmentRows(const LayerAppend& la, const AppendSegment& seg, in
   return la.rows ? la.rows->From(static_cast<uint64_t>(first_row), DTypeSize(la.dtype)) : seg.rows;
 }
 
+// The layer's rows when they are device rows that follow each other in
+// memory, in segment order (a layer's one run from a CUDA region, or a
+// decode step's rows of all sequences in one region range): a device backend
+// then reads them in place, with nothing to stage but the placement. Else
+// unset.
+std::optional<RowSource> ContiguousDeviceRows(const LayerAppend& la);
+
 // Where the rows of one layer are read from / written to: cache entries
 // (page * page_size + slot), and host buffers of n rows each.
 struct EntryRows {

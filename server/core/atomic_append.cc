@@ -21,11 +21,15 @@ absl::Status AtomicAppend::Stage(std::span<const SequenceRowsIn* const> rows, st
   std::vector<AppendTransaction*> raw;
   raw.reserve(txns_.size());
   for (const auto& txn : txns_) raw.push_back(txn.get());
-  return pool_->Stage(raw, rows, dtype);
+  return pool_->Stage(raw, rows, dtype, hold_device_writes_ ? &held_ : nullptr);
 }
 
 absl::StatusOr<std::vector<SequenceSnapshot>> AtomicAppend::Commit(absl::FunctionRef<absl::Status()> last_check) {
   if (finished_) return absl::InternalError("AtomicAppend::Commit after the append finished");
+  if (absl::Status s = pool_->Flush(held_); !s.ok()) {
+    Abort();
+    return s;
+  }
   if (absl::Status s = last_check(); !s.ok()) {
     Abort();
     return s;
@@ -40,6 +44,7 @@ absl::StatusOr<std::vector<SequenceSnapshot>> AtomicAppend::Commit(absl::Functio
 
 void AtomicAppend::Abort() {
   if (finished_) return;
+  held_.Clear();  // never written: nothing of them reached the caches
   // Reverse order: a later transaction's changes are undone before an earlier one's.
   for (auto it = txns_.rbegin(); it != txns_.rend(); ++it) pool_->Abort(**it);
   finished_ = true;

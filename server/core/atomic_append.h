@@ -45,12 +45,18 @@ class AtomicAppend {
   size_t size() const { return txns_.size(); }
   const AppendTransaction& transaction(size_t i) const { return *txns_[i]; }
 
+  // Holds the writes of rows read in place from device memory back until
+  // Commit, which writes them in one backend call (Pool::Stage's `deferred`):
+  // an Append stream by reference gives its layers message by message while
+  // the producer's GPU is still computing them, and quantizing each message
+  // as it came made the server's GPU work interleave with the producer's.
+  void HoldDeviceWrites() { hold_device_writes_ = true; }
   // Stages rows for every transaction, rows[i] for transaction i (Pool::Stage).
   absl::Status Stage(std::span<const SequenceRowsIn* const> rows, std::optional<DType> dtype);
 
-  // Runs `last_check`; if it passes, commits every transaction and returns
-  // the sequences after the append, in Begin order; else aborts and returns
-  // its status.
+  // Writes what was held back (HoldDeviceWrites), then runs `last_check`;
+  // if both pass, commits every transaction and returns the sequences after
+  // the append, in Begin order; else aborts and returns the status.
   absl::StatusOr<std::vector<SequenceSnapshot>> Commit(absl::FunctionRef<absl::Status()> last_check);
   // Rolls every transaction back (idempotent; nothing after a Commit).
   void Abort();
@@ -63,6 +69,8 @@ class AtomicAppend {
  private:
   Pool* pool_;
   std::vector<std::unique_ptr<AppendTransaction>> txns_;
+  bool hold_device_writes_ = false;
+  Pool::DeferredWrites held_;
   bool finished_ = false;
 };
 

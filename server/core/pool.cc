@@ -653,7 +653,7 @@ void Pool::RecordStaged(std::span<AppendTransaction* const> txns, std::span<cons
 }
 
 absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
-                         std::optional<DType> dtype) {
+                         std::optional<DType> dtype, DeferredWrites* deferred) {
   if (txns.size() != rows.size()) return absl::InternalError("Pool::Stage: txns and rows differ in length");
   for (size_t i = 0; i < txns.size(); ++i) {
     if (txns[i]->finished_) return absl::InternalError("Pool::Stage on a finished transaction");
@@ -676,12 +676,65 @@ absl::Status Pool::Stage(std::span<AppendTransaction* const> txns, std::span<con
     PlanWrites(txns, rows, dtype, plan);
   }
   // Save what will be rewritten, then write (outside mu_; only this worker
-  // touches the caches).
+  // touches the caches) -- or hold the write back for Flush.
+  const bool hold = deferred != nullptr && plan.copies.empty() && plan.undo_to_capture.empty() &&
+                    std::all_of(plan.appends.begin(), plan.appends.end(),
+                                [](const LayerAppend& la) { return ContiguousDeviceRows(la).has_value(); });
+  if (deferred != nullptr && !deferred->empty() && (!hold || deferred->Names(plan.appends))) {
+    MLAKV_RETURN_IF_ERROR(Flush(*deferred));
+  }
   MLAKV_RETURN_IF_ERROR(CaptureUndo(plan));
-  MLAKV_RETURN_IF_ERROR(backend_->Append(plan.appends));
+  if (hold) {
+    deferred->Hold(plan);
+  } else {
+    MLAKV_RETURN_IF_ERROR(backend_->Append(plan.appends));
+  }
   absl::MutexLock lock(&mu_);
   RecordStaged(txns, rows);
   return absl::OkStatus();
+}
+
+absl::Status Pool::Flush(DeferredWrites& deferred) {
+  if (deferred.empty()) return absl::OkStatus();
+  const absl::Status s = backend_->Append(deferred.appends_);
+  deferred.Clear();
+  return s;
+}
+
+// ---- Pool::DeferredWrites ------------------------------------------------------
+
+// One Stage's placement and page table, moved out of its plan: moving a
+// vector keeps its buffer, so the held LayerAppends' spans stay valid.
+struct Pool::DeferredWrites::Held {
+  std::vector<std::vector<AppendSegment>> segments;
+  std::vector<AppendSegment> shared_segments;
+  std::vector<int32_t> kv_indptr, kv_indices;
+};
+
+Pool::DeferredWrites::DeferredWrites() = default;
+Pool::DeferredWrites::~DeferredWrites() = default;
+
+void Pool::DeferredWrites::Clear() {
+  appends_.clear();
+  held_.clear();
+}
+
+bool Pool::DeferredWrites::Names(std::span<const LayerAppend> appends) const {
+  for (const LayerAppend& a : appends) {
+    for (const LayerAppend& h : appends_) {
+      if (a.layer == h.layer) return true;
+    }
+  }
+  return false;
+}
+
+void Pool::DeferredWrites::Hold(StagePlan& plan) {
+  if (plan.appends.empty()) return;
+  held_.push_back(std::make_unique<Held>(Held{.segments = std::move(plan.segments),
+                                              .shared_segments = std::move(plan.shared_segments),
+                                              .kv_indptr = std::move(plan.kv_indptr),
+                                              .kv_indices = std::move(plan.kv_indices)}));
+  appends_.insert(appends_.end(), plan.appends.begin(), plan.appends.end());
 }
 
 SequenceSnapshot Pool::Commit(AppendTransaction& txn) {

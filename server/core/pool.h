@@ -321,8 +321,47 @@ class Pool {
   // scales, expect_length: OUT_OF_RANGE / FAILED_PRECONDITION), then
   // capacity (RESOURCE_EXHAUSTED). On any error the caller must Abort every
   // transaction passed. `dtype` may be unset only if no rows come.
+  //
+  // `deferred` (an Append stream's, across its messages): when every layer's
+  // rows lie in device memory in one run (ContiguousDeviceRows: the backend
+  // reads them in place, nothing but the placement to stage) and the call
+  // copies and rewrites nothing, the write is held there instead of handed to
+  // the backend, for Flush to write with the others in one backend call.
+  // Held writes are flushed first before a write that cannot be held or that
+  // names a layer held already, so the caches see the writes in Stage order.
+  // The rows must stay readable until the flush (the stream holds its
+  // regions until it ends).
+  class DeferredWrites;
+  struct StagePlan;  // what one Stage checks, reserves and writes (pool.cc)
   absl::Status Stage(std::span<AppendTransaction* const> txns, std::span<const SequenceRowsIn* const> rows,
-                     std::optional<DType> dtype);
+                     std::optional<DType> dtype, DeferredWrites* deferred = nullptr);
+  // Writes what Stage held in `deferred` in one backend call, and empties it
+  // (also on error; the caller must then Abort every transaction staged).
+  absl::Status Flush(DeferredWrites& deferred);
+  // Writes Stage held back (see Stage). Owns what the held LayerAppends
+  // point at: each Stage's segments and page table.
+  class DeferredWrites {
+   public:
+    DeferredWrites();
+    ~DeferredWrites();
+    DeferredWrites(const DeferredWrites&) = delete;
+    DeferredWrites& operator=(const DeferredWrites&) = delete;
+
+    bool empty() const { return appends_.empty(); }
+    // Layer writes held (one per layer: a layer named again flushes first).
+    size_t size() const { return appends_.size(); }
+    // Drops the held writes unwritten (an aborted append).
+    void Clear();
+
+   private:
+    friend class Pool;
+    struct Held;
+    bool Names(std::span<const LayerAppend> appends) const;
+    void Hold(StagePlan& plan);  // moves the plan's appends, segments and page table in
+    std::vector<std::unique_ptr<Held>> held_;
+    std::vector<LayerAppend> appends_;
+  };
+
   // Advances the lengths; the sequence is visible and free for the next
   // append. A sequence the append created that holds no page and no token
   // is not kept (the snapshot then describes it empty).
@@ -416,7 +455,6 @@ class Pool {
   struct LayerState : LayerSnapshot {
     int32_t staged_users = 0;  // in-flight appends with rows staged in this layer
   };
-  struct StagePlan;
 
   Pool(const Options& options, std::unique_ptr<CacheBackend> backend,
        std::unique_ptr<PageAllocator> allocator);

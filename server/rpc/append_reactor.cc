@@ -253,6 +253,9 @@ absl::Status AppendReactor::ProcessMessage(const ReceivedAppend& received, int i
     MLAKV_ASSIGN_OR_RETURN(std::optional<DType> dtype, ToDType(req.dtype()));
     if (append_ == nullptr) {
       append_ = std::make_unique<AtomicAppend>(pool_);
+      // Rows by reference are quantized at the end of the stream, all layers
+      // in one launch, not message by message while the producer computes.
+      append_->HoldDeviceWrites();
       MLAKV_RETURN_IF_ERROR(append_->Begin(sequence_));
     }
     const std::optional<uint32_t> expect =

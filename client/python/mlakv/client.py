@@ -151,6 +151,7 @@ class Client:
         self._cuda_regions = []  # regions.CudaRegion this client registered
         self._cuda_lock = threading.Lock()
         self._shm_rows = []  # regions.ShmRows registered through this client
+        self._layer_counts = {}  # pool name -> num_layers, looked up once for layer-wise saves
         self.closed = False
 
     # -- lifetime ---------------------------------------------------------
@@ -224,6 +225,14 @@ class Client:
     def pool(self, name: str = "") -> "pb.Pool":
         """One pool (mlakv.pb.Pool); "" = the server's default pool."""
         return self._call(self._stub.GetPool, pb.GetPoolRequest(pool=name))
+
+    def _layer_count(self, pool: str) -> int:
+        """The pool's num_layers, from one GetPool per pool name for the
+        client's life (a pool's layer count never changes)."""
+        n = self._layer_counts.get(pool)
+        if n is None:
+            n = self._layer_counts[pool] = int(self.pool(pool).num_layers)
+        return n
 
     # -- sequences --------------------------------------------------------
 
@@ -467,19 +476,23 @@ class Client:
              expect_length: Optional[int] = None, expect_generation: Optional[int] = None, reserve_tokens: int = 0,
              block_hashes: Optional[Sequence[bytes]] = None, block_hashes_first_page: int = 0, pin: bool = False,
              layerwise_min_tokens: int = _save.DEFAULT_LAYERWISE_MIN_TOKENS,
-             layers_per_message: int = _save.DEFAULT_LAYERS_PER_MESSAGE) -> "_save.LayerwiseSave":
+             layers_per_message: int = _save.DEFAULT_LAYERS_PER_MESSAGE,
+             num_layers: Optional[int] = None) -> "_save.LayerwiseSave":
         """A layer-wise save (mlakv.save.LayerwiseSave): `with c.save(seq) as s:
         s.layer(l, ckv, kpe)` for each layer, each call returning at once; leaving
         the block commits every layer atomically (one Append stream) or raises
         naming the layer. Arguments as for append; layerwise_min_tokens: below
         this many rows per layer everything is sent at the end in one go;
-        layers_per_message: layers handed to the stream together (mlakv.save)."""
+        layers_per_message: layers handed to the stream together (mlakv.save);
+        num_layers: how many layers the save gives (default: the pool's, from
+        one GetPool per pool for the client's life) -- once that many are given,
+        the rest go at once instead of at wait()."""
         return _save.LayerwiseSave(self, sequence, start=start, pool=pool, dtype=dtype, ckv_scale=ckv_scale,
                                    kpe_scale=kpe_scale, expect_length=expect_length,
                                    expect_generation=expect_generation, reserve_tokens=reserve_tokens,
                                    block_hashes=block_hashes, block_hashes_first_page=block_hashes_first_page,
                                    pin=pin, layerwise_min_tokens=layerwise_min_tokens,
-                                   layers_per_message=layers_per_message)
+                                   layers_per_message=layers_per_message, num_layers=num_layers)
 
     def append_batch(self, items: Iterable[Any], pool: str = "", ckv_scale: Optional[float] = None,
                      kpe_scale: Optional[float] = None, dtype: Optional[str] = None) -> "pb.AppendBatchResponse":
@@ -752,29 +765,41 @@ class Client:
             out.append(ref if ref is not None else np.ascontiguousarray(arr[i]))
         return out
 
-    def _fence(self, regions):
+    def _fence(self, regions, streams=None):
         """Makes the producer's writes to `regions` visible to the server before
-        the call (cuda_sync); returns the locks to release after it."""
+        the call (cuda_sync); returns the locks to release after it. streams:
+        {device index: torch stream} the writes were made on (default: each
+        device's current stream)."""
         if not regions or self.cuda_sync == "none":
             return []
         import torch
 
+        def stream(device):
+            return streams[device] if streams else torch.cuda.current_stream(device)
+
         unique = sorted({r.name: r for r in regions}.values(), key=lambda r: r.name)
         if self.cuda_sync == "stream":
             for device in sorted({r.device_index for r in unique}):
-                torch.cuda.current_stream(device).synchronize()
+                stream(device).synchronize()
             return []
         held = []
         try:
             for r in unique:
                 r.lock.acquire()
                 held.append(r.lock)
-                r.event.record(torch.cuda.current_stream(r.device_index))
+                r.event.record(stream(r.device_index))
         except BaseException:
             for lock in held:
                 lock.release()
             raise
         return held
+
+    @staticmethod
+    def _producer_streams(regions):
+        """{device index: current torch stream} of the devices `regions` are on."""
+        import torch
+
+        return {d: torch.cuda.current_stream(d) for d in {r.device_index for r in regions}}
 
     def _call_fenced(self, regions, method, request):
         held = self._fence(regions)

@@ -11,10 +11,21 @@ How each s.layer() returns at once:
     them into messages of the stream while the caller goes on. The arrays
     must not change until the save ends (as vLLM's wait_for_save promises).
   * CUDA tensors (server --allow_ipc, a cuda pool): sent by reference. With
-    the client's cuda_sync="event", each layer records the allocation's
-    interprocess event on the current stream and the server's stream waits on
-    it before reading: no host wait anywhere. With cuda_sync="stream" each
-    layer synchronizes the current stream first (a host wait per layer).
+    the client's cuda_sync="event", each group of layers (below) records the
+    allocations' interprocess events once, on the stream its layers were
+    written on, when it is handed to the stream; the server's stream waits on
+    them before reading: no host wait anywhere. With cuda_sync="stream" each
+    group synchronizes that stream first (a host wait per group). A group
+    never spans two producer streams: a layer given on another stream than
+    the layers waiting sends those first.
+
+    One fence a group, not one a layer: every record of an event that the
+    server's stream waits on wakes the server's context on the GPU, a context
+    switch away from the producer's kernels without MPS (docs/performance.md
+    "Layer-wise saves: the last layers at once, one fence a group, the
+    server's work at the end"). The server quantizes rows by reference when
+    the stream ends, all layers in one launch, so its GPU work does not
+    interleave with the forward pass either.
 
 The save is one Append stream, so it is atomic: the server commits when the
 save ends cleanly and rolls everything back otherwise. A layer the client
@@ -30,6 +41,14 @@ messages cost the caller ~5 ms of a 4k-token save, and the commit came
 3.7 ms after the last layer against 1.4 ms in groups of 8. A group also
 reaches the server as one message, quantized in one launch. 1 sends each
 layer as soon as it is given.
+
+The last layer goes at once: when the save has been given `num_layers`
+layers (default: the pool's), the layers still waiting are handed to the
+stream then, not at wait(). The server then holds every layer's reference
+before the caller's last kernels have run, and what is left after them is
+the end of the stream: one launch for all the layers, the commit and the
+response. The commit itself still waits for wait() or the end of the block,
+so a body that raises after the last layer still writes nothing.
 
 Short prompts: below `layerwise_min_tokens` rows (default 256) per layer the
 stream is not opened until the save ends and all layers go at once -- for
@@ -66,7 +85,7 @@ class LayerwiseSave:
     def __init__(self, client, sequence, *, start=0, pool="", dtype=None, ckv_scale=None, kpe_scale=None,
                  expect_length=None, expect_generation=None, reserve_tokens=0, block_hashes=None,
                  block_hashes_first_page=0, pin=False, layerwise_min_tokens=DEFAULT_LAYERWISE_MIN_TOKENS,
-                 layers_per_message=DEFAULT_LAYERS_PER_MESSAGE):
+                 layers_per_message=DEFAULT_LAYERS_PER_MESSAGE, num_layers=None):
         if not sequence:
             raise client_error("save: sequence id is empty")
         if int(layers_per_message) < 1:
@@ -82,8 +101,12 @@ class LayerwiseSave:
                                   block_hashes_first_page=block_hashes_first_page, pin=pin)
         self._min_tokens = layerwise_min_tokens
         self._per_message = int(layers_per_message)
+        if num_layers is not None and int(num_layers) < 1:
+            raise client_error("save: num_layers is %r; it must be at least 1" % (num_layers,))
+        self._num_layers = None if num_layers is None else int(num_layers)  # else the pool's, at _open
         self._queue = queue.Queue()  # lists of (layer, prepared), then _END
         self._pending = []  # (layer, prepared) not queued yet: held back (short prompts) or a group filling up
+        self._pending_streams = None  # {device: torch stream} the pending CUDA layers were written on
         self._future = None
         self._held = []  # CUDA region locks (cuda_sync="event"), released when the save ends
         self._sent_layers = []  # message index -> the layers it carries
@@ -130,7 +153,11 @@ class LayerwiseSave:
                 raise client_error("save of %r: no layer was given" % (self._sequence,))
             if self._future is None:
                 self._open()
-            self._flush()
+            try:
+                self._flush()
+            except BaseException:  # the last group's fence failed: nothing may commit
+                self._abort()
+                raise
             self._queue.put(_END)
             try:
                 self._result = self._future.result()
@@ -168,28 +195,33 @@ class LayerwiseSave:
                 prepared.rows, pb.RowDType.Name(prepared.dtype), self._rows, pb.RowDType.Name(self._row_dtype)))
         if ckv_scale is not None or kpe_scale is not None:
             prepared.scales = (_scale(ckv_scale), _scale(kpe_scale))
-        self._fence(prepared.cuda)
+        if prepared.cuda:
+            streams = self._client._producer_streams(prepared.cuda)
+            if self._pending and streams != self._pending_streams:
+                self._flush()  # the waiting layers' fence goes on their own stream
+            self._pending_streams = streams
         self._layers.add(layer)
         self._pending.append((layer, prepared))
         if self._future is None and prepared.rows < self._min_tokens:
             return
         if self._future is None:
+            if self._num_layers is None:
+                self._num_layers = self._client._layer_count(self._pool)
             self._open()
-        if len(self._pending) >= self._per_message:
+        if len(self._pending) >= self._per_message or len(self._layers) >= self._num_layers:
             self._flush()
 
     def _flush(self):
-        """Hands the layers given and not yet queued to the stream's thread."""
+        """Fences the layers given and not yet queued (their CUDA regions'
+        events recorded once, on the stream they were written on) and hands
+        them to the stream's thread."""
         if self._pending:
+            regions = [r for _, prepared in self._pending for r in prepared.cuda]
+            # Client._fence; the region locks it takes (reentrant) are held
+            # until the save ends, while the server may still wait on them.
+            self._held.extend(self._client._fence(regions, self._pending_streams))
             self._queue.put(self._pending)
             self._pending = []
-
-    def _fence(self, regions):
-        """Makes the producer's writes visible to the server before it reads
-        this layer (Client._fence: an event recorded on the current stream, or
-        the stream synchronized). The region locks it takes (reentrant) are
-        held until the save ends, while the server may still wait on them."""
-        self._held.extend(self._client._fence(regions))
 
     def _open(self):
         c = self._client

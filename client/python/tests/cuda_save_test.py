@@ -106,7 +106,44 @@ def check_interleaved(client, torch, tokens):
         client.free(name + "-bytes")
 
 
-def measure(client, torch, tokens, runs, per_message):
+def check_two_streams(client, torch, tokens):
+    """A save whose layers are written on two streams in turn: each layer's
+    event goes on its own stream (a group never spans two), byte-exact."""
+    loop = Loop(torch, tokens)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    fenced = []  # the streams of each group's fence, as the save records them
+    real = client._fence
+
+    def recording(regions, streams=None):
+        fenced.append([s.cuda_stream for s in streams.values()])
+        return real(regions, streams)
+
+    client._fence = recording
+    try:
+        with client.save("two-streams", layers_per_message=8, **SCALES) as s:
+            for i in range(LAYERS):
+                with torch.cuda.stream(streams[i % 2]):
+                    loop.layer(i)
+                    s.layer(i, loop.ckv[i], loop.kpe[i])
+    finally:
+        client._fence = real
+    want = [[streams[i % 2].cuda_stream] for i in range(LAYERS)]
+    if fenced != want:
+        raise AssertionError("groups' events on streams %s, expected one layer a group on its stream" % fenced)
+    torch.cuda.synchronize()
+    for i in (0, 1, 59, 60):
+        client.append("two-streams-bytes", i, loop.ckv[i].cpu(), loop.kpe[i].cpu(), start=0, **SCALES)
+        a, b = client.export("two-streams", i), client.export("two-streams-bytes", i)
+        for k in ("ckv_packed", "ckv_sf", "kpe"):
+            if not np.array_equal(a[k], b[k]):
+                raise AssertionError("two streams, layer %d: %s differs from the bytes path" % (i, k))
+    client.free("two-streams")
+    client.free("two-streams-bytes")
+
+
+def measure(client, torch, tokens, runs, per_message, last_at_once=True):
+    """last_at_once=False: the layers still waiting after the last layer go at
+    wait() (num_layers never reached), as before the save knew its layer count."""
     loop = Loop(torch, tokens)
     base, total, commit, end_save, in_layer = [], [], [], [], []
     # Warm-up: cuBLAS, and the allocations' one registration with the server.
@@ -114,16 +151,16 @@ def measure(client, torch, tokens, runs, per_message):
     with client.save("warm", **SCALES) as s:
         loop.run(s)
     client.free("warm")
-    for r in range(runs):
+    def loop_alone():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loop.run()
         torch.cuda.synchronize()
         base.append(time.perf_counter() - t0)
 
-        sid = "m-%d-%d" % (tokens, r)
+    def loop_saving(sid):
         t0 = time.perf_counter()
-        s = client.save(sid, layers_per_message=per_message, **SCALES)
+        s = client.save(sid, layers_per_message=per_message, num_layers=None if last_at_once else 1 << 30, **SCALES)
         in_layer.append(loop.run(s))
         torch.cuda.synchronize()  # the last layer's compute is done
         t_last = time.perf_counter()
@@ -132,6 +169,18 @@ def measure(client, torch, tokens, runs, per_message):
         total.append(t_commit - t0)
         commit.append(t_commit - t_last)
         client.free(sid)
+
+    # The GPU's clock falls under this sustained matmul load (the same loop
+    # reads ~5% slower after a few runs than before), so the loop alone and
+    # the loop saving alternate which goes first.
+    for r in range(runs):
+        sid = "m-%d-%d" % (tokens, r)
+        if r % 2 == 0:
+            loop_alone()
+            loop_saving(sid)
+        else:
+            loop_saving(sid)
+            loop_alone()
 
         # For comparison: everything in one save after the loop.
         t0 = time.perf_counter()
@@ -148,6 +197,7 @@ def measure(client, torch, tokens, runs, per_message):
         "tokens": tokens,
         "layers": LAYERS,
         "layers_per_message": per_message,
+        "last_layers_at_once": last_at_once,
         "runs": runs,
         "loop_without_save_ms": med(base) * 1e3,
         "loop_with_layerwise_save_ms": med(total) * 1e3,
@@ -164,7 +214,9 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", default="")
     ap.add_argument("--tokens", default="1024,4096,16384")
-    ap.add_argument("--layers_per_message", default="4", help="comma-separated: each is measured")
+    ap.add_argument("--layers_per_message", default="8", help="comma-separated: each is measured")
+    ap.add_argument("--last_at_once", default="1", help="comma-separated 1/0: the last layers sent when given (1) "
+                    "or at wait() (0); each is measured")
     a = ap.parse_args()
     why = cuda_missing()
     if why:
@@ -183,9 +235,12 @@ def main():
             print("byte-exact: 61 layers x 300 and x 4096 tokens saved by reference == sent as bytes", flush=True)
             check_interleaved(client, torch, 2048)
             print("byte-exact: two saves open at once in one thread, out of one allocation", flush=True)
+            check_two_streams(client, torch, 1024)
+            print("byte-exact: layers written on two streams in turn, each fenced on its own", flush=True)
             for tokens in [int(x) for x in a.tokens.split(",")]:
-                for per_message in [int(x) for x in a.layers_per_message.split(",")]:
-                    r = measure(client, torch, tokens, a.runs, per_message)
+                for per_message, at_once in [(int(x), y != "0") for x in a.layers_per_message.split(",")
+                                             for y in a.last_at_once.split(",")]:
+                    r = measure(client, torch, tokens, a.runs, per_message, at_once)
                     results["sizes"].append(r)
                     print(json.dumps({k: v for k, v in r.items() if not k.endswith("_all_ms")}), flush=True)
             if client.pool().pages_used != 0:

@@ -109,6 +109,59 @@ class LayerwiseSaveTest(ServerTestCase):
         for sid in ("grouped", "grouped-blocking", "one-by-one"):
             self.client.free(sid)
 
+    def wait_sent(self, s, layers):
+        for _ in range(500):
+            with s._lock:
+                sent = sorted(l for group in s._sent_layers for l in group)
+            if sent == list(layers):
+                return
+            time.sleep(0.01)
+        self.fail("layers sent before wait(): %s, expected %s" % (sent, list(layers)))
+
+    def test_the_last_layer_sends_the_rest_at_once_but_commits_only_at_wait(self):
+        rows = prompt(8, 300)
+        # The pool's 61 layers: 61 = 7 x 8 + 5, and the last 5 go when layer 60 is given.
+        s = self.client.save("last-at-once", layers_per_message=8, **SCALES)
+        for layer, (ckv, kpe) in enumerate(rows):
+            s.layer(layer, ckv, kpe)
+        self.assertEqual(s._pending, [], "nothing waits for wait() once every layer is given")
+        self.wait_sent(s, range(LAYERS))
+        self.assertEqual(self.client._layer_counts, {"": LAYERS}, "the pool's layer count, looked up once")
+        self.assertNotStored("last-at-once")  # every message sent; the commit waits for wait()
+        self.assertEqual(s.wait().sequence.length, 300)
+        for layer, (ckv, kpe) in enumerate(rows):
+            self.client.append("last-at-once-blocking", layer, ckv, kpe, start=0, **SCALES)
+        self.assertSameStored("last-at-once", "last-at-once-blocking")
+        # A save of fewer layers says so; a body that raises after its last
+        # layer went still writes nothing.
+        with self.assertRaises(RuntimeError):
+            with self.client.save("three", num_layers=3, layers_per_message=8, **SCALES) as s:
+                for layer in range(3):
+                    s.layer(layer, *rows[layer])
+                self.wait_sent(s, range(3))
+                raise RuntimeError("the forward pass failed after its last layer")
+        self.assertNotStored("three")
+        with self.client.save("three", num_layers=3, layers_per_message=8, **SCALES) as s:
+            for layer in range(3):
+                s.layer(layer, *rows[layer])
+            self.wait_sent(s, range(3))
+        self.assertEqual(list(self.client.sequence("three").layer_lengths[:4]), [300, 300, 300, 0])
+        with self.assertRaises(mlakv.Error) as ctx:
+            self.client.save("none", num_layers=0)
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        for sid in ("last-at-once", "last-at-once-blocking", "three"):
+            self.client.free(sid)
+        self.assertEqual(self.client.pool().pages_used, 0)
+
+    def test_a_save_to_a_pool_that_does_not_exist_fails_naming_the_pool(self):
+        s = self.client.save("nowhere", pool="no-such-pool", **SCALES)
+        s.layer(0, *prompt(9, 300)[0])
+        with self.assertRaises(mlakv.Error) as ctx:
+            s.wait()
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.NOT_FOUND, str(ctx.exception))
+        self.assertIn("no-such-pool", ctx.exception.message)
+        self.assertIn("layer 0", ctx.exception.message)
+
     def test_a_layer_the_client_rejects_is_named_and_nothing_is_written(self):
         rows = prompt(4, 300)
         s = self.client.save("bad-shape", **SCALES)

@@ -1,0 +1,262 @@
+// Pool::Stage with `deferred` (AtomicAppend::HoldDeviceWrites, what an Append
+// stream uses): rows by reference from device memory are held, message by
+// message, and written at Commit in one backend call. What it must keep:
+//  * the same bytes stored as when every message is written as it comes;
+//  * the caches see the writes in Stage order: a layer named again, rows
+//    that cannot be held (host bytes), or a rewrite of committed rows flush
+//    what is held first;
+//  * nothing written and nothing kept when the append aborts before the
+//    flush, fails in it, or fails the last check after it.
+//
+// There is no GPU here: rows marked as device memory (device 0) are host
+// bytes standing in for a CUDA region's, handed to the cpu backend as the
+// host rows they are by the wrapper below.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status_macros.h"
+#include "server/backend/forwarding_backend.h"
+#include "server/core/atomic_append.h"
+#include "server/core/pool.h"
+#include "tests/server/core/random_rows.h"
+
+namespace mlakv::server {
+namespace {
+
+constexpr float kCkv = 0.25f, kKpe = 0.5f;
+constexpr int32_t kLayers = 3, kPageSize = 4;
+
+// Records the layers of each Append, turns stand-in device rows into host
+// rows and forwards to the cpu backend; fails the next Append on request.
+class StandInDeviceBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  absl::Status Append(std::span<const LayerAppend> layers) override {
+    calls.emplace_back();
+    std::vector<LayerAppend> host(layers.begin(), layers.end());
+    std::vector<std::vector<AppendSegment>> segments(layers.size());
+    for (size_t i = 0; i < host.size(); ++i) {
+      calls.back().push_back(host[i].layer);
+      if (host[i].rows) host[i].rows->device = -1;
+      segments[i].assign(host[i].segments.begin(), host[i].segments.end());
+      for (AppendSegment& s : segments[i]) s.rows.device = -1;
+      host[i].segments = segments[i];
+    }
+    if (fail_next) {
+      fail_next = false;
+      return absl::InternalError("stand-in device failure");
+    }
+    return inner().Append(host);
+  }
+
+  std::vector<std::vector<int32_t>> calls;  // per Append: the layers it wrote
+  bool fail_next = false;
+};
+
+struct TestPool {
+  std::unique_ptr<Pool> pool;
+  StandInDeviceBackend* backend = nullptr;
+};
+
+TestPool MakePool() {
+  TestPool t;
+  Pool::Options o;
+  o.name = "p";
+  o.num_layers = kLayers;
+  o.page_size = kPageSize;
+  o.num_pages = 32;
+  o.layer_scales.assign(kLayers, Pool::Options::Scales{kCkv, kKpe});
+  o.wrap_backend = [&t](std::unique_ptr<CacheBackend> inner) {
+    auto b = std::make_unique<StandInDeviceBackend>(std::move(inner));
+    t.backend = b.get();
+    return b;
+  };
+  absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(o);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (pool.ok()) t.pool = std::move(*pool);
+  return t;
+}
+
+// `count` rows of `rows` from row `first` of it, at positions start.., for
+// the given layers: as device rows (a region's, packed) or host bytes.
+SequenceRowsIn Rows(const testing::RowSet& rows, uint32_t first, uint32_t count, uint32_t start,
+                    std::vector<int32_t> layers, bool device) {
+  SequenceRowsIn r;
+  r.start = start;
+  r.row_count = count;
+  for (int32_t l : layers) {
+    LayerRows lr = LayerRows::FromBytes(l, std::string_view(rows.ckv).substr(first * 1024, count * 1024),
+                                        std::string_view(rows.kpe).substr(first * 128, count * 128));
+    if (device) {
+      lr.source.device = 0;
+      lr.source.ckv_stride_bytes = 1024;
+      lr.source.kpe_stride_bytes = 128;
+    }
+    r.layers.push_back(lr);
+  }
+  return r;
+}
+
+absl::Status StageOne(AtomicAppend& a, const SequenceRowsIn& rows) {
+  const SequenceRowsIn* ptr = &rows;
+  return a.Stage({&ptr, 1}, DType::kBFloat16);
+}
+
+absl::Status Ok() { return absl::OkStatus(); }
+
+// What sequence `id` stores in `layer`, tokens [0, n), against the CPU
+// reference of `rows` from row `first`.
+void ExpectStored(Pool& pool, const std::string& id, int32_t layer, uint32_t n, const testing::RowSet& rows,
+                  uint32_t first = 0) {
+  std::vector<uint8_t> ckv(n * 256), sf(n * 32), kpe(n * 64);
+  LayerSnapshot snapshot;
+  ASSERT_TRUE(pool.ReadRows(id, layer, 0, n, {ckv.data(), sf.data(), kpe.data()}, &snapshot).ok());
+  for (uint32_t r = 0; r < n; ++r) {
+    const testing::Entry& want = rows.expected[first + r];
+    EXPECT_EQ(std::memcmp(ckv.data() + r * 256, want.data(), 256), 0) << id << " layer " << layer << " row " << r;
+    EXPECT_EQ(std::memcmp(sf.data() + r * 32, want.data() + 256, 32), 0) << id << " layer " << layer << " row " << r;
+    EXPECT_EQ(std::memcmp(kpe.data() + r * 64, want.data() + 288, 64), 0) << id << " layer " << layer << " row " << r;
+  }
+}
+
+TEST(DeferredWritesTest, DeviceRowsOfAStreamAreWrittenInOneCallAtCommit) {
+  TestPool t = MakePool();
+  std::vector<testing::RowSet> rows;
+  for (int32_t l = 0; l < kLayers; ++l) rows.push_back(testing::MakeRows(6, 40 + l, kCkv, kKpe));
+  AtomicAppend a(t.pool.get());
+  a.HoldDeviceWrites();
+  ASSERT_TRUE(a.Begin("s").ok());
+  for (int32_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(StageOne(a, Rows(rows[l], 0, 6, 0, {l}, /*device=*/true)).ok());
+  }
+  EXPECT_TRUE(t.backend->calls.empty()) << "nothing written before the commit";
+  ASSERT_TRUE(a.Commit(Ok).ok());
+  ASSERT_EQ(t.backend->calls.size(), 1u);
+  EXPECT_EQ(t.backend->calls[0], (std::vector<int32_t>{0, 1, 2}));
+  for (int32_t l = 0; l < kLayers; ++l) ExpectStored(*t.pool, "s", l, 6, rows[l]);
+  EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
+
+  // Without HoldDeviceWrites (AppendBatch, a one-message call) each Stage writes at once.
+  AtomicAppend b(t.pool.get());
+  ASSERT_TRUE(b.Begin("u").ok());
+  ASSERT_TRUE(StageOne(b, Rows(rows[0], 0, 2, 0, {0, 1}, true)).ok());
+  EXPECT_EQ(t.backend->calls.size(), 2u);
+  ASSERT_TRUE(b.Commit(Ok).ok());
+}
+
+TEST(DeferredWritesTest, WritesThatCannotBeHeldFlushWhatIsHeldFirstInStageOrder) {
+  TestPool t = MakePool();
+  const testing::RowSet x = testing::MakeRows(8, 51, kCkv, kKpe), y = testing::MakeRows(8, 52, kCkv, kKpe);
+  AtomicAppend a(t.pool.get());
+  a.HoldDeviceWrites();
+  ASSERT_TRUE(a.Begin("s").ok());
+  ASSERT_TRUE(StageOne(a, Rows(x, 0, 4, 0, {0, 1}, true)).ok());
+  ASSERT_TRUE(StageOne(a, Rows(x, 0, 4, 0, {2}, true)).ok());
+  EXPECT_TRUE(t.backend->calls.empty());
+  // Layer 0 again (its next rows): the three held layers go first.
+  ASSERT_TRUE(StageOne(a, Rows(x, 4, 4, 4, {0}, true)).ok());
+  ASSERT_EQ(t.backend->calls.size(), 1u);
+  EXPECT_EQ(t.backend->calls[0], (std::vector<int32_t>{0, 1, 2}));
+  // Host bytes are not held: the held layer 0 goes, then these.
+  ASSERT_TRUE(StageOne(a, Rows(y, 4, 4, 4, {1, 2}, false)).ok());
+  ASSERT_EQ(t.backend->calls.size(), 3u);
+  EXPECT_EQ(t.backend->calls[1], (std::vector<int32_t>{0}));
+  EXPECT_EQ(t.backend->calls[2], (std::vector<int32_t>{1, 2}));
+  ASSERT_TRUE(a.Commit(Ok).ok());
+  EXPECT_EQ(t.backend->calls.size(), 3u) << "nothing was held at the commit";
+  ExpectStored(*t.pool, "s", 0, 8, x);
+  for (int32_t l : {1, 2}) {
+    ExpectStored(*t.pool, "s", l, 4, x);
+    std::vector<uint8_t> ckv(4 * 256), sf(4 * 32), kpe(4 * 64);
+    LayerSnapshot snapshot;
+    ASSERT_TRUE(t.pool->ReadRows("s", l, 4, 4, {ckv.data(), sf.data(), kpe.data()}, &snapshot).ok());
+    EXPECT_EQ(std::memcmp(ckv.data(), y.expected[4].data(), 256), 0) << "layer " << l;
+  }
+
+  // A stream that rewrites committed rows (its undo is captured) writes at once.
+  const testing::RowSet z = testing::MakeRows(2, 53, kCkv, kKpe);
+  AtomicAppend r(t.pool.get());
+  r.HoldDeviceWrites();
+  ASSERT_TRUE(r.Begin("s").ok());
+  ASSERT_TRUE(StageOne(r, Rows(z, 0, 2, 0, {0}, true)).ok());
+  EXPECT_EQ(t.backend->calls.size(), 4u);
+  ASSERT_TRUE(r.Commit(Ok).ok());
+  ExpectStored(*t.pool, "s", 0, 2, z);
+  EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
+}
+
+TEST(DeferredWritesTest, AnAbortBeforeTheFlushWritesNothingAndReleasesEveryPage) {
+  TestPool t = MakePool();
+  const testing::RowSet x = testing::MakeRows(9, 61, kCkv, kKpe);
+  {
+    AtomicAppend a(t.pool.get());
+    a.HoldDeviceWrites();
+    ASSERT_TRUE(a.Begin("s").ok());
+    ASSERT_TRUE(StageOne(a, Rows(x, 0, 9, 0, {0, 1, 2}, true)).ok());
+    EXPECT_GT(t.pool->Snapshot().pages_used, 0);
+    a.Abort();
+  }
+  EXPECT_TRUE(t.backend->calls.empty()) << "an aborted stream's held rows are never written";
+  EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
+  EXPECT_EQ(t.pool->GetSequence("s").status().code(), absl::StatusCode::kNotFound);
+  {
+    // Destroyed without Commit or Abort (the stream's reactor went away).
+    AtomicAppend a(t.pool.get());
+    a.HoldDeviceWrites();
+    ASSERT_TRUE(a.Begin("s").ok());
+    ASSERT_TRUE(StageOne(a, Rows(x, 0, 9, 0, {1}, true)).ok());
+  }
+  EXPECT_TRUE(t.backend->calls.empty());
+  EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
+  EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
+}
+
+TEST(DeferredWritesTest, AFailedFlushOrLastCheckCommitsNothing) {
+  TestPool t = MakePool();
+  const testing::RowSet x = testing::MakeRows(5, 71, kCkv, kKpe);
+  // The flush at the commit fails: its status comes back, nothing is kept.
+  AtomicAppend a(t.pool.get());
+  a.HoldDeviceWrites();
+  ASSERT_TRUE(a.Begin("s").ok());
+  ASSERT_TRUE(StageOne(a, Rows(x, 0, 5, 0, {0, 1}, true)).ok());
+  t.backend->fail_next = true;
+  bool checked = false;
+  absl::StatusOr<std::vector<SequenceSnapshot>> got = a.Commit([&] {
+    checked = true;
+    return absl::OkStatus();
+  });
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInternal) << got.status();
+  EXPECT_NE(got.status().message().find("stand-in device failure"), std::string::npos) << got.status();
+  EXPECT_FALSE(checked) << "the last check runs after the rows are written";
+  EXPECT_EQ(t.pool->GetSequence("s").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
+
+  // The flush passes and the last check fails (a deadline passed): aborted.
+  AtomicAppend b(t.pool.get());
+  b.HoldDeviceWrites();
+  ASSERT_TRUE(b.Begin("s").ok());
+  ASSERT_TRUE(StageOne(b, Rows(x, 0, 5, 0, {2}, true)).ok());
+  got = b.Commit([] { return absl::DeadlineExceededError("too late"); });
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(t.backend->calls.size(), 2u);
+  EXPECT_EQ(t.pool->GetSequence("s").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
+
+  // A flush that fails inside a Stage (layer 0 named again) is that Stage's error.
+  AtomicAppend c(t.pool.get());
+  c.HoldDeviceWrites();
+  ASSERT_TRUE(c.Begin("s").ok());
+  ASSERT_TRUE(StageOne(c, Rows(x, 0, 2, 0, {0}, true)).ok());
+  t.backend->fail_next = true;
+  EXPECT_EQ(StageOne(c, Rows(x, 2, 3, 2, {0}, true)).code(), absl::StatusCode::kInternal);
+  c.Abort();
+  EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
+  EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
+}
+
+}  // namespace
+}  // namespace mlakv::server
