@@ -103,7 +103,7 @@ class LayerwiseSave:
         self._per_message = int(layers_per_message)
         if num_layers is not None and int(num_layers) < 1:
             raise client_error("save: num_layers is %r; it must be at least 1" % (num_layers,))
-        self._num_layers = None if num_layers is None else int(num_layers)  # else the pool's, at _open
+        self._num_layers = None if num_layers is None else int(num_layers)  # else the pool's, when the stream opens
         self._queue = queue.Queue()  # lists of (layer, prepared), then _END
         self._pending = []  # (layer, prepared) not queued yet: held back (short prompts) or a group filling up
         self._pending_streams = None  # {device: torch stream} the pending CUDA layers were written on

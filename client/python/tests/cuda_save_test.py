@@ -209,12 +209,43 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True):
     }
 
 
+def measure_stream_end(client, torch, tokens, runs=15):
+    """The end of a save alone: the GPU idle and every message already at the
+    server when wait() is called (61 layers, and one layer), against a
+    GetPool from the same client: what the tail costs beyond the writes."""
+    loop = Loop(torch, tokens)
+    loop.run()
+    torch.cuda.synchronize()
+    med = statistics.median
+    rtt = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        client.pool()
+        rtt.append(time.perf_counter() - t0)
+    out = {"tokens": tokens, "getpool_us": med(rtt) * 1e6}
+    for name, layers in (("wait_61_layers_us", LAYERS), ("wait_one_layer_us", 1)):
+        waits = []
+        for r in range(runs):
+            sid = "end-%d-%d" % (tokens, r)
+            s = client.save(sid, layers_per_message=8, num_layers=layers, **SCALES)
+            for i in range(layers):
+                s.layer(i, loop.ckv[i], loop.kpe[i])
+            time.sleep(0.03)  # every message handled by the server
+            t0 = time.perf_counter()
+            s.wait()
+            waits.append(time.perf_counter() - t0)
+            client.free(sid)
+        out[name] = med(waits) * 1e6
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", default="")
     ap.add_argument("--tokens", default="1024,4096,16384")
     ap.add_argument("--layers_per_message", default="8", help="comma-separated: each is measured")
+    ap.add_argument("--stream_end", action="store_true", help="also time the end of a save alone (GPU idle)")
     ap.add_argument("--last_at_once", default="1", help="comma-separated 1/0: the last layers sent when given (1) "
                     "or at wait() (0); each is measured")
     a = ap.parse_args()
@@ -243,6 +274,11 @@ def main():
                     r = measure(client, torch, tokens, a.runs, per_message, at_once)
                     results["sizes"].append(r)
                     print(json.dumps({k: v for k, v in r.items() if not k.endswith("_all_ms")}), flush=True)
+            if a.stream_end:
+                for tokens in [int(x) for x in a.tokens.split(",")]:
+                    r = measure_stream_end(client, torch, tokens)
+                    results.setdefault("stream_end", []).append(r)
+                    print(json.dumps(r), flush=True)
             if client.pool().pages_used != 0:
                 raise AssertionError("pages left behind: %s" % client.pool())
     os.unlink(cfg.name)
