@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <string>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "tests/server/rpc/ipc_producer_process.h"
 #include "tests/server/rpc/region_helpers.h"
 #include "tests/server/rpc/service_fixture.h"
@@ -113,6 +115,61 @@ TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
   // Past the region.
   s = Append({RegionMessage("far", 0, n, rows.dtype, {0}, Ref("r", 8), Ref("r", bytes.size() - n * kKpeRow + 2))});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(s);
+}
+
+// An Append stream by reference in several messages is written at its end
+// (docs/server.md "When an Append stream's CUDA rows are read"): the rows
+// held message by message, a layer named again writing what is held first,
+// store what the same rows sent as bytes store. A stream that breaks after
+// held messages -- a message the server refuses, a client's cancel -- writes
+// nothing and keeps no page.
+TEST_F(CudaRegionServiceTest, AStreamOfReferencesIsWrittenAtItsEndOrNotAtAll) {
+  const Rows rows = RandomRows(300, 23);
+  const ProducerLayout layout = MakeProducerLayout(rows);
+  const uint64_t n = rows.n, half = n / 2, kpe_off = layout.kpe_off;
+  IpcProducerProcess producer(layout.bytes);
+  ASSERT_TRUE(RegisterCuda("s", producer.mem_handle(), layout.bytes.size()).ok());
+  grpc::Status s = AppendRows("bytes", 0, rows, {0, 1, 2, 3}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  const uint64_t pages_before = GetPool().pages_used();
+  // Rows [lo, lo + half) of `layers` from the region's packed copy.
+  auto message = [&](const std::string& id, uint64_t lo, const std::vector<uint32_t>& layers,
+                     const std::string& region = "s") {
+    return RegionMessage(id, static_cast<uint32_t>(lo), static_cast<uint32_t>(half), rows.dtype, layers,
+                         Ref(region, lo * kCkvRow), Ref(region, kpe_off + lo * kKpeRow));
+  };
+  // Layer 0, layers 1-3 (held with it), layer 0 again (the four held go
+  // first), layers 1-3 (held with it): written at the end.
+  s = Append({message("refs", 0, {0}), message("refs", 0, {1, 2, 3}), message("refs", half, {0}),
+              message("refs", half, {1, 2, 3})});
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ExpectSameStored("refs", "bytes", {0, 1, 2, 3}, n);
+
+  // The third message names a region that is not there: nothing of the two held.
+  s = Append({message("refused", 0, {0}), message("refused", 0, {1, 2, 3}), message("refused", half, {0}, "nope")});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(s);
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("refused", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(GetPool().pages_used(), pages_before);
+
+  // The client cancels after two held messages.
+  {
+    grpc::ClientContext ctx;
+    v1::AppendResponse resp;
+    auto writer = stub().Append(&ctx, &resp);
+    ASSERT_TRUE(writer->Write(message("cancelled", 0, {0})));
+    ASSERT_TRUE(writer->Write(message("cancelled", 0, {1, 2, 3})));
+    absl::SleepFor(absl::Milliseconds(100));  // both staged (held) on the worker
+    ctx.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  absl::Notification drained;
+  pool().worker().Post([&] { drained.Notify(); });
+  drained.WaitForNotification();
+  EXPECT_EQ(GetSequence("cancelled", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(GetPool().pages_used(), pages_before);
+  // The rows stored before are untouched.
+  ExpectSameStored("refs", "bytes", {0, 1, 2, 3}, n);
 }
 
 // AppendBatch's compact form from one CUDA region range per layer: the rows
