@@ -8,9 +8,8 @@
 //  * nothing written and nothing kept when the append aborts before the
 //    flush, fails in it, or fails the last check after it.
 //
-// There is no GPU here: rows marked as device memory (device 0) are host
-// bytes standing in for a CUDA region's, handed to the cpu backend as the
-// host rows they are by the wrapper below.
+// There is no GPU here: rows marked as device memory are host bytes standing
+// in for a CUDA region's (tests/server/core/stand_in_device_backend.h).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -19,10 +18,10 @@
 #include <vector>
 
 #include "common/status_macros.h"
-#include "server/backend/forwarding_backend.h"
 #include "server/core/atomic_append.h"
 #include "server/core/pool.h"
 #include "tests/server/core/random_rows.h"
+#include "tests/server/core/stand_in_device_backend.h"
 
 namespace mlakv::server {
 namespace {
@@ -30,32 +29,7 @@ namespace {
 constexpr float kCkv = 0.25f, kKpe = 0.5f;
 constexpr int32_t kLayers = 3, kPageSize = 4;
 
-// Records the layers of each Append, turns stand-in device rows into host
-// rows and forwards to the cpu backend; fails the next Append on request.
-class StandInDeviceBackend final : public ForwardingBackend {
- public:
-  using ForwardingBackend::ForwardingBackend;
-  absl::Status Append(std::span<const LayerAppend> layers) override {
-    calls.emplace_back();
-    std::vector<LayerAppend> host(layers.begin(), layers.end());
-    std::vector<std::vector<AppendSegment>> segments(layers.size());
-    for (size_t i = 0; i < host.size(); ++i) {
-      calls.back().push_back(host[i].layer);
-      if (host[i].rows) host[i].rows->device = -1;
-      segments[i].assign(host[i].segments.begin(), host[i].segments.end());
-      for (AppendSegment& s : segments[i]) s.rows.device = -1;
-      host[i].segments = segments[i];
-    }
-    if (fail_next) {
-      fail_next = false;
-      return absl::InternalError("stand-in device failure");
-    }
-    return inner().Append(host);
-  }
-
-  std::vector<std::vector<int32_t>> calls;  // per Append: the layers it wrote
-  bool fail_next = false;
-};
+using testing::StandInDeviceBackend;
 
 struct TestPool {
   std::unique_ptr<Pool> pool;
@@ -91,11 +65,7 @@ SequenceRowsIn Rows(const testing::RowSet& rows, uint32_t first, uint32_t count,
   for (int32_t l : layers) {
     LayerRows lr = LayerRows::FromBytes(l, std::string_view(rows.ckv).substr(first * 1024, count * 1024),
                                         std::string_view(rows.kpe).substr(first * 128, count * 128));
-    if (device) {
-      lr.source.device = 0;
-      lr.source.ckv_stride_bytes = 1024;
-      lr.source.kpe_stride_bytes = 128;
-    }
+    if (device) testing::MarkAsDeviceRows(lr);
     r.layers.push_back(lr);
   }
   return r;

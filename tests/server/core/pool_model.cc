@@ -16,6 +16,7 @@
 #include "kernels/quantize_rows.h"
 #include "server/core/pool.h"
 #include "tests/server/core/random_rows.h"
+#include "tests/server/core/stand_in_device_backend.h"
 
 namespace mlakv::server::testing {
 namespace {
@@ -67,6 +68,13 @@ struct TxnModel {
   std::vector<std::map<uint32_t, Entry>> staged = std::vector<std::map<uint32_t, Entry>>(kLayers);
   std::vector<uint32_t> staged_end = std::vector<uint32_t>(kLayers, 0);
   size_t extra_pages = 0;
+  // An Append stream by reference: its rows are stand-in device rows and
+  // Pool::Stage holds what it can here until the commit (AtomicAppend).
+  bool by_reference = false;
+  Pool::DeferredWrites held;
+  // The bytes standing in for the region: like a stream's regions, alive
+  // until the transaction ends (moving a string keeps its buffer).
+  std::vector<std::string> region_bytes;
 };
 
 // What one operation of the script asks to stage for one transaction.
@@ -92,6 +100,9 @@ class Runner {
     o.num_pages = kPages;
     o.max_sequences = kMaxSequences;
     o.layer_scales.assign(kLayers, Pool::Options::Scales{kCkv, kKpe});
+    o.wrap_backend = [](std::unique_ptr<CacheBackend> inner) {
+      return std::make_unique<StandInDeviceBackend>(std::move(inner));
+    };
     absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(o);
     if (!pool.ok()) return pool.status();
     pool_ = std::move(*pool);
@@ -152,6 +163,7 @@ class Runner {
     txns_[s] = std::make_unique<TxnModel>();
     txns_[s]->txn = std::move(*txn);
     txns_[s]->created = !seqs_[s].exists;
+    txns_[s]->by_reference = (op_ + s) % 2 == 0;
     return absl::OkStatus();
   }
 
@@ -226,6 +238,7 @@ class Runner {
       for (int64_t l : sp.layers) {
         LayerRows in = LayerRows::FromBytes(static_cast<int32_t>(l), sp.rows.ckv, sp.rows.kpe);
         if (sp.wrong_scales) in.ckv_scale = kCkv * 2, in.kpe_scale = kKpe;
+        if (ids.size() == 1 && txns_[ids[i]]->by_reference) MarkAsDeviceRows(in);
         r.layers.push_back(in);
       }
       if (sp.wrong_bytes) --r.layers.back().kpe_bytes;
@@ -234,7 +247,15 @@ class Runner {
     for (const SequenceRowsIn& r : rows) row_ptrs.push_back(&r);
     std::vector<size_t> new_pages;
     const absl::Status predicted = Predict(ids, specs, &new_pages);
-    const absl::Status got = pool_->Stage(raw, row_ptrs, DType::kBFloat16);
+    // One stream by reference holds its writes; a call of two (an
+    // AppendBatch) writes at once, after what either has held.
+    Pool::DeferredWrites* held = ids.size() == 1 && txns_[ids[0]]->by_reference ? &txns_[ids[0]]->held : nullptr;
+    if (held == nullptr) {
+      for (int s : ids) {
+        if (absl::Status f = pool_->Flush(txns_[s]->held); !f.ok()) return Fail(absl::StrCat("flush: ", f.ToString()));
+      }
+    }
+    const absl::Status got = pool_->Stage(raw, row_ptrs, DType::kBFloat16, held);
     if (got.code() != predicted.code()) {
       return Fail(absl::StrCat("stage: model says ", predicted.ToString(), ", pool says ", got.ToString()));
     }
@@ -251,6 +272,10 @@ class Runner {
       t.extra_pages += new_pages[i];
       if (t.txn->pages_allocated() != t.extra_pages) {
         return Fail(absl::StrCat("transaction holds ", t.txn->pages_allocated(), " new pages, model ", t.extra_pages));
+      }
+      if (held != nullptr) {
+        t.region_bytes.push_back(std::move(specs[i].rows.ckv));
+        t.region_bytes.push_back(std::move(specs[i].rows.kpe));
       }
       if (sp.n == 0) continue;
       for (int64_t l : sp.layers) {
@@ -281,6 +306,7 @@ class Runner {
   absl::Status Commit(int s) {
     if (!txns_[s]) return absl::OkStatus();
     TxnModel& t = *txns_[s];
+    if (absl::Status f = pool_->Flush(t.held); !f.ok()) return Fail(absl::StrCat("flush at commit: ", f.ToString()));
     const SequenceSnapshot snap = pool_->Commit(*t.txn);
     SequenceModel& seq = seqs_[s];
     for (int l = 0; l < kLayers; ++l) {
@@ -306,6 +332,7 @@ class Runner {
 
   absl::Status Abort(int s) {
     if (!txns_[s]) return absl::OkStatus();
+    txns_[s]->held.Clear();
     pool_->Abort(*txns_[s]->txn);
     txns_[s].reset();
     return absl::OkStatus();

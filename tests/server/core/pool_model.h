@@ -7,7 +7,10 @@
 // each holds). Every operation's status must be what the model predicts,
 // every read must be byte-exact, and CheckInvariants plus
 // "pages_used == what the model holds" must hold after every step; an
-// aborted append must leave exactly what was there before.
+// aborted append must leave exactly what was there before. Half of the
+// transactions are streams by reference: their rows stand in for a CUDA
+// region's and Pool::Stage holds their writes until the commit, so the
+// order of held and immediate writes is checked by the same reads.
 //
 // Used by the libFuzzer target tests/fuzz/pool_transactions_fuzz.cc and by
 // pool_model_test (thousands of random scripts in the normal test run).
