@@ -348,8 +348,6 @@ class Pool {
     DeferredWrites& operator=(const DeferredWrites&) = delete;
 
     bool empty() const { return appends_.empty(); }
-    // Layer writes held (one per layer: a layer named again flushes first).
-    size_t size() const { return appends_.size(); }
     // Drops the held writes unwritten (an aborted append).
     void Clear();
 

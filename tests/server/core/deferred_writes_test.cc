@@ -22,6 +22,7 @@
 #include "server/core/pool.h"
 #include "tests/server/core/random_rows.h"
 #include "tests/server/core/stand_in_device_backend.h"
+#include "tests/server/core/wrapped_pool.h"
 
 namespace mlakv::server {
 namespace {
@@ -30,29 +31,16 @@ constexpr float kCkv = 0.25f, kKpe = 0.5f;
 constexpr int32_t kLayers = 3, kPageSize = 4;
 
 using testing::StandInDeviceBackend;
-
-struct TestPool {
-  std::unique_ptr<Pool> pool;
-  StandInDeviceBackend* backend = nullptr;
-};
+using TestPool = testing::WrappedPool<StandInDeviceBackend>;
 
 TestPool MakePool() {
-  TestPool t;
   Pool::Options o;
   o.name = "p";
   o.num_layers = kLayers;
   o.page_size = kPageSize;
   o.num_pages = 32;
   o.layer_scales.assign(kLayers, Pool::Options::Scales{kCkv, kKpe});
-  o.wrap_backend = [&t](std::unique_ptr<CacheBackend> inner) {
-    auto b = std::make_unique<StandInDeviceBackend>(std::move(inner));
-    t.backend = b.get();
-    return b;
-  };
-  absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(o);
-  EXPECT_TRUE(pool.ok()) << pool.status();
-  if (pool.ok()) t.pool = std::move(*pool);
-  return t;
+  return testing::MakeWrappedPool<StandInDeviceBackend>(o);
 }
 
 // `count` rows of `rows` from row `first` of it, at positions start.., for
@@ -78,6 +66,15 @@ absl::Status StageOne(AtomicAppend& a, const SequenceRowsIn& rows) {
 
 absl::Status Ok() { return absl::OkStatus(); }
 
+// An Append stream's transaction on `id` (its device writes held) with `rows` staged.
+std::unique_ptr<AtomicAppend> Held(Pool& pool, const std::string& id, const SequenceRowsIn& rows) {
+  auto a = std::make_unique<AtomicAppend>(&pool);
+  a->HoldDeviceWrites();
+  EXPECT_TRUE(a->Begin(id).ok());
+  EXPECT_TRUE(StageOne(*a, rows).ok());
+  return a;
+}
+
 // What sequence `id` stores in `layer`, tokens [0, n), against the CPU
 // reference of `rows` from row `first`.
 void ExpectStored(Pool& pool, const std::string& id, int32_t layer, uint32_t n, const testing::RowSet& rows,
@@ -97,14 +94,12 @@ TEST(DeferredWritesTest, DeviceRowsOfAStreamAreWrittenInOneCallAtCommit) {
   TestPool t = MakePool();
   std::vector<testing::RowSet> rows;
   for (int32_t l = 0; l < kLayers; ++l) rows.push_back(testing::MakeRows(6, 40 + l, kCkv, kKpe));
-  AtomicAppend a(t.pool.get());
-  a.HoldDeviceWrites();
-  ASSERT_TRUE(a.Begin("s").ok());
-  for (int32_t l = 0; l < kLayers; ++l) {
-    ASSERT_TRUE(StageOne(a, Rows(rows[l], 0, 6, 0, {l}, /*device=*/true)).ok());
+  std::unique_ptr<AtomicAppend> a = Held(*t.pool, "s", Rows(rows[0], 0, 6, 0, {0}, /*device=*/true));
+  for (int32_t l = 1; l < kLayers; ++l) {
+    ASSERT_TRUE(StageOne(*a, Rows(rows[l], 0, 6, 0, {l}, /*device=*/true)).ok());
   }
   EXPECT_TRUE(t.backend->calls.empty()) << "nothing written before the commit";
-  ASSERT_TRUE(a.Commit(Ok).ok());
+  ASSERT_TRUE(a->Commit(Ok).ok());
   ASSERT_EQ(t.backend->calls.size(), 1u);
   EXPECT_EQ(t.backend->calls[0], (std::vector<int32_t>{0, 1, 2}));
   for (int32_t l = 0; l < kLayers; ++l) ExpectStored(*t.pool, "s", l, 6, rows[l]);
@@ -121,22 +116,19 @@ TEST(DeferredWritesTest, DeviceRowsOfAStreamAreWrittenInOneCallAtCommit) {
 TEST(DeferredWritesTest, WritesThatCannotBeHeldFlushWhatIsHeldFirstInStageOrder) {
   TestPool t = MakePool();
   const testing::RowSet x = testing::MakeRows(8, 51, kCkv, kKpe), y = testing::MakeRows(8, 52, kCkv, kKpe);
-  AtomicAppend a(t.pool.get());
-  a.HoldDeviceWrites();
-  ASSERT_TRUE(a.Begin("s").ok());
-  ASSERT_TRUE(StageOne(a, Rows(x, 0, 4, 0, {0, 1}, true)).ok());
-  ASSERT_TRUE(StageOne(a, Rows(x, 0, 4, 0, {2}, true)).ok());
+  std::unique_ptr<AtomicAppend> a = Held(*t.pool, "s", Rows(x, 0, 4, 0, {0, 1}, true));
+  ASSERT_TRUE(StageOne(*a, Rows(x, 0, 4, 0, {2}, true)).ok());
   EXPECT_TRUE(t.backend->calls.empty());
   // Layer 0 again (its next rows): the three held layers go first.
-  ASSERT_TRUE(StageOne(a, Rows(x, 4, 4, 4, {0}, true)).ok());
+  ASSERT_TRUE(StageOne(*a, Rows(x, 4, 4, 4, {0}, true)).ok());
   ASSERT_EQ(t.backend->calls.size(), 1u);
   EXPECT_EQ(t.backend->calls[0], (std::vector<int32_t>{0, 1, 2}));
   // Host bytes are not held: the held layer 0 goes, then these.
-  ASSERT_TRUE(StageOne(a, Rows(y, 4, 4, 4, {1, 2}, false)).ok());
+  ASSERT_TRUE(StageOne(*a, Rows(y, 4, 4, 4, {1, 2}, false)).ok());
   ASSERT_EQ(t.backend->calls.size(), 3u);
   EXPECT_EQ(t.backend->calls[1], (std::vector<int32_t>{0}));
   EXPECT_EQ(t.backend->calls[2], (std::vector<int32_t>{1, 2}));
-  ASSERT_TRUE(a.Commit(Ok).ok());
+  ASSERT_TRUE(a->Commit(Ok).ok());
   EXPECT_EQ(t.backend->calls.size(), 3u) << "nothing was held at the commit";
   ExpectStored(*t.pool, "s", 0, 8, x);
   for (int32_t l : {1, 2}) {
@@ -149,12 +141,9 @@ TEST(DeferredWritesTest, WritesThatCannotBeHeldFlushWhatIsHeldFirstInStageOrder)
 
   // A stream that rewrites committed rows (its undo is captured) writes at once.
   const testing::RowSet z = testing::MakeRows(2, 53, kCkv, kKpe);
-  AtomicAppend r(t.pool.get());
-  r.HoldDeviceWrites();
-  ASSERT_TRUE(r.Begin("s").ok());
-  ASSERT_TRUE(StageOne(r, Rows(z, 0, 2, 0, {0}, true)).ok());
+  std::unique_ptr<AtomicAppend> r = Held(*t.pool, "s", Rows(z, 0, 2, 0, {0}, true));
   EXPECT_EQ(t.backend->calls.size(), 4u);
-  ASSERT_TRUE(r.Commit(Ok).ok());
+  ASSERT_TRUE(r->Commit(Ok).ok());
   ExpectStored(*t.pool, "s", 0, 2, z);
   EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
 }
@@ -163,22 +152,16 @@ TEST(DeferredWritesTest, AnAbortBeforeTheFlushWritesNothingAndReleasesEveryPage)
   TestPool t = MakePool();
   const testing::RowSet x = testing::MakeRows(9, 61, kCkv, kKpe);
   {
-    AtomicAppend a(t.pool.get());
-    a.HoldDeviceWrites();
-    ASSERT_TRUE(a.Begin("s").ok());
-    ASSERT_TRUE(StageOne(a, Rows(x, 0, 9, 0, {0, 1, 2}, true)).ok());
+    std::unique_ptr<AtomicAppend> a = Held(*t.pool, "s", Rows(x, 0, 9, 0, {0, 1, 2}, true));
     EXPECT_GT(t.pool->Snapshot().pages_used, 0);
-    a.Abort();
+    a->Abort();
   }
   EXPECT_TRUE(t.backend->calls.empty()) << "an aborted stream's held rows are never written";
   EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
   EXPECT_EQ(t.pool->GetSequence("s").status().code(), absl::StatusCode::kNotFound);
   {
     // Destroyed without Commit or Abort (the stream's reactor went away).
-    AtomicAppend a(t.pool.get());
-    a.HoldDeviceWrites();
-    ASSERT_TRUE(a.Begin("s").ok());
-    ASSERT_TRUE(StageOne(a, Rows(x, 0, 9, 0, {1}, true)).ok());
+    std::unique_ptr<AtomicAppend> a = Held(*t.pool, "s", Rows(x, 0, 9, 0, {1}, true));
   }
   EXPECT_TRUE(t.backend->calls.empty());
   EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
@@ -189,13 +172,10 @@ TEST(DeferredWritesTest, AFailedFlushOrLastCheckCommitsNothing) {
   TestPool t = MakePool();
   const testing::RowSet x = testing::MakeRows(5, 71, kCkv, kKpe);
   // The flush at the commit fails: its status comes back, nothing is kept.
-  AtomicAppend a(t.pool.get());
-  a.HoldDeviceWrites();
-  ASSERT_TRUE(a.Begin("s").ok());
-  ASSERT_TRUE(StageOne(a, Rows(x, 0, 5, 0, {0, 1}, true)).ok());
+  std::unique_ptr<AtomicAppend> a = Held(*t.pool, "s", Rows(x, 0, 5, 0, {0, 1}, true));
   t.backend->fail_next = true;
   bool checked = false;
-  absl::StatusOr<std::vector<SequenceSnapshot>> got = a.Commit([&] {
+  absl::StatusOr<std::vector<SequenceSnapshot>> got = a->Commit([&] {
     checked = true;
     return absl::OkStatus();
   });
@@ -206,24 +186,18 @@ TEST(DeferredWritesTest, AFailedFlushOrLastCheckCommitsNothing) {
   EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
 
   // The flush passes and the last check fails (a deadline passed): aborted.
-  AtomicAppend b(t.pool.get());
-  b.HoldDeviceWrites();
-  ASSERT_TRUE(b.Begin("s").ok());
-  ASSERT_TRUE(StageOne(b, Rows(x, 0, 5, 0, {2}, true)).ok());
-  got = b.Commit([] { return absl::DeadlineExceededError("too late"); });
+  std::unique_ptr<AtomicAppend> b = Held(*t.pool, "s", Rows(x, 0, 5, 0, {2}, true));
+  got = b->Commit([] { return absl::DeadlineExceededError("too late"); });
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(t.backend->calls.size(), 2u);
   EXPECT_EQ(t.pool->GetSequence("s").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
 
   // A flush that fails inside a Stage (layer 0 named again) is that Stage's error.
-  AtomicAppend c(t.pool.get());
-  c.HoldDeviceWrites();
-  ASSERT_TRUE(c.Begin("s").ok());
-  ASSERT_TRUE(StageOne(c, Rows(x, 0, 2, 0, {0}, true)).ok());
+  std::unique_ptr<AtomicAppend> c = Held(*t.pool, "s", Rows(x, 0, 2, 0, {0}, true));
   t.backend->fail_next = true;
-  EXPECT_EQ(StageOne(c, Rows(x, 2, 3, 2, {0}, true)).code(), absl::StatusCode::kInternal);
-  c.Abort();
+  EXPECT_EQ(StageOne(*c, Rows(x, 2, 3, 2, {0}, true)).code(), absl::StatusCode::kInternal);
+  c->Abort();
   EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
   EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
 }

@@ -19,6 +19,7 @@
 #include "server/core/atomic_append.h"
 #include "server/core/pool.h"
 #include "tests/server/core/random_rows.h"
+#include "tests/server/core/wrapped_pool.h"
 
 namespace mlakv::server {
 namespace {
@@ -47,28 +48,16 @@ class RecordingBackend final : public ForwardingBackend {
   std::vector<Call> calls;
 };
 
-struct TestPool {
-  std::unique_ptr<Pool> pool;
-  RecordingBackend* backend = nullptr;
-};
+using TestPool = testing::WrappedPool<RecordingBackend>;
 
 TestPool MakePool(int32_t pages = 32) {
-  TestPool t;
   Pool::Options o;
   o.name = "p";
   o.num_layers = kLayers;
   o.page_size = kPageSize;
   o.num_pages = pages;
   o.layer_scales.assign(kLayers, Pool::Options::Scales{kCkv, kKpe});
-  o.wrap_backend = [&t](std::unique_ptr<CacheBackend> inner) {
-    auto b = std::make_unique<RecordingBackend>(std::move(inner));
-    t.backend = b.get();
-    return b;
-  };
-  absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(o);
-  EXPECT_TRUE(pool.ok()) << pool.status();
-  if (pool.ok()) t.pool = std::move(*pool);
-  return t;
+  return testing::MakeWrappedPool<RecordingBackend>(o);
 }
 
 // The rows of one call: per layer, the rows of every sequence back to back.
