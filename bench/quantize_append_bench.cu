@@ -45,6 +45,7 @@ struct Case {
   int sequences;
   int tokens_per_sequence;  // rows appended per sequence
   int prefix;               // tokens each sequence already holds
+  int layers = 1;           // > 1: one QuantizeAppendLayers launch over that many layers (own rows and caches each)
 };
 
 std::vector<Case> Cases() {
@@ -53,6 +54,12 @@ std::vector<Case> Cases() {
       {"decode_64x1", DType::kBFloat16, 64, 64, 1, 1000},
       {"decode_512x1", DType::kBFloat16, 64, 512, 1, 1000},
       {"decode_4096x1", DType::kBFloat16, 64, 4096, 1, 1000},
+      // Decode steps of the service: N sequences x 1 token into each of 61 layers, one launch.
+      {"decode_step_1x1x61", DType::kBFloat16, 64, 1, 1, 1000, 61},
+      {"decode_step_32x1x61", DType::kBFloat16, 64, 32, 1, 1000, 61},
+      {"decode_step_64x1x61", DType::kBFloat16, 64, 64, 1, 1000, 61},
+      {"decode_step_256x1x61", DType::kBFloat16, 64, 256, 1, 1000, 61},
+      {"decode_step_1024x1x61", DType::kBFloat16, 64, 1024, 1, 1000, 61},
       {"prefill_1x4096", DType::kBFloat16, 64, 1, 4096, 0},
       {"prefill_4x4096", DType::kBFloat16, 64, 4, 4096, 0},
       {"prefill_8x4096", DType::kBFloat16, 64, 8, 4096, 0},
@@ -149,7 +156,8 @@ Prepared Prepare(const Case& c, Device& dev, std::mt19937& rng, bool same_caches
   // Rotate inputs (and, unless same_caches, caches: a server appends to each
   // layer's caches in turn) until four L2s' worth of bytes are in play.
   const int64_t rotation_bytes = rows * 1152 + (same_caches ? 0 : static_cast<int64_t>(entries) * 352);
-  const int rotations = static_cast<int>(std::clamp<int64_t>((4 * kL2Bytes) / rotation_bytes + 1, 1, 64));
+  const int rotations = std::max(
+      c.layers, static_cast<int>(std::clamp<int64_t>((4 * kL2Bytes) / rotation_bytes + 1, 1, 64)));
   Prepared out;
   out.rows = rows;
   for (int r = 0; r < rotations; ++r) {
@@ -244,7 +252,7 @@ int RunCuda(int repeats, bool sweep, bool same_caches, const std::string& only) 
     if (!only.empty() && c.name.find(only) == std::string::npos) continue;
     Device dev;
     Prepared prep = Prepare(c, dev, rng, same_caches);
-    const int64_t bytes = prep.rows * kBytesPerRow;
+    const int64_t bytes = prep.rows * c.layers * kBytesPerRow;
     // The copy: bytes/2 each way, rotating through a pool at least 4 L2s large.
     const int64_t copy_bytes = bytes / 2;
     const int copy_slots = static_cast<int>(std::clamp<int64_t>((4 * kL2Bytes) / copy_bytes + 1, 1, 64));
@@ -257,10 +265,17 @@ int RunCuda(int repeats, bool sweep, bool same_caches, const std::string& only) 
                                  cudaMemcpyDeviceToDevice));
     };
     for (const QuantizeAppendConfig& cfg : configs) {
-      const QuantizeAppendConfig used = sweep ? cfg : DefaultQuantizeAppendConfig(prep.rows);
+      const QuantizeAppendConfig used =
+          sweep ? cfg : c.layers > 1 ? DefaultQuantizeAppendLayersConfig(prep.rows) : DefaultQuantizeAppendConfig(prep.rows);
+      std::vector<QuantizeAppendParams> layers(c.layers);
       auto kernel = [&](int i) {
-        const absl::Status s =
-            QuantizeAppendWithConfig(prep.rotations[i % prep.rotations.size()], used, nullptr);
+        absl::Status s;
+        if (c.layers == 1) {
+          s = QuantizeAppendWithConfig(prep.rotations[i % prep.rotations.size()], used, nullptr);
+        } else {
+          for (int l = 0; l < c.layers; ++l) layers[l] = prep.rotations[(i + l) % prep.rotations.size()];
+          s = QuantizeAppendLayersWithConfig(layers.data(), c.layers, used, nullptr);
+        }
         if (!s.ok()) {
           std::fprintf(stderr, "%s\n", s.ToString().c_str());
           std::exit(1);
@@ -268,7 +283,7 @@ int RunCuda(int repeats, bool sweep, bool same_caches, const std::string& only) 
       };
       const auto [copy_us, us] = AlternatingMedianMicros(repeats, copy, kernel);
       std::printf("%-24s %9lld %10.2f %9.3f %10.2f %9.3f %7.3f %7.1f%%  rpw=%d wpb=%d bps=%d%s\n", c.name.c_str(),
-                  static_cast<long long>(prep.rows), us, bytes / us / 1e6, copy_us, bytes / copy_us / 1e6,
+                  static_cast<long long>(prep.rows * c.layers), us, bytes / us / 1e6, copy_us, bytes / copy_us / 1e6,
                   us / copy_us, 100.0 * copy_us / us, used.rows_per_warp, used.warps_per_block, used.blocks_per_sm,
                   used.block_ranges ? " ranges" : "");
     }

@@ -10,6 +10,8 @@
 //   mlakv     a KvCacheServer as mlakv-server builds it (cpu pool, the metrics
 //             interceptor on): its Health/Check and its GetPool
 //   bare      the same without the metrics interceptor: GetPool
+//   and a minimal sync and a minimal callback server whose GetPool does
+//   mlakv's work (a 61-layer pool's snapshot and response) and nothing else
 // Calls are unary with a deadline, made one at a time; the variants take turns
 // in --rounds rounds of --samples calls so that the machine's drift hits all
 // alike. Printed: p50 / p90 / p99 per variant and the ratio of each p50 to
@@ -28,7 +30,9 @@
 #include "bench/bench_stats.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
+#include "server/core/pool.h"
 #include "server/observability/server_metrics.h"
+#include "server/rpc/proto_convert.h"
 #include "server/rpc/kv_cache_server.h"
 #include "spdlog/sinks/null_sink.h"
 #include "spdlog/spdlog.h"
@@ -68,6 +72,36 @@ class CallbackHealth final : public Health::CallbackService {
   }
 };
 
+// GetPool alone, on each API: the same work as mlakv's (a snapshot of a
+// 61-layer pool and its response) without the rest of the server, so the API's
+// share and the work's share of mlakv's GetPool show apart.
+class SyncGetPool final : public v1::KvCache::Service {
+ public:
+  explicit SyncGetPool(server::Pool* pool) : pool_(pool) {}
+  grpc::Status GetPool(grpc::ServerContext*, const v1::GetPoolRequest*, v1::Pool* resp) override {
+    server::ToProto(pool_->Snapshot(), resp);
+    return grpc::Status::OK;
+  }
+
+ private:
+  server::Pool* pool_;
+};
+
+class CallbackGetPool final : public v1::KvCache::CallbackService {
+ public:
+  explicit CallbackGetPool(server::Pool* pool) : pool_(pool) {}
+  grpc::ServerUnaryReactor* GetPool(grpc::CallbackServerContext* ctx, const v1::GetPoolRequest*,
+                                    v1::Pool* resp) override {
+    server::ToProto(pool_->Snapshot(), resp);
+    grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+    r->Finish(grpc::Status::OK);
+    return r;
+  }
+
+ private:
+  server::Pool* pool_;
+};
+
 std::unique_ptr<grpc::Server> StartMinimal(grpc::Service* service, int* port) {
   grpc::ServerBuilder b;
   b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
@@ -105,6 +139,19 @@ int Main() {
   std::unique_ptr<grpc::Server> sync_server = StartMinimal(&sync_service, &sync_port);
   std::unique_ptr<grpc::Server> callback_server = StartMinimal(&callback_service, &callback_port);
 
+  server::Pool::Options pool_options;
+  pool_options.name = "default";
+  pool_options.num_layers = 61;
+  pool_options.page_size = 64;
+  pool_options.num_pages = 256;
+  absl::StatusOr<std::unique_ptr<server::Pool>> bench_pool = server::Pool::Create(pool_options);
+  if (!bench_pool.ok()) Die(std::string(bench_pool.status().message()));
+  SyncGetPool sync_get_pool(bench_pool->get());
+  CallbackGetPool callback_get_pool(bench_pool->get());
+  int sync_get_pool_port = 0, callback_get_pool_port = 0;
+  std::unique_ptr<grpc::Server> sync_get_pool_server = StartMinimal(&sync_get_pool, &sync_get_pool_port);
+  std::unique_ptr<grpc::Server> callback_get_pool_server = StartMinimal(&callback_get_pool, &callback_get_pool_port);
+
   absl::StatusOr<std::unique_ptr<server::ServerMetrics>> metrics = server::ServerMetrics::Create("bench");
   if (!metrics.ok()) Die(std::string(metrics.status().message()));
   server::KvCacheServer::Options options;
@@ -129,6 +176,8 @@ int Main() {
   auto mlakv_health = Health::NewStub(mlakv_channel);
   auto mlakv_stub = v1::KvCache::NewStub(mlakv_channel);
   auto bare_stub = v1::KvCache::NewStub(Channel((*bare)->bound_port()));
+  auto sync_get_pool_stub = v1::KvCache::NewStub(Channel(sync_get_pool_port));
+  auto callback_get_pool_stub = v1::KvCache::NewStub(Channel(callback_get_pool_port));
 
   struct Variant {
     const char* name;
@@ -146,6 +195,16 @@ int Main() {
          HealthCheckResponse r;
          return callback_stub->Check(&c, HealthCheckRequest(), &r);
        }},
+      {"minimal sync server, GetPool's work",
+       [&](grpc::ClientContext& c) {
+         v1::Pool r;
+         return sync_get_pool_stub->GetPool(&c, v1::GetPoolRequest(), &r);
+       }},
+      {"minimal callback server, GetPool's work",
+       [&](grpc::ClientContext& c) {
+         v1::Pool r;
+         return callback_get_pool_stub->GetPool(&c, v1::GetPoolRequest(), &r);
+       }},
       {"mlakv-server, Health/Check",
        [&](grpc::ClientContext& c) {
          HealthCheckResponse r;
@@ -162,6 +221,32 @@ int Main() {
          return bare_stub->GetPool(&c, v1::GetPoolRequest(), &r);
        }},
   };
+  // GetPool's work in this process, step by step, without gRPC.
+  {
+    std::vector<double> snap, to_proto, serialize, parse;
+    std::string bytes;
+    for (int i = 0; i < 20000; ++i) {
+      const auto t0 = Clock::now();
+      server::PoolSnapshot ps = (*bench_pool)->Snapshot();
+      const auto t1 = Clock::now();
+      v1::Pool out;
+      server::ToProto(ps, &out);
+      const auto t2 = Clock::now();
+      out.SerializeToString(&bytes);
+      const auto t3 = Clock::now();
+      v1::Pool back;
+      if (!back.ParseFromString(bytes)) Die("parse");
+      const auto t4 = Clock::now();
+      snap.push_back(Micros(t1 - t0));
+      to_proto.push_back(Micros(t2 - t1));
+      serialize.push_back(Micros(t3 - t2));
+      parse.push_back(Micros(t4 - t3));
+    }
+    std::printf("GetPool's work without gRPC (p50 of 20000, %zu-byte response): snapshot %.2f us, to proto %.2f us, "
+                "serialize %.2f us, parse %.2f us\n",
+                bytes.size(), Summarize(snap).p50, Summarize(to_proto).p50, Summarize(serialize).p50,
+                Summarize(parse).p50);
+  }
   for (Variant& v : variants) {
     for (int i = 0; i < 200; ++i) TimeOne(v.call);  // connect and warm up
   }
@@ -175,13 +260,15 @@ int Main() {
   const double floor = Summarize(variants[0].us).p50;
   for (const Variant& v : variants) {
     const Summary s = Summarize(v.us);
-    std::printf("  %-40s p50 %7.1f us  p90 %7.1f  p99 %7.1f   p50 / sync floor %.2fx\n", v.name, s.p50, s.p90, s.p99,
+    std::printf("  %-44s p50 %7.1f us  p90 %7.1f  p99 %7.1f   p50 / sync floor %.2fx\n", v.name, s.p50, s.p90, s.p99,
                 s.p50 / floor);
   }
   (*mlakv)->Shutdown(absl::Seconds(1));
   (*bare)->Shutdown(absl::Seconds(1));
   sync_server->Shutdown();
   callback_server->Shutdown();
+  sync_get_pool_server->Shutdown();
+  callback_get_pool_server->Shutdown();
   return 0;
 }
 

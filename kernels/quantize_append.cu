@@ -280,11 +280,11 @@ cudaError_t CurrentSmCount(int* sms) {
 // Blocks for `rows` rows of one layer: enough to fill every SM, and no more
 // than the rows need (a grid-stride loop covers the rest). Dealt as block
 // ranges, the grid is a whole number of blocks per SM, so that every SM gets
-// the same rows.
-int BlocksFor(int64_t rows, int rows_per_warp, const QuantizeAppendConfig& config, int sms) {
+// the same rows (one layer's launch only: a layers launch deals by warp).
+int BlocksFor(int64_t rows, int rows_per_warp, const QuantizeAppendConfig& config, int sms, bool one_layer) {
   const int64_t rows_per_block = static_cast<int64_t>(config.warps_per_block) * rows_per_warp;
   int64_t wanted = (rows + rows_per_block - 1) / rows_per_block;
-  if (config.block_ranges) wanted = (wanted + sms - 1) / sms * sms;
+  if (config.block_ranges && one_layer) wanted = (wanted + sms - 1) / sms * sms;
   return static_cast<int>(std::min<int64_t>(wanted, static_cast<int64_t>(sms) * config.blocks_per_sm));
 }
 
@@ -293,14 +293,15 @@ int BlocksFor(int64_t rows, int rows_per_warp, const QuantizeAppendConfig& confi
 template <DType kDType, bool kVectorized, int kRowsPerWarp, typename Params>
 cudaError_t Launch(const Params& p, int64_t rows, int layers, const QuantizeAppendConfig& config,
                    cudaStream_t stream) {
+  constexpr bool kOneLayer = !std::is_same_v<Params, QuantizeAppendLayersParams>;
   int sms = 0;
   if (cudaError_t err = CurrentSmCount(&sms); err != cudaSuccess) return err;
-  const dim3 grid(BlocksFor(rows, kRowsPerWarp, config, sms), layers);
-  if constexpr (std::is_same_v<Params, QuantizeAppendLayersParams>) {
-    QuantizeAppendLayersKernel<kDType, kVectorized, kRowsPerWarp><<<grid, kWarpSize * config.warps_per_block, 0, stream>>>(p);
+  const dim3 grid(BlocksFor(rows, kRowsPerWarp, config, sms, kOneLayer), layers);
+  const int threads = kWarpSize * config.warps_per_block;
+  if constexpr (kOneLayer) {
+    QuantizeAppendKernel<kDType, kVectorized, kRowsPerWarp><<<grid, threads, 0, stream>>>(p, config.block_ranges);
   } else {
-    QuantizeAppendKernel<kDType, kVectorized, kRowsPerWarp>
-        <<<grid, kWarpSize * config.warps_per_block, 0, stream>>>(p, config.block_ranges);
+    QuantizeAppendLayersKernel<kDType, kVectorized, kRowsPerWarp><<<grid, threads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
@@ -325,6 +326,7 @@ bool Vectorizable(const QuantizeAppendParams& p) {
          (p.kpe_row_stride * 2) % 4 == 0;
 }
 
+// `vectorized`: every layer's rows take 16-byte loads.
 template <typename Params>
 cudaError_t LaunchFor(const Params& p, DType dtype, bool vectorized, int64_t rows, int layers,
                       const QuantizeAppendConfig& config, cudaStream_t stream) {
@@ -356,6 +358,52 @@ absl::Status CheckConfig(const QuantizeAppendConfig& config) {
     return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: unsupported config rows_per_warp=",
                                                    config.rows_per_warp, " warps_per_block=", config.warps_per_block,
                                                    " blocks_per_sm=", config.blocks_per_sm));
+  }
+  return absl::OkStatus();
+}
+
+// QuantizeAppendLayers and its explicit-configuration form (`config` null:
+// each launch's default, and QuantizeAppend for layers that go alone).
+absl::Status LaunchLayers(const QuantizeAppendParams* layers, int count, const QuantizeAppendConfig* config,
+                          cudaStream_t stream) {
+  if (config != nullptr) {
+    if (absl::Status s = CheckConfig(*config); !s.ok()) return s;
+  }
+  auto alone = [&](const QuantizeAppendParams& p) {
+    return config != nullptr ? QuantizeAppendWithConfig(p, *config, stream) : QuantizeAppend(p, stream);
+  };
+  for (int first = 0; first < count; first += kMaxLayersPerLaunch) {
+    const int n = std::min(count - first, kMaxLayersPerLaunch);
+    if (n == 1) {
+      if (absl::Status s = alone(layers[first]); !s.ok()) return s;
+      continue;
+    }
+    // One dtype and one load path for the launch: the kernel is templated
+    // on both. Layers that differ go one launch each.
+    const QuantizeAppendParams& head = layers[first];
+    bool uniform = true, vectorized = true;
+    int64_t rows = 0;
+    for (int i = first; i < first + n; ++i) {
+      if (absl::Status s = CheckParams(layers[i]); layers[i].num_rows > 0 && !s.ok()) return s;
+      uniform = uniform && layers[i].dtype == head.dtype;
+      vectorized = vectorized && Vectorizable(layers[i]);
+      rows = std::max(rows, layers[i].num_rows);
+    }
+    if (!uniform) {
+      for (int i = first; i < first + n; ++i) {
+        if (absl::Status s = alone(layers[i]); !s.ok()) return s;
+      }
+      continue;
+    }
+    if (rows == 0) continue;
+    QuantizeAppendLayersParams lp;
+    for (int i = 0; i < n; ++i) lp.layers[i] = layers[first + i];
+    lp.num_layers = n;
+    const QuantizeAppendConfig used = config != nullptr ? *config : DefaultQuantizeAppendLayersConfig(rows);
+    const cudaError_t err = LaunchFor(lp, head.dtype, vectorized, rows, n, used, stream);
+    if (err != cudaSuccess) {
+      return CudaStatus(err, absl::StrCat("QuantizeAppendLayersKernel launch (", n, " layers of up to ", rows, " rows)"));
+    }
   }
   return absl::OkStatus();
 }
@@ -399,44 +447,27 @@ absl::Status QuantizeAppend(const QuantizeAppendParams& p, cudaStream_t stream) 
   return QuantizeAppendWithConfig(p, DefaultQuantizeAppendConfig(p.num_rows), stream);
 }
 
+QuantizeAppendConfig DefaultQuantizeAppendLayersConfig(int64_t max_rows) {
+  // The one-layer configuration of the largest layer, its rows dealt by
+  // warp (block ranges assume one layer's rows per grid), except that from
+  // 64 rows a layer one lookup serves 8 rows: a decode step (256 sequences x
+  // 1 token x 61 layers) then runs 244 blocks of 8 warps instead of 1,952,
+  // each warp one group of 8 rows -- 18.9 us against 22.4 us at one row per
+  // warp on the H200, 1.17x a copy of the step's bytes against 1.40x
+  // (quantize_append_bench --sweep --only decode_step, 2026-12-02).
+  QuantizeAppendConfig config = DefaultQuantizeAppendConfig(max_rows);
+  config.block_ranges = false;
+  if (max_rows >= 64 && config.rows_per_warp < 8) config.rows_per_warp = 8;
+  return config;
+}
+
 absl::Status QuantizeAppendLayers(const QuantizeAppendParams* layers, int count, cudaStream_t stream) {
-  for (int first = 0; first < count; first += kMaxLayersPerLaunch) {
-    const int n = std::min(count - first, kMaxLayersPerLaunch);
-    if (n == 1) {
-      if (absl::Status s = QuantizeAppend(layers[first], stream); !s.ok()) return s;
-      continue;
-    }
-    // One dtype and one load path for the launch: the kernel is templated
-    // on both. Layers that differ go one launch each.
-    const QuantizeAppendParams& head = layers[first];
-    bool uniform = true, vectorized = true;
-    int64_t rows = 0;
-    for (int i = first; i < first + n; ++i) {
-      if (absl::Status s = CheckParams(layers[i]); layers[i].num_rows > 0 && !s.ok()) return s;
-      uniform = uniform && layers[i].dtype == head.dtype;
-      vectorized = vectorized && Vectorizable(layers[i]);
-      rows = std::max(rows, layers[i].num_rows);
-    }
-    if (!uniform) {
-      for (int i = first; i < first + n; ++i) {
-        if (absl::Status s = QuantizeAppend(layers[i], stream); !s.ok()) return s;
-      }
-      continue;
-    }
-    if (rows == 0) continue;
-    QuantizeAppendLayersParams lp;
-    for (int i = 0; i < n; ++i) lp.layers[i] = layers[first + i];
-    lp.num_layers = n;
-    // The one-layer configuration of the largest layer, its rows dealt by
-    // warp (block ranges assume one layer's rows per grid).
-    QuantizeAppendConfig config = DefaultQuantizeAppendConfig(rows);
-    config.block_ranges = false;
-    const cudaError_t err = LaunchFor(lp, head.dtype, vectorized, rows, n, config, stream);
-    if (err != cudaSuccess) {
-      return CudaStatus(err, absl::StrCat("QuantizeAppendLayersKernel launch (", n, " layers of up to ", rows, " rows)"));
-    }
-  }
-  return absl::OkStatus();
+  return LaunchLayers(layers, count, nullptr, stream);
+}
+
+absl::Status QuantizeAppendLayersWithConfig(const QuantizeAppendParams* layers, int count,
+                                            const QuantizeAppendConfig& config, cudaStream_t stream) {
+  return LaunchLayers(layers, count, &config, stream);
 }
 
 absl::Status QuantizeAppendCuda(const TensorView& append_ckv, const TensorView& append_kpe,

@@ -21,11 +21,20 @@ struct QuantizeAppendConfig {
   bool block_ranges = false;
 };
 
+
 // The configuration QuantizeAppend uses for `num_rows` rows.
 QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows);
 
 // Launches with an explicit configuration (INVALID_ARGUMENT if it is not one of the above).
 absl::Status QuantizeAppendWithConfig(const QuantizeAppendParams& params, const QuantizeAppendConfig& config,
                                       cudaStream_t stream);
+
+// The configuration QuantizeAppendLayers uses for layers of up to `max_rows` rows.
+QuantizeAppendConfig DefaultQuantizeAppendLayersConfig(int64_t max_rows);
+
+// QuantizeAppendLayers with an explicit configuration (block_ranges is ignored
+// there: each grid row is one layer, its rows dealt by warp).
+absl::Status QuantizeAppendLayersWithConfig(const QuantizeAppendParams* layers, int count,
+                                            const QuantizeAppendConfig& config, cudaStream_t stream);
 
 }  // namespace mlakv

@@ -926,6 +926,7 @@ PoolSnapshot Pool::Snapshot() const {
   p.sequences = static_cast<uint32_t>(sequences_.committed_count());
   p.max_sequences = options_.max_sequences;
   p.cache_bytes = backend_->cache_bytes();
+  p.layers.reserve(layers_.size());
   for (const LayerState& st : layers_) p.layers.push_back(st);  // the LayerSnapshot part
   p.pages_shared = allocator_->shared_count();
   p.leases = static_cast<uint32_t>(leases_.size());

@@ -53,6 +53,7 @@ void ToProto(const PoolSnapshot& p, v1::Pool* out) {
   out->set_cache_bytes(p.cache_bytes);
   out->set_ckv_dim(kCkvDim);
   out->set_kpe_dim(kKpeDim);
+  out->mutable_layers()->Reserve(static_cast<int>(p.layers.size()));
   for (size_t l = 0; l < p.layers.size(); ++l) {
     v1::LayerScales* ls = out->add_layers();
     ls->set_layer(static_cast<uint32_t>(l));

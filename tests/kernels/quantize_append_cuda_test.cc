@@ -380,9 +380,10 @@ struct DeviceLayer {
 // All layers in one launch (grid row = layer) write exactly what one launch
 // per layer writes, whatever each layer's rows, pages, page size and row
 // stride: 3 layers; 70 (two launches: 64 + 6); a layer with no rows; a
-// float16 layer among bfloat16 ones (launched on its own).
-TEST(CudaLayersLaunch, WritesWhatOneLaunchPerLayerWrites) {
-  SKIP_WITHOUT_GPU();
+// float16 layer among bfloat16 ones (launched on its own); some layers' rows
+// not 16-byte aligned (the scalar path). With `config`, through
+// QuantizeAppendLayersWithConfig.
+void ExpectLayersLaunchWritesWhatOneLaunchPerLayerWrites(const QuantizeAppendConfig* config) {
   for (const int layers : {3, 70}) {
     std::vector<PagedScenario> cpu, gpu_cases;
     for (int l = 0; l < layers; ++l) {
@@ -390,7 +391,7 @@ TEST(CudaLayersLaunch, WritesWhatOneLaunchPerLayerWrites) {
       o.page_size = (l % 3 == 0) ? 16 : (l % 3 == 1) ? 1 : 64;
       o.batch = 1 + l % 7;
       o.max_new_tokens = l == 1 ? 3000 : 1 + (l * 13) % 40;  // one layer big enough for 8 rows per lookup
-      o.extra_row_stride = l % 5 == 2 ? 3 : 24;                // some layers take the scalar path
+      o.extra_row_stride = l % 5 == 2 ? 3 : 24;  // some layers take the scalar path
       o.dtype = (layers == 3 && l == 2) ? DType::kFloat16 : DType::kBFloat16;
       o.seed = 500 + l;
       cpu.push_back(MakeScenario(o));
@@ -406,7 +407,8 @@ TEST(CudaLayersLaunch, WritesWhatOneLaunchPerLayerWrites) {
       params.push_back(dev.back()->params);
     }
     params[layers - 1].num_rows = 0;  // the last layer: nothing to write, its caches untouched
-    const absl::Status st = QuantizeAppendLayers(params.data(), layers, nullptr);
+    const absl::Status st = config != nullptr ? QuantizeAppendLayersWithConfig(params.data(), layers, *config, nullptr)
+                                              : QuantizeAppendLayers(params.data(), layers, nullptr);
     ASSERT_TRUE(st.ok()) << st;
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(skipped.ToHost()[0], 0u);
@@ -419,6 +421,35 @@ TEST(CudaLayersLaunch, WritesWhatOneLaunchPerLayerWrites) {
       EXPECT_EQ(dev[l]->kc.ToHost(), cpu[l].kpe_cache) << layers << " layers, layer " << l;
     }
   }
+}
+
+TEST(CudaLayersLaunch, WritesWhatOneLaunchPerLayerWrites) {
+  SKIP_WITHOUT_GPU();
+  ExpectLayersLaunchWritesWhatOneLaunchPerLayerWrites(nullptr);
+}
+
+// The configurations a layers launch can be given write the same bytes:
+// one row and 8 rows per lookup (the default below and from 64 rows a
+// layer), 16, and few small blocks (a long grid-stride loop per layer).
+TEST(CudaLayersLaunch, EveryConfigurationWritesWhatOneLaunchPerLayerWrites) {
+  SKIP_WITHOUT_GPU();
+  for (const QuantizeAppendConfig& config : {QuantizeAppendConfig{1, 8, 8}, QuantizeAppendConfig{8, 8, 8},
+                                             QuantizeAppendConfig{16, 8, 4}, QuantizeAppendConfig{8, 3, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "rows_per_warp " << config.rows_per_warp << " warps "
+                                      << config.warps_per_block << " blocks_per_sm " << config.blocks_per_sm);
+    ExpectLayersLaunchWritesWhatOneLaunchPerLayerWrites(&config);
+  }
+}
+
+// The launcher's choice for a layers launch: 8 rows per lookup from 64 rows
+// a layer (a decode step), one below; layers' rows always dealt by warp.
+TEST(CudaLayersLaunch, DefaultConfiguration) {
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1).rows_per_warp, 1);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(63).rows_per_warp, 1);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(64).rows_per_warp, 8);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(256).rows_per_warp, 8);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1 << 20).rows_per_warp, 16);
+  EXPECT_FALSE(DefaultQuantizeAppendLayersConfig(32768).block_ranges);
 }
 
 TEST(CudaDequantize, MatchesCpuBitForBit) {

@@ -5,7 +5,10 @@ layer's ckv/kpe on the current stream and s.layer() hands the rows over by
 reference at once. Checks the stored bytes against the blocking path (the
 same rows sent as bytes, layer by layer), then measures, for 1k, 4k and 16k
 tokens: the loop without saving, the loop with the save, and the time from
-the last layer's compute to the commit (medians of --runs runs).
+the last layer's compute to the commit (medians of --runs runs), both with
+wait() called after a host synchronize (the tail then holds the whole end of
+the stream) and as a connector calls it, right after the forward pass is
+enqueued (the connector_wait_* figures).
 
 Exits 77 (ctest: skipped) without torch, CUDA or a GPU.
 
@@ -146,6 +149,7 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True):
     wait() (num_layers never reached), as before the save knew its layer count."""
     loop = Loop(torch, tokens)
     base, total, commit, end_save, in_layer = [], [], [], [], []
+    total_early, commit_early = [], []
     # Warm-up: cuBLAS, and the allocations' one registration with the server.
     loop.run()
     with client.save("warm", **SCALES) as s:
@@ -170,6 +174,25 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True):
         commit.append(t_commit - t_last)
         client.free(sid)
 
+    def loop_saving_connector(sid):
+        """wait() as vLLM's wait_for_save comes: right after the forward pass
+        is enqueued, the GPU still computing. The tail is read on the GPU's
+        clock: from an event after the last layer's compute to one recorded
+        once wait() has returned (the GPU idle by then, so it completes as
+        soon as it is submitted: a few us late, never early)."""
+        t0 = time.perf_counter()
+        s = client.save(sid, layers_per_message=per_message, num_layers=None if last_at_once else 1 << 30, **SCALES)
+        loop.run(s)
+        last = torch.cuda.Event(enable_timing=True)
+        last.record()
+        s.wait()
+        after = torch.cuda.Event(enable_timing=True)
+        after.record()
+        after.synchronize()
+        total_early.append(time.perf_counter() - t0)
+        commit_early.append(last.elapsed_time(after) / 1e3)
+        client.free(sid)
+
     # The GPU's clock falls under this sustained matmul load (the same loop
     # reads ~5% slower after a few runs than before), so the loop alone and
     # the loop saving alternate which goes first.
@@ -178,7 +201,9 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True):
         if r % 2 == 0:
             loop_alone()
             loop_saving(sid)
+            loop_saving_connector(sid + "-c")
         else:
+            loop_saving_connector(sid + "-c")
             loop_saving(sid)
             loop_alone()
 
@@ -205,6 +230,10 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True):
         "last_compute_to_commit_ms": med(commit) * 1e3,
         "last_compute_to_commit_all_ms": [c * 1e3 for c in commit],
         "save_after_loop_ms": med(end_save) * 1e3,
+        "connector_wait_loop_with_save_ms": med(total_early) * 1e3,
+        "connector_wait_overhead_pct": (med(total_early) - med(base)) / med(base) * 100,
+        "connector_wait_last_compute_to_commit_ms": med(commit_early) * 1e3,
+        "connector_wait_last_compute_to_commit_all_ms": [c * 1e3 for c in commit_early],
         "host_in_layer_calls_ms": med(in_layer) * 1e3,
     }
 

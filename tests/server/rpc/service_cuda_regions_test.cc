@@ -131,7 +131,6 @@ TEST_F(CudaRegionServiceTest, AStreamOfReferencesIsWrittenAtItsEndOrNotAtAll) {
   ASSERT_TRUE(RegisterCuda("s", producer.mem_handle(), layout.bytes.size()).ok());
   grpc::Status s = AppendRows("bytes", 0, rows, {0, 1, 2, 3}, kCkvScale, kKpeScale);
   ASSERT_TRUE(s.ok()) << Describe(s);
-  const uint64_t pages_before = GetPool().pages_used();
   // Rows [lo, lo + half) of `layers` from the region's packed copy.
   auto message = [&](const std::string& id, uint64_t lo, const std::vector<uint32_t>& layers,
                      const std::string& region = "s") {
@@ -144,6 +143,7 @@ TEST_F(CudaRegionServiceTest, AStreamOfReferencesIsWrittenAtItsEndOrNotAtAll) {
               message("refs", half, {1, 2, 3})});
   ASSERT_TRUE(s.ok()) << Describe(s);
   ExpectSameStored("refs", "bytes", {0, 1, 2, 3}, n);
+  const uint64_t pages_before = GetPool().pages_used();  // "bytes" and "refs"
 
   // The third message names a region that is not there: nothing of the two held.
   s = Append({message("refused", 0, {0}), message("refused", 0, {1, 2, 3}), message("refused", half, {0}, "nope")});
