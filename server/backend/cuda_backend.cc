@@ -400,17 +400,28 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
   return out;
 }
 
-// Copies the rows into pinned staging, the staging buffer to the device,
-// waits for the producers' events, gathers device rows, launches one kernel
+// Copies the rows into pinned staging, waits for the producers' events,
+// copies the staging buffer to the device, gathers device rows, launches one kernel
 // per layer and checks that the kernel's bounds guard skipped nothing.
+//
+// The producers' events are waited for on the host, before anything of the
+// append is enqueued, not with cudaStreamWaitEvent: without MPS the server
+// and a producer are two contexts that the GPU time-slices, and a stream of
+// the server blocked on another process's event kept its work from running
+// for ~1 ms after the event completed (a 4k-token layer-wise save's commit
+// came 1.0-1.4 ms after the last layer's compute with the stream waiting,
+// docs/performance.md "The commit after the last layer"), and kept a
+// blocked channel in the GPU's time slices while the producer computed.
+// The worker blocks no longer than before: it synchronized on the stream
+// behind the event anyway.
 absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
   copier_->Copy(staged.host_copies);
+  for (const void* ev : staged.wait_events) {
+    MLAKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(static_cast<cudaEvent_t>(const_cast<void*>(ev))),
+                               "cudaEventSynchronize on a region's IPC event");
+  }
   MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
                              absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
-  for (const void* ev : staged.wait_events) {
-    MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(const_cast<void*>(ev)), 0),
-                               "cudaStreamWaitEvent on a region's IPC event");
-  }
   for (const StagedAppend::Gather& g : staged.gathers) {
     const size_t ckv_row = kCkvDim * g.esize, kpe_row = kKpeDim * g.esize;
     const RowSource& rows = g.rows;

@@ -62,8 +62,8 @@ struct RowSource {
   int device = -1;
   int64_t ckv_stride_bytes = 0;  // device rows only
   int64_t kpe_stride_bytes = 0;
-  // Device rows: cudaEvent_t the pool's stream waits on before reading (the
-  // producer's IPC event), or null.
+  // Device rows: cudaEvent_t the pool waits for before reading (the
+  // producer's IPC event; CudaBackend::Launch waits on the host), or null.
   const void* wait_events[2] = {nullptr, nullptr};
 
   bool on_device() const { return device >= 0; }

@@ -570,7 +570,7 @@ class Client:
         """Registers a CUDA allocation by its cudaIpcMemHandle_t (64 bytes), on
         `device_id` in the server's numbering, `byte_size` bytes from the
         handle's base; event_handle: optional cudaIpcEventHandle_t (64 bytes)
-        the server's stream waits on before each read. Returns mlakv.pb.Region.
+        the server waits for before each read. Returns mlakv.pb.Region.
 
         Client.append does this itself for CUDA torch tensors; this is for
         producers that manage their own allocations.

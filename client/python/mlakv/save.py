@@ -13,15 +13,14 @@ How each s.layer() returns at once:
   * CUDA tensors (server --allow_ipc, a cuda pool): sent by reference. With
     the client's cuda_sync="event", each group of layers (below) records the
     allocations' interprocess events once, on the stream its layers were
-    written on, when it is handed to the stream; the server's stream waits on
-    them before reading: no host wait anywhere. With cuda_sync="stream" each
+    written on, when it is handed to the stream; the server waits for them
+    before reading: no host wait on the caller's side. With cuda_sync="stream" each
     group synchronizes that stream first (a host wait per group). A group
     never spans two producer streams: a layer given on another stream than
     the layers waiting sends those first.
 
-    One fence a group, not one a layer: every record of an event that the
-    server's stream waits on wakes the server's context on the GPU, a context
-    switch away from the producer's kernels without MPS (docs/performance.md
+    One fence a group, not one a layer: a record on the producer's stream
+    and the client's host work for it once per group (docs/performance.md
     "Layer-wise saves: the last layers at once, one fence a group, the
     server's work at the end"). The server quantizes rows by reference when
     the stream ends, all layers in one launch, so its GPU work does not
