@@ -99,6 +99,14 @@ class CacheBackend {
   virtual absl::Status ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) = 0;
   // Writes stored bytes back (restoring rows an aborted append rewrote).
   virtual absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) = 0;
+  // Whether every one of `events` (RowSource::wait_events: the producers'
+  // events device rows are read behind) has completed. Never blocks, and may
+  // be called from any thread, beside the worker's calls (SourceWaiter).
+  // A backend without device rows has no events: true.
+  virtual absl::StatusOr<bool> EventsComplete(std::span<const void* const> events) {
+    static_cast<void>(events);
+    return true;
+  }
 
   // ExportPool: a cudaIpcMemHandle_t (64 bytes) of each layer's three caches,
   // each its own allocation starting at the cache's first byte. Only device

@@ -92,6 +92,16 @@ CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
+absl::StatusOr<bool> CudaBackend::EventsComplete(std::span<const void* const> events) {
+  ScopedCudaDevice guard(options_.device.ordinal());
+  for (const void* ev : events) {
+    const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(const_cast<void*>(ev)));
+    if (err == cudaErrorNotReady) return false;
+    MLAKV_CUDA_RETURN_IF_ERROR(err, "cudaEventQuery on a region's IPC event");
+  }
+  return true;
+}
+
 absl::StatusOr<std::vector<CacheBackend::LayerHandles>> CudaBackend::ExportHandles() const {
   ScopedCudaDevice guard(options_.device.ordinal());
   if (!guard.status().ok()) return guard.status();

@@ -37,6 +37,8 @@ class CudaBackend : public CacheBackend {
   absl::Status ReadEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& out) override;
   absl::Status WriteEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& in) override;
   absl::StatusOr<std::vector<LayerHandles>> ExportHandles() const override;
+  // cudaEventQuery of each (the producers' IPC events, opened on this pool's device).
+  absl::StatusOr<bool> EventsComplete(std::span<const void* const> events) override;
 
  private:
   struct LayerCaches {

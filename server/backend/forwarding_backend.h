@@ -26,6 +26,9 @@ class ForwardingBackend : public CacheBackend {
     return inner_->WriteEntries(layer, entries, in);
   }
   absl::StatusOr<std::vector<LayerHandles>> ExportHandles() const override { return inner_->ExportHandles(); }
+  absl::StatusOr<bool> EventsComplete(std::span<const void* const> events) override {
+    return inner_->EventsComplete(events);
+  }
 
  protected:
   CacheBackend& inner() { return *inner_; }

@@ -51,6 +51,9 @@ class AtomicAppend {
   // the producer's GPU is still computing them, and quantizing each message
   // as it came made the server's GPU work interleave with the producer's.
   void HoldDeviceWrites() { hold_device_writes_ = true; }
+  // The producers' events the held writes are read behind (each once):
+  // what Commit's write waits for.
+  std::vector<const void*> HeldWaitEvents() const { return held_.WaitEvents(); }
   // Stages rows for every transaction, rows[i] for transaction i (Pool::Stage).
   absl::Status Stage(std::span<const SequenceRowsIn* const> rows, std::optional<DType> dtype);
 

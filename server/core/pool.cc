@@ -140,6 +140,7 @@ Pool::Pool(const Options& options, std::unique_ptr<CacheBackend> backend, std::u
       ended_(options.eviction.remember_ended),
       page_stored_(options.num_pages, 0),
       // The worker makes the pool's GPU current once, before its first task.
+      waiter_(std::make_unique<SourceWaiter>(backend_.get(), [device = device_] { device.BindThread(); })),
       worker_(std::make_unique<SerialExecutor>([device = device_] { device.BindThread(); })) {
   for (size_t l = 0; l < options.layer_scales.size(); ++l) {
     if (!options.layer_scales[l]) continue;
@@ -151,7 +152,17 @@ Pool::Pool(const Options& options, std::unique_ptr<CacheBackend> backend, std::u
   }
 }
 
-Pool::~Pool() { worker_.reset(); }
+Pool::~Pool() {
+  waiter_.reset();  // cancels what waits; the callbacks post to the worker, which then drains
+  worker_.reset();
+}
+
+bool Pool::WhenSourcesComplete(std::vector<const void*> events, absl::Time deadline, SourceWaiter::Done done) {
+  if (events.empty()) return false;
+  if (absl::StatusOr<bool> complete = backend_->EventsComplete(events); complete.ok() && *complete) return false;
+  waiter_->Wait(std::move(events), deadline, std::move(done));  // a failed query fails there, with its status
+  return true;
+}
 
 int64_t Pool::EntryOf(const Sequence& seq, uint32_t position) const {
   const int32_t page = seq.pages()[position / options_.page_size];
@@ -717,6 +728,23 @@ Pool::DeferredWrites::~DeferredWrites() = default;
 void Pool::DeferredWrites::Clear() {
   appends_.clear();
   held_.clear();
+}
+
+std::vector<const void*> Pool::DeferredWrites::WaitEvents() const {
+  std::vector<const void*> out;
+  auto add = [&out](const RowSource& rows) {
+    for (const void* ev : rows.wait_events) {
+      if (ev != nullptr && std::find(out.begin(), out.end(), ev) == out.end()) out.push_back(ev);
+    }
+  };
+  for (const LayerAppend& la : appends_) {
+    if (la.rows) {
+      add(*la.rows);
+    } else {
+      for (const AppendSegment& seg : la.segments) add(seg.rows);
+    }
+  }
+  return out;
 }
 
 bool Pool::DeferredWrites::Names(std::span<const LayerAppend> appends) const {

@@ -51,6 +51,7 @@
 #include "server/core/prefix_index.h"
 #include "server/core/sequence_table.h"
 #include "server/core/serial_executor.h"
+#include "server/core/source_waiter.h"
 
 namespace mlakv::server {
 
@@ -301,6 +302,14 @@ class Pool {
   int32_t num_pages() const { return options_.num_pages; }
   SerialExecutor& worker() { return *worker_; }
 
+  // When the producers' `events` (DeferredWrites::WaitEvents) have not all
+  // completed: hands `done` to the pool's SourceWaiter (its thread calls it
+  // once they have, or with the error, DEADLINE_EXCEEDED at `deadline`, or
+  // CANCELLED when the pool goes) and returns true. Else false, and `done`
+  // is not called: the rows can be written now. Any thread.
+  bool WhenSourcesComplete(std::vector<const void*> events, absl::Time deadline, SourceWaiter::Done done);
+  size_t sources_waiting() const { return waiter_->waiting(); }
+
   // ---- appends (Stage / Commit / Abort on worker()) ------------------------
 
   // Holds `sequence` for an append, creating it (invisible until commit) if
@@ -350,6 +359,8 @@ class Pool {
     bool empty() const { return appends_.empty(); }
     // Drops the held writes unwritten (an aborted append).
     void Clear();
+    // The producers' events the held rows are read behind, each once.
+    std::vector<const void*> WaitEvents() const;
 
    private:
     friend class Pool;
@@ -569,6 +580,8 @@ class Pool {
   // [num_pages] 1 while a page's bytes are announced stored (KV events).
   std::vector<uint8_t> page_stored_ ABSL_GUARDED_BY(mu_);
 
+  // Destroyed before the worker: the callbacks it cancels post there.
+  std::unique_ptr<SourceWaiter> waiter_;
   // Last member: destroyed first, so queued tasks finish while the rest lives.
   std::unique_ptr<SerialExecutor> worker_;
 };

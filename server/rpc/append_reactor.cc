@@ -135,7 +135,7 @@ void AppendReactor::OnStreamEnd() {
     } else {
       // A clean half-close: commit, on the worker, after every message queued before it.
       ++queued_;
-      pool_->worker().Post([this] { Complete(); });
+      pool_->worker().Post([this] { Complete(absl::OkStatus()); });
     }
     finish = TakeFinishLocked();
   }
@@ -284,13 +284,38 @@ absl::Status AppendReactor::ProcessMessage(const ReceivedAppend& received, int i
                                                                : ""));
 }
 
-void AppendReactor::Complete() {
+void AppendReactor::Complete(absl::Status waited) {
   bool skip;
   {
     absl::MutexLock lock(&mu_);
     skip = finishing_ || doomed_;
   }
-  const absl::Status status = skip ? absl::OkStatus() : CommitStream();
+  // Rows held by reference behind producers' events that have not all
+  // completed (a layer-wise save ends its stream while the GPU still
+  // computes its last layers): the commit comes back here once they have,
+  // and the worker serves other appends meanwhile (server/core/source_waiter.h).
+  // This task stays counted in queued_ until then, so the stream cannot finish.
+  if (!skip && !sources_waited_ && append_ != nullptr) {
+    sources_waited_ = true;
+    const absl::Time deadline = absl::Now() + service_->options().append_idle_timeout;
+    if (pool_->WhenSourcesComplete(append_->HeldWaitEvents(), deadline, [this](absl::Status s) {
+          pool_->worker().Post([this, s = std::move(s)]() mutable { Complete(std::move(s)); });
+        })) {
+      return;
+    }
+  }
+  absl::Status status = absl::OkStatus();
+  if (!skip && !waited.ok()) {
+    append_->Abort();
+    status = absl::Status(
+        waited.code(),
+        absl::StrCat("waiting for the producer's CUDA events of the rows by reference (at most the server's "
+                     "append_idle_timeout_seconds, ",
+                     absl::FormatDuration(service_->options().append_idle_timeout), "): ", waited.message(),
+                     "; the whole append was rolled back"));
+  } else if (!skip) {
+    status = CommitStream();
+  }
   std::optional<absl::Status> finish;
   {
     absl::MutexLock lock(&mu_);

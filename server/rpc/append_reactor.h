@@ -80,7 +80,9 @@ class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
   // ---- worker side ----
   void Process(int slot, int index);
   absl::Status ProcessMessage(const ReceivedAppend& received, int index);
-  void Complete();
+  // The commit on a clean end (`waited`: how the wait for the held rows'
+  // events ended, OK when there was none).
+  void Complete(absl::Status waited);
   absl::Status CommitStream();
   void Fail(const absl::Status& status);
 
@@ -116,6 +118,7 @@ class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
   v1::SequenceView view_ = v1::SEQUENCE_VIEW_FULL;
   // Worker-only state.
   std::unique_ptr<AtomicAppend> append_;
+  bool sources_waited_ = false;  // the held rows' events were waited for (or found complete)
   // Regions the stream's messages named: held until the stream ends, so an
   // UnregisterRegion meanwhile never unmaps memory this append reads.
   RegionHold regions_held_;

@@ -7,6 +7,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/quantize_append.h"
+#include "kernels/quantize_append_config.h"
 #include "kernels/quantize_rows.h"
 #include "tests/testing/paged_scenario.h"
 #include "tests/testing/vector_files.h"
@@ -455,6 +456,18 @@ TEST(CpuEmpty, ZeroRowsIsANoOp) {
       TensorView::Contiguous(last.data(), DType::kInt32, {1}), 1.0, 1.0);
   EXPECT_TRUE(st.ok()) << st;
   for (uint8_t b : cache) EXPECT_EQ(b, kPoison);
+}
+
+// The launcher's choice for a layers launch: 8 rows per lookup from 64 rows
+// a layer (a decode step), one below; layers' rows always dealt by warp.
+// (Host code of the CUDA launcher: runs without a GPU.)
+TEST(LauncherChoice, ALayersLaunchTakes8RowsPerLookupFrom64RowsALayer) {
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1).rows_per_warp, 1);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(63).rows_per_warp, 1);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(64).rows_per_warp, 8);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(256).rows_per_warp, 8);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1 << 20).rows_per_warp, 16);
+  EXPECT_FALSE(DefaultQuantizeAppendLayersConfig(32768).block_ranges);
 }
 
 }  // namespace

@@ -441,16 +441,6 @@ TEST(CudaLayersLaunch, EveryConfigurationWritesWhatOneLaunchPerLayerWrites) {
   }
 }
 
-// The launcher's choice for a layers launch: 8 rows per lookup from 64 rows
-// a layer (a decode step), one below; layers' rows always dealt by warp.
-TEST(CudaLayersLaunch, DefaultConfiguration) {
-  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1).rows_per_warp, 1);
-  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(63).rows_per_warp, 1);
-  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(64).rows_per_warp, 8);
-  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(256).rows_per_warp, 8);
-  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1 << 20).rows_per_warp, 16);
-  EXPECT_FALSE(DefaultQuantizeAppendLayersConfig(32768).block_ranges);
-}
 
 TEST(CudaDequantize, MatchesCpuBitForBit) {
   SKIP_WITHOUT_GPU();

@@ -12,11 +12,15 @@
 // in for a CUDA region's (tests/server/core/stand_in_device_backend.h).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
 #include "server/core/atomic_append.h"
 #include "server/core/pool.h"
@@ -201,6 +205,136 @@ TEST(DeferredWritesTest, AFailedFlushOrLastCheckCommitsNothing) {
   EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
   EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
 }
+
+// The producers' events held rows are read behind (RowSource::wait_events):
+// HeldWaitEvents names each once, and Pool::WhenSourcesComplete hands the
+// commit to the pool's SourceWaiter while one has not completed -- the
+// worker stays free -- and calls back once it has, or with the query's
+// error, or DEADLINE_EXCEEDED.
+TEST(DeferredWritesTest, TheCommitWaitsOffTheWorkerForTheHeldRowsEvents) {
+  TestPool t = MakePool();
+  const testing::RowSet x = testing::MakeRows(4, 81, kCkv, kKpe);
+  int producer_a = 0, producer_b = 0;  // their addresses stand in for two IPC events
+  SequenceRowsIn rows = Rows(x, 0, 4, 0, {0, 1}, true);
+  rows.layers[0].source.wait_events[0] = &producer_a;
+  rows.layers[1].source.wait_events[0] = &producer_a;
+  rows.layers[1].source.wait_events[1] = &producer_b;
+  std::unique_ptr<AtomicAppend> a = Held(*t.pool, "s", rows);
+  const std::vector<const void*> events = a->HeldWaitEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0], &producer_a);
+  EXPECT_EQ(events[1], &producer_b);
+
+  // Complete already (or none): nothing to wait for.
+  EXPECT_FALSE(t.pool->WhenSourcesComplete(events, absl::InfiniteFuture(), [](absl::Status) { FAIL(); }));
+  EXPECT_FALSE(t.pool->WhenSourcesComplete({}, absl::InfiniteFuture(), [](absl::Status) { FAIL(); }));
+
+  // Pending: the callback comes once both have completed, on the waiter's thread.
+  {
+    absl::MutexLock lock(&t.backend->events_mu);
+    t.backend->pending = {&producer_a, &producer_b};
+  }
+  absl::Notification done;
+  absl::Status got = absl::UnknownError("not called");
+  ASSERT_TRUE(t.pool->WhenSourcesComplete(events, absl::InfiniteFuture(), [&](absl::Status s) {
+    got = std::move(s);
+    done.Notify();
+  }));
+  EXPECT_EQ(t.pool->sources_waiting(), 1u);
+  // The worker is free meanwhile: another append commits through it.
+  absl::Notification other;
+  t.pool->worker().Post([&] {
+    AtomicAppend b(t.pool.get());
+    EXPECT_TRUE(b.Begin("other").ok());
+    EXPECT_TRUE(StageOne(b, Rows(x, 0, 2, 0, {2}, false)).ok());
+    EXPECT_TRUE(b.Commit(Ok).ok());
+    other.Notify();
+  });
+  EXPECT_TRUE(other.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  t.backend->Complete(&producer_a);
+  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(50))) << "producer b has not completed";
+  t.backend->Complete(&producer_b);
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(got.ok()) << got;
+  EXPECT_EQ(t.pool->sources_waiting(), 0u);
+  ASSERT_TRUE(a->Commit(Ok).ok());
+  ExpectStored(*t.pool, "s", 1, 4, x);
+
+  // A query that fails, and a deadline that passes, are the callback's status.
+  {
+    absl::MutexLock lock(&t.backend->events_mu);
+    t.backend->pending = {&producer_a};
+    t.backend->failing_event = &producer_b;
+  }
+  absl::Notification failed, late;
+  absl::Status failed_status, late_status;
+  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer_b, &producer_a}, absl::InfiniteFuture(), [&](absl::Status s) {
+    failed_status = std::move(s);
+    failed.Notify();
+  }));
+  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer_a}, absl::Now() + absl::Milliseconds(30), [&](absl::Status s) {
+    late_status = std::move(s);
+    late.Notify();
+  }));
+  ASSERT_TRUE(failed.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(late.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(failed_status.code(), absl::StatusCode::kInternal) << failed_status;
+  EXPECT_EQ(late_status.code(), absl::StatusCode::kDeadlineExceeded) << late_status;
+  EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
+}
+
+// Many commits waiting at once, their events completing from another thread
+// in a shuffled order: each is called back exactly once, with OK.
+TEST(DeferredWritesTest, ManyWaitsEachCalledBackOnce) {
+  TestPool t = MakePool();
+  constexpr int kWaits = 200;
+  std::vector<int> producers(kWaits);
+  {
+    absl::MutexLock lock(&t.backend->events_mu);
+    for (int& p : producers) t.backend->pending.insert(&p);
+  }
+  std::vector<std::atomic<int>> calls(kWaits);
+  std::atomic<int> not_ok{0};
+  absl::BlockingCounter all(kWaits);
+  for (int i = 0; i < kWaits; ++i) {
+    ASSERT_TRUE(t.pool->WhenSourcesComplete({&producers[i]}, absl::InfiniteFuture(), [&, i](absl::Status s) {
+      if (!s.ok()) not_ok.fetch_add(1);
+      calls[i].fetch_add(1);
+      all.DecrementCount();
+    }));
+  }
+  std::vector<int> order(kWaits);
+  for (int i = 0; i < kWaits; ++i) order[i] = (i * 73) % kWaits;  // 73 is prime to 200: a permutation
+  std::thread completer([&] {
+    for (int i : order) t.backend->Complete(&producers[i]);
+  });
+  all.Wait();
+  completer.join();
+  EXPECT_EQ(not_ok.load(), 0);
+  for (int i = 0; i < kWaits; ++i) EXPECT_EQ(calls[i].load(), 1) << "wait " << i;
+  EXPECT_EQ(t.pool->sources_waiting(), 0u);
+}
+
+// A pool destroyed while a commit waits calls it back with CANCELLED (its
+// reactor then rolls back); nothing is left waiting.
+TEST(DeferredWritesTest, APoolThatGoesCancelsWhatWaits) {
+  TestPool t = MakePool();
+  int producer = 0;
+  {
+    absl::MutexLock lock(&t.backend->events_mu);
+    t.backend->pending = {&producer};
+  }
+  absl::Status got;
+  bool called = false;
+  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer}, absl::InfiniteFuture(), [&](absl::Status s) {
+    got = std::move(s);
+    called = true;
+  }));
+  t.pool.reset();
+  EXPECT_TRUE(called);
+  EXPECT_EQ(got.code(), absl::StatusCode::kCancelled) << got;
+}
+
 
 }  // namespace
 }  // namespace mlakv::server

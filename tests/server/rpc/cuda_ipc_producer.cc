@@ -7,16 +7,22 @@
 // copies them to the start of the allocation, creates an interprocess event
 // and records it after the copy, then prints one line
 //   "<128 hex of cudaIpcMemHandle_t> <128 hex of cudaIpcEventHandle_t> <allocation bytes>"
-// and waits until stdin reaches EOF (the test closes it) before freeing and
-// exiting 0. Any failure: a message on stderr and exit 1.
+// and then reads commands from stdin until EOF (the test closes it), before
+// freeing and exiting 0:
+//   "delay MS\n"  its stream sleeps MS ms on the host (cudaLaunchHostFunc),
+//                 then the event is recorded again, so that it completes MS
+//                 ms from now (a producer still computing); prints "recorded"
+// Any failure: a message on stderr and exit 1.
 //
 //   cuda_ipc_producer --read DEVICE HANDLE_HEX BYTES
 // the decode side of ExportPool: opens the cudaIpcMemHandle_t, copies its
 // first BYTES bytes to the host and writes them to stdout.
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -37,6 +43,8 @@ std::string Hex(const void* p, size_t n) {
   }
   return out;
 }
+
+void CUDART_CB SleepOnTheStream(void* ms) { std::this_thread::sleep_for(std::chrono::milliseconds(*static_cast<int*>(ms))); }
 
 }  // namespace
 
@@ -102,7 +110,18 @@ int main(int argc, char** argv) {
   if (cudaError_t e = cudaIpcGetEventHandle(&eh, event); e != cudaSuccess) return Fail("cudaIpcGetEventHandle", e);
   std::printf("%s %s %zu\n", Hex(&mh, sizeof(mh)).c_str(), Hex(&eh, sizeof(eh)).c_str(), alloc);
   std::fflush(stdout);
-  while (std::fgetc(stdin) != EOF) {
+  char command[64];
+  static int delay_ms = 0;  // read by the host function while the stream runs it
+  while (std::fgets(command, sizeof(command), stdin) != nullptr) {
+    if (std::sscanf(command, "delay %d", &delay_ms) == 1) {
+      if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return Fail("cudaStreamSynchronize", e);
+      if (cudaError_t e = cudaLaunchHostFunc(stream, SleepOnTheStream, &delay_ms); e != cudaSuccess) {
+        return Fail("cudaLaunchHostFunc", e);
+      }
+      if (cudaError_t e = cudaEventRecord(event, stream); e != cudaSuccess) return Fail("cudaEventRecord", e);
+      std::printf("recorded\n");
+      std::fflush(stdout);
+    }
   }
   cudaStreamSynchronize(stream);
   cudaEventDestroy(event);

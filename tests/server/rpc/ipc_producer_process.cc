@@ -71,6 +71,14 @@ IpcProducerProcess::IpcProducerProcess(const std::string& bytes, int device) : d
   allocation_bytes_ = alloc;
 }
 
+void IpcProducerProcess::DelayEvent(int ms) {
+  const std::string command = "delay " + std::to_string(ms) + "\n";
+  ASSERT_EQ(write(to_child_, command.data(), command.size()), static_cast<ssize_t>(command.size()));
+  char line[64] = {};
+  ASSERT_NE(std::fgets(line, sizeof(line), from_child_), nullptr) << "the producer did not answer " << command;
+  EXPECT_EQ(std::string(line), "recorded\n");
+}
+
 void IpcProducerProcess::Exit() {
   if (to_child_ >= 0) close(to_child_);
   to_child_ = -1;

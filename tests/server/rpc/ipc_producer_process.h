@@ -30,6 +30,10 @@ class IpcProducerProcess {
 
   // Lets the producer free its allocation and exit; waits for it.
   void Exit();
+  // Records the event again behind `ms` ms of host sleep on the producer's
+  // stream: it completes `ms` ms from now, as a producer's event does while
+  // its GPU still computes. Returns once it is recorded.
+  void DelayEvent(int ms);
   const std::string& mem_handle() const { return mem_handle_; }      // 64 bytes of cudaIpcMemHandle_t
   const std::string& event_handle() const { return event_handle_; }  // 64 bytes of cudaIpcEventHandle_t
   uint64_t allocation_bytes() const { return allocation_bytes_; }

@@ -15,6 +15,7 @@
 
 #include <cstdio>
 #include <string>
+#include <thread>
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -170,6 +171,60 @@ TEST_F(CudaRegionServiceTest, AStreamOfReferencesIsWrittenAtItsEndOrNotAtAll) {
   EXPECT_EQ(GetPool().pages_used(), pages_before);
   // The rows stored before are untouched.
   ExpectSameStored("refs", "bytes", {0, 1, 2, 3}, n);
+}
+
+// A stream by reference whose producer's event completes late -- the GPU
+// still computing when the stream ends, as a layer-wise save's does --
+// commits once the event has completed, and the pool's worker serves other
+// appends meanwhile (server/core/source_waiter.h). An event that does not
+// complete within the server's append_idle_timeout_seconds fails the stream
+// (DEADLINE_EXCEEDED), and nothing of it is kept.
+TEST_F(CudaRegionServiceTest, AStreamWaitsForALateEventOffThePoolsWorker) {
+  const Rows rows = RandomRows(300, 29);
+  const ProducerLayout layout = MakeProducerLayout(rows);
+  const uint64_t n = rows.n, kpe_off = layout.kpe_off;
+  IpcProducerProcess producer(layout.bytes);
+  ASSERT_TRUE(RegisterCuda("e", producer.mem_handle(), layout.bytes.size(), producer.event_handle()).ok());
+  grpc::Status s = AppendRows("bytes", 0, rows, {0, 1}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(1500));
+  const absl::Time t0 = absl::Now();
+  grpc::Status late_status;
+  absl::Duration late_took;
+  std::thread late([&] {
+    late_status = Append({RegionMessage("late", 0, static_cast<uint32_t>(n), rows.dtype, {0, 1}, Ref("e", 0),
+                                        Ref("e", kpe_off))});
+    late_took = absl::Now() - t0;
+  });
+  absl::SleepFor(absl::Milliseconds(200));  // the stream has ended; its commit waits for the event
+  const absl::Time o0 = absl::Now();
+  s = AppendRows("other", 0, rows, {2}, kCkvScale, kKpeScale);
+  const absl::Duration other_took = absl::Now() - o0;
+  late.join();
+  EXPECT_TRUE(s.ok()) << Describe(s);
+  EXPECT_TRUE(late_status.ok()) << Describe(late_status);
+  EXPECT_LT(other_took, absl::Milliseconds(1000)) << "an append to the same pool waited for another stream's event";
+  EXPECT_GE(late_took, absl::Milliseconds(1400)) << "the stream committed before its producer's event completed";
+  ExpectSameStored("late", "bytes", {0, 1}, n);
+
+  // An event still incomplete when the server's append_idle_timeout (1 s here) has passed.
+  StopServer();
+  StartServer("cuda:0", "name: 'default' num_layers: 4 page_size: 16 num_pages: 512", "append_idle_timeout_seconds: 1");
+  ASSERT_TRUE(RegisterCuda("e", producer.mem_handle(), layout.bytes.size(), producer.event_handle()).ok());
+  ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(3000));
+  const absl::Time d0 = absl::Now();
+  s = Append({RegionMessage("never", 0, static_cast<uint32_t>(n), rows.dtype, {0}, Ref("e", 0), Ref("e", kpe_off))});
+  const absl::Duration took = absl::Now() - d0;
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << Describe(s);
+  EXPECT_NE(s.error_message().find("append_idle_timeout_seconds"), std::string::npos) << Describe(s);
+  EXPECT_GE(took, absl::Milliseconds(900));
+  EXPECT_LT(took, absl::Milliseconds(2900)) << "the stream waited for the event past the limit";
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("never", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(GetPool().pages_used(), 0u);
+  absl::SleepFor(absl::Milliseconds(2500));  // the event has completed by now: the region serves again
+  s = Append({RegionMessage("after", 0, static_cast<uint32_t>(n), rows.dtype, {0}, Ref("e", 0), Ref("e", kpe_off))});
+  EXPECT_TRUE(s.ok()) << Describe(s);
 }
 
 // AppendBatch's compact form from one CUDA region range per layer: the rows

@@ -1,0 +1,73 @@
+// SourceWaiter: waits, off a pool's worker, for the producers' CUDA events
+// that rows by reference are read behind.
+//
+// An Append stream by reference holds its rows until the stream ends and
+// writes them then (Pool::Stage's `deferred`). A layer-wise save ends its
+// stream as soon as the forward pass is enqueued -- as vLLM's wait_for_save
+// comes -- so the end usually arrives while the producer's GPU still computes
+// the last layers, tens of ms before their events complete. Written at once,
+// the pool's worker would block all that time (the backend waits for the
+// events before it reads), and every other append to the pool with it: a
+// decode step behind a prefill's save. The stream's end asks the waiter
+// instead; the worker is free until the events have completed, and the
+// commit is posted back to it then.
+//
+// One thread per pool, started by the first wait. While anything waits it asks the backend
+// (CacheBackend::EventsComplete) every kPollInterval about every entry, and
+// sleeps on a condition variable when nothing does. Callbacks run on that
+// thread, outside its lock, and must not block (they post to the worker).
+#pragma once
+
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/backend/cache_backend.h"
+
+namespace mlakv::server {
+
+class SourceWaiter {
+ public:
+  // OK once every event has completed; the query's error if one failed;
+  // DEADLINE_EXCEEDED when the deadline passed first; CANCELLED when the
+  // waiter is destroyed first.
+  using Done = absl::AnyInvocable<void(absl::Status) &&>;
+  static constexpr absl::Duration kPollInterval = absl::Microseconds(20);
+
+  // `backend` outlives the waiter; `on_start` runs once on its thread (a
+  // CUDA pool makes its device current there).
+  SourceWaiter(CacheBackend* backend, absl::AnyInvocable<void() &&> on_start);
+  // Calls every waiting entry's `done` with CANCELLED, then joins.
+  ~SourceWaiter();
+  SourceWaiter(const SourceWaiter&) = delete;
+  SourceWaiter& operator=(const SourceWaiter&) = delete;
+
+  // Calls `done` once, on the waiter's thread, when `events` (opaque event
+  // handles the backend knows, as RowSource::wait_events carries them) have
+  // all completed, or as above.
+  void Wait(std::vector<const void*> events, absl::Time deadline, Done done);
+  // Entries waiting (for tests and metrics).
+  size_t waiting() const;
+
+ private:
+  struct Entry {
+    std::vector<const void*> events;
+    absl::Time deadline;
+    Done done;
+  };
+  void Loop(absl::AnyInvocable<void() &&> on_start);
+
+  CacheBackend* const backend_;
+  mutable absl::Mutex mu_;
+  absl::AnyInvocable<void() &&> on_start_ ABSL_GUARDED_BY(mu_);  // moved to the thread when it starts
+  std::vector<Entry> incoming_ ABSL_GUARDED_BY(mu_);  // handed over to the thread's own list each round
+  size_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_ ABSL_GUARDED_BY(mu_);  // joined by the destructor (no Wait can start it then)
+};
+
+}  // namespace mlakv::server
