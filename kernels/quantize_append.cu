@@ -449,15 +449,18 @@ absl::Status QuantizeAppend(const QuantizeAppendParams& p, cudaStream_t stream) 
 
 QuantizeAppendConfig DefaultQuantizeAppendLayersConfig(int64_t max_rows) {
   // The one-layer configuration of the largest layer, its rows dealt by
-  // warp (block ranges assume one layer's rows per grid), except that from
-  // 64 rows a layer one lookup serves 8 rows: a decode step (256 sequences x
-  // 1 token x 61 layers) then runs 244 blocks of 8 warps instead of 1,952,
-  // each warp one group of 8 rows -- 18.9 us against 22.4 us at one row per
-  // warp on the H200, 1.17x a copy of the step's bytes against 1.40x
-  // (quantize_append_bench --sweep --only decode_step, 2026-12-02).
+  // warp (block ranges assume one layer's rows per grid), except that decode
+  // steps (N sequences x 1 token x 61 layers) take more rows per lookup:
+  // from 128 rows a layer 8 (256 x 61: 244 blocks of 8 warps instead of
+  // 1,952, each warp one group -- 18.4-19.0 us against 22.4-22.6 us at one
+  // row per warp, 1.17-1.20x a copy of the step's bytes against 1.40x), and
+  // from 32 rows 2 (64 x 61: 14.2 us against 16.4 us; 32 x 61: 13.5 against
+  // 14.2). quantize_append_bench --sweep --only decode_step on the H200,
+  // 2026-12-02, docs/performance.md.
   QuantizeAppendConfig config = DefaultQuantizeAppendConfig(max_rows);
   config.block_ranges = false;
-  if (max_rows >= 64 && config.rows_per_warp < 8) config.rows_per_warp = 8;
+  const int decode_rows_per_warp = max_rows >= 128 ? 8 : max_rows >= 32 ? 2 : 1;
+  config.rows_per_warp = std::max(config.rows_per_warp, decode_rows_per_warp);
   return config;
 }
 

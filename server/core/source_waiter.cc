@@ -43,15 +43,12 @@ void SourceWaiter::Loop(absl::AnyInvocable<void() &&> on_start) {
   std::vector<Entry> entries;  // this thread's alone
   while (true) {
     bool stopping;
+    if (!entries.empty()) std::this_thread::yield();  // polling: the commit waits on this loop's latency
     {
       absl::MutexLock lock(&mu_);
-      // Asleep while nothing waits; polling (kPollInterval) while something does.
+      // Asleep while nothing waits; polling while something does.
       auto wake = [this] { return stopping_ || !incoming_.empty(); };
-      if (entries.empty()) {
-        mu_.Await(absl::Condition(&wake));
-      } else {
-        mu_.AwaitWithTimeout(absl::Condition(&wake), kPollInterval);
-      }
+      if (entries.empty()) mu_.Await(absl::Condition(&wake));
       for (Entry& e : incoming_) entries.push_back(std::move(e));
       incoming_.clear();
       stopping = stopping_;

@@ -458,13 +458,16 @@ TEST(CpuEmpty, ZeroRowsIsANoOp) {
   for (uint8_t b : cache) EXPECT_EQ(b, kPoison);
 }
 
-// The launcher's choice for a layers launch: 8 rows per lookup from 64 rows
-// a layer (a decode step), one below; layers' rows always dealt by warp.
+// The launcher's choice for a layers launch: 8 rows per lookup from 128
+// rows a layer (a decode step), 2 from 32, one below; layers' rows always
+// dealt by warp.
 // (Host code of the CUDA launcher: runs without a GPU.)
-TEST(LauncherChoice, ALayersLaunchTakes8RowsPerLookupFrom64RowsALayer) {
+TEST(LauncherChoice, ALayersLaunchTakesMoreRowsPerLookupForDecodeSteps) {
   EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1).rows_per_warp, 1);
-  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(63).rows_per_warp, 1);
-  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(64).rows_per_warp, 8);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(31).rows_per_warp, 1);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(32).rows_per_warp, 2);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(127).rows_per_warp, 2);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(128).rows_per_warp, 8);
   EXPECT_EQ(DefaultQuantizeAppendLayersConfig(256).rows_per_warp, 8);
   EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1 << 20).rows_per_warp, 16);
   EXPECT_FALSE(DefaultQuantizeAppendLayersConfig(32768).block_ranges);

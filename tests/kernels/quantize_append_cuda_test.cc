@@ -429,11 +429,12 @@ TEST(CudaLayersLaunch, WritesWhatOneLaunchPerLayerWrites) {
 }
 
 // The configurations a layers launch can be given write the same bytes:
-// one row and 8 rows per lookup (the default below and from 64 rows a
-// layer), 16, and few small blocks (a long grid-stride loop per layer).
+// one, 2 and 8 rows per lookup (the defaults for decode steps), 16, and few
+// small blocks (a long grid-stride loop per layer).
 TEST(CudaLayersLaunch, EveryConfigurationWritesWhatOneLaunchPerLayerWrites) {
   SKIP_WITHOUT_GPU();
-  for (const QuantizeAppendConfig& config : {QuantizeAppendConfig{1, 8, 8}, QuantizeAppendConfig{8, 8, 8},
+  for (const QuantizeAppendConfig& config : {QuantizeAppendConfig{1, 8, 8}, QuantizeAppendConfig{2, 8, 8},
+                                             QuantizeAppendConfig{8, 8, 8},
                                              QuantizeAppendConfig{16, 8, 4}, QuantizeAppendConfig{8, 3, 1}}) {
     SCOPED_TRACE(::testing::Message() << "rows_per_warp " << config.rows_per_warp << " warps "
                                       << config.warps_per_block << " blocks_per_sm " << config.blocks_per_sm);
