@@ -157,6 +157,16 @@ Pool::~Pool() {
   worker_.reset();
 }
 
+absl::StatusOr<bool> Pool::WaitForSourcesHere(std::span<const void* const> events, absl::Time deadline) {
+  while (true) {
+    MLAKV_ASSIGN_OR_RETURN(const bool complete, backend_->EventsComplete(events));
+    if (complete) return true;
+    if (worker_->pending() > 1) return false;  // the caller's task and one queued behind it
+    if (absl::Now() >= deadline) return absl::DeadlineExceededError("the producer's CUDA event did not complete in time");
+    std::this_thread::yield();
+  }
+}
+
 bool Pool::WhenSourcesComplete(std::vector<const void*> events, absl::Time deadline, SourceWaiter::Done done) {
   if (events.empty()) return false;
   if (absl::StatusOr<bool> complete = backend_->EventsComplete(events); complete.ok() && *complete) return false;

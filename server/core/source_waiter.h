@@ -8,9 +8,11 @@
 // the last layers, tens of ms before their events complete. Written at once,
 // the pool's worker would block all that time (the backend waits for the
 // events before it reads), and every other append to the pool with it: a
-// decode step behind a prefill's save. The stream's end asks the waiter
-// instead; the worker is free until the events have completed, and the
-// commit is posted back to it then.
+// decode step behind a prefill's save. The stream's end waits on the worker
+// only while nothing else is queued there (Pool::WaitForSourcesHere) and
+// hands the wait to the waiter as soon as something is; the worker is then
+// free until the events have completed, and the commit is posted back to
+// it.
 //
 // One thread per pool, started by the first wait. While anything waits it
 // asks the backend (CacheBackend::EventsComplete) about every entry in a

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/notification.h"
 #include "common/status_macros.h"
@@ -281,6 +282,63 @@ TEST(DeferredWritesTest, TheCommitWaitsOffTheWorkerForTheHeldRowsEvents) {
   EXPECT_EQ(failed_status.code(), absl::StatusCode::kInternal) << failed_status;
   EXPECT_EQ(late_status.code(), absl::StatusCode::kDeadlineExceeded) << late_status;
   EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
+}
+
+// On the worker, the wait is spent there while nothing else is queued: it
+// returns true once the events complete, false as soon as another task is
+// queued behind it (the caller then hands the wait over), and fails on a
+// failed query or a deadline.
+TEST(DeferredWritesTest, TheWorkerWaitsItselfOnlyWhileNothingElseIsQueued) {
+  TestPool t = MakePool();
+  int producer = 0;
+  const std::vector<const void*> events = {&producer};
+  auto on_worker = [&](absl::Time deadline, absl::AnyInvocable<void()> meanwhile) {
+    absl::StatusOr<bool> got = absl::UnknownError("not run");
+    absl::Notification started, done;
+    t.pool->worker().Post([&] {
+      started.Notify();
+      got = t.pool->WaitForSourcesHere(events, deadline);
+      done.Notify();
+    });
+    started.WaitForNotification();
+    meanwhile();
+    EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    return got;
+  };
+  // Complete: at once.
+  absl::StatusOr<bool> got = on_worker(absl::InfiniteFuture(), [] {});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(*got);
+  // Completing while it waits.
+  {
+    absl::MutexLock lock(&t.backend->events_mu);
+    t.backend->pending = {&producer};
+  }
+  got = on_worker(absl::InfiniteFuture(), [&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    t.backend->Complete(&producer);
+  });
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(*got);
+  // Another task queued behind it: it gives the worker up.
+  {
+    absl::MutexLock lock(&t.backend->events_mu);
+    t.backend->pending = {&producer};
+  }
+  absl::Notification other_ran;
+  got = on_worker(absl::InfiniteFuture(), [&] { t.pool->worker().Post([&] { other_ran.Notify(); }); });
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_FALSE(*got);
+  EXPECT_TRUE(other_ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  // Still pending at the deadline; a failed query.
+  got = on_worker(absl::Now() + absl::Milliseconds(30), [] {});
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
+  {
+    absl::MutexLock lock(&t.backend->events_mu);
+    t.backend->failing_event = &producer;
+  }
+  got = on_worker(absl::InfiniteFuture(), [] {});
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInternal) << got.status();
 }
 
 // Many commits waiting at once, their events completing from another thread
