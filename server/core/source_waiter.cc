@@ -2,8 +2,11 @@
 
 #include <utility>
 
-
 namespace mlakv::server {
+
+absl::Status SourcesLateError() {
+  return absl::DeadlineExceededError("the producer's CUDA event did not complete in time");
+}
 
 SourceWaiter::SourceWaiter(CacheBackend* backend, absl::AnyInvocable<void() &&> on_start)
     : backend_(backend), on_start_(std::move(on_start)) {}
@@ -64,7 +67,7 @@ void SourceWaiter::Loop(absl::AnyInvocable<void() &&> on_start) {
         status = complete.status();
       } else if (!*complete) {
         over = now >= entries[i].deadline;
-        if (over) status = absl::DeadlineExceededError("the producer's CUDA event did not complete in time");
+        if (over) status = SourcesLateError();
       }
       if (!over) {
         ++i;

@@ -37,6 +37,9 @@
 
 namespace mlakv::server {
 
+// The status of a wait whose deadline passed (SourceWaiter and Pool::WaitForSourcesHere).
+absl::Status SourcesLateError();
+
 class SourceWaiter {
  public:
   // OK once every event has completed; the query's error if one failed;
