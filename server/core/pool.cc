@@ -157,21 +157,22 @@ Pool::~Pool() {
   worker_.reset();
 }
 
-absl::StatusOr<bool> Pool::WaitForSourcesHere(std::span<const void* const> events, absl::Time deadline) {
+absl::StatusOr<bool> Pool::WaitForSourcesHere(std::span<const void* const> events, const WaitLimits& limits) {
   if (events.empty()) return true;  // nothing held by reference behind an event (most commits)
   while (true) {
     MLAKV_ASSIGN_OR_RETURN(const bool complete, backend_->EventsComplete(events));
     if (complete) return true;
     if (worker_->pending() > 1) return false;  // the caller's task and one queued behind it
-    if (absl::Now() >= deadline) return SourcesLateError();
+    if (absl::Now() >= limits.deadline) return SourcesLateError();
+    if (limits.Abandoned()) return SourcesAbandonedError();
     std::this_thread::yield();
   }
 }
 
-bool Pool::WhenSourcesComplete(std::vector<const void*> events, absl::Time deadline, SourceWaiter::Done done) {
+bool Pool::WhenSourcesComplete(std::vector<const void*> events, WaitLimits limits, SourceWaiter::Done done) {
   if (events.empty()) return false;
   if (absl::StatusOr<bool> complete = backend_->EventsComplete(events); complete.ok() && *complete) return false;
-  waiter_->Wait(std::move(events), deadline, std::move(done));  // a failed query fails there, with its status
+  waiter_->Wait(std::move(events), std::move(limits), std::move(done));  // a failed query fails there, with its status
   return true;
 }
 

@@ -304,17 +304,19 @@ class Pool {
 
   // When the producers' `events` (DeferredWrites::WaitEvents) have not all
   // completed: hands `done` to the pool's SourceWaiter (its thread calls it
-  // once they have, or with the error, DEADLINE_EXCEEDED at `deadline`, or
-  // CANCELLED when the pool goes) and returns true. Else false, and `done`
-  // is not called: the rows can be written now. Any thread.
-  bool WhenSourcesComplete(std::vector<const void*> events, absl::Time deadline, SourceWaiter::Done done);
+  // once they have, or with the error, DEADLINE_EXCEEDED at the deadline,
+  // CANCELLED once `limits` say the caller abandoned it or when the pool
+  // goes) and returns true. Else false, and `done` is not called: the rows
+  // can be written now. Any thread.
+  bool WhenSourcesComplete(std::vector<const void*> events, WaitLimits limits, SourceWaiter::Done done);
   // On the worker, in a task: waits for `events` here, spinning, while no
   // other task is queued behind the caller -- true once they have completed
   // (the write follows them at once, as a synchronization on the worker
   // would), false as soon as another task is queued (hand the wait to
   // WhenSourcesComplete and return: the worker is the pool's, not the
-  // stream's) -- or the query's error, or DEADLINE_EXCEEDED at `deadline`.
-  absl::StatusOr<bool> WaitForSourcesHere(std::span<const void* const> events, absl::Time deadline);
+  // stream's) -- or the query's error, DEADLINE_EXCEEDED at the deadline,
+  // CANCELLED once `limits` say the caller abandoned it.
+  absl::StatusOr<bool> WaitForSourcesHere(std::span<const void* const> events, const WaitLimits& limits);
   size_t sources_waiting() const { return waiter_->waiting(); }
 
   // ---- appends (Stage / Commit / Abort on worker()) ------------------------

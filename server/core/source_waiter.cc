@@ -8,6 +8,10 @@ absl::Status SourcesLateError() {
   return absl::DeadlineExceededError("the producer's CUDA event did not complete in time");
 }
 
+absl::Status SourcesAbandonedError() {
+  return absl::CancelledError("the call was cancelled (by its client, or by the server shutting down) first");
+}
+
 SourceWaiter::SourceWaiter(CacheBackend* backend, absl::AnyInvocable<void() &&> on_start)
     : backend_(backend), on_start_(std::move(on_start)) {}
 
@@ -21,11 +25,11 @@ SourceWaiter::~SourceWaiter() {
   if (thread.joinable()) thread.join();
 }
 
-void SourceWaiter::Wait(std::vector<const void*> events, absl::Time deadline, Done done) {
+void SourceWaiter::Wait(std::vector<const void*> events, WaitLimits limits, Done done) {
   {
     absl::MutexLock lock(&mu_);
     if (!stopping_) {
-      incoming_.push_back(Entry{std::move(events), deadline, std::move(done)});
+      incoming_.push_back(Entry{std::move(events), std::move(limits), std::move(done)});
       ++waiting_;
       if (!thread_.joinable()) {  // the first wait starts the thread (most pools never wait)
         thread_ = std::thread([this, on_start = std::move(on_start_)]() mutable { Loop(std::move(on_start)); });
@@ -63,10 +67,12 @@ void SourceWaiter::Loop(absl::AnyInvocable<void() &&> on_start) {
       bool over = true;
       if (stopping) {
         status = absl::CancelledError("the pool is shutting down");
+      } else if (entries[i].limits.Abandoned()) {
+        status = SourcesAbandonedError();
       } else if (absl::StatusOr<bool> complete = backend_->EventsComplete(entries[i].events); !complete.ok()) {
         status = complete.status();
       } else if (!*complete) {
-        over = now >= entries[i].deadline;
+        over = now >= entries[i].limits.deadline;
         if (over) status = SourcesLateError();
       }
       if (!over) {

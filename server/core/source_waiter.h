@@ -25,6 +25,7 @@
 // not block (they post to the worker).
 #pragma once
 
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -39,12 +40,26 @@ namespace mlakv::server {
 
 // The status of a wait whose deadline passed (SourceWaiter and Pool::WaitForSourcesHere).
 absl::Status SourcesLateError();
+// The status of a wait its caller gave up (WaitLimits::abandoned).
+absl::Status SourcesAbandonedError();
+
+// What ends a wait for producers' events before they complete.
+struct WaitLimits {
+  absl::Time deadline = absl::InfiniteFuture();  // then DEADLINE_EXCEEDED
+  // Polled while the wait lasts (from whichever thread waits): true once the
+  // caller gave up -- an Append whose client cancelled, or that the server
+  // cancelled at shutdown -- and the wait ends with CANCELLED at once instead
+  // of at the deadline. Empty: never. Must be cheap and must not block.
+  std::function<bool()> abandoned;
+
+  bool Abandoned() const { return abandoned && abandoned(); }
+};
 
 class SourceWaiter {
  public:
   // OK once every event has completed; the query's error if one failed;
   // DEADLINE_EXCEEDED when the deadline passed first; CANCELLED when the
-  // waiter is destroyed first.
+  // caller abandoned the wait or the waiter is destroyed first.
   using Done = absl::AnyInvocable<void(absl::Status) &&>;
 
   // `backend` outlives the waiter; `on_start` runs once on its thread (a
@@ -58,14 +73,14 @@ class SourceWaiter {
   // Calls `done` once, on the waiter's thread, when `events` (opaque event
   // handles the backend knows, as RowSource::wait_events carries them) have
   // all completed, or as above.
-  void Wait(std::vector<const void*> events, absl::Time deadline, Done done);
+  void Wait(std::vector<const void*> events, WaitLimits limits, Done done);
   // Entries waiting (for tests and metrics).
   size_t waiting() const;
 
  private:
   struct Entry {
     std::vector<const void*> events;
-    absl::Time deadline;
+    WaitLimits limits;
     Done done;
   };
   void Loop(absl::AnyInvocable<void() &&> on_start);

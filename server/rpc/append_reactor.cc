@@ -301,11 +301,14 @@ void AppendReactor::Complete(absl::Status waited) {
   if (!skip && !sources_waited_ && append_ != nullptr) {
     sources_waited_ = true;
     std::vector<const void*> events = append_->HeldWaitEvents();
-    const absl::Time deadline = absl::Now() + service_->options().append_idle_timeout;
-    absl::StatusOr<bool> here = pool_->WaitForSourcesHere(events, deadline);
+    // A client that cancels (or a server shutdown that cancels the call once
+    // its grace is over) ends the wait at once: rolled back below.
+    WaitLimits limits{.deadline = absl::Now() + service_->options().append_idle_timeout,
+                      .abandoned = [ctx = ctx_] { return ctx->IsCancelled(); }};
+    absl::StatusOr<bool> here = pool_->WaitForSourcesHere(events, limits);
     if (!here.ok()) {
       waited = here.status();
-    } else if (!*here && pool_->WhenSourcesComplete(std::move(events), deadline, [this](absl::Status s) {
+    } else if (!*here && pool_->WhenSourcesComplete(std::move(events), std::move(limits), [this](absl::Status s) {
                  pool_->worker().Post([this, s = std::move(s)]() mutable { Complete(std::move(s)); });
                })) {
       return;

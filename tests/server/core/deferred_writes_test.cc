@@ -227,8 +227,8 @@ TEST(DeferredWritesTest, TheCommitWaitsOffTheWorkerForTheHeldRowsEvents) {
   EXPECT_EQ(events[1], &producer_b);
 
   // Complete already (or none): nothing to wait for.
-  EXPECT_FALSE(t.pool->WhenSourcesComplete(events, absl::InfiniteFuture(), [](absl::Status) { FAIL(); }));
-  EXPECT_FALSE(t.pool->WhenSourcesComplete({}, absl::InfiniteFuture(), [](absl::Status) { FAIL(); }));
+  EXPECT_FALSE(t.pool->WhenSourcesComplete(events, {}, [](absl::Status) { FAIL(); }));
+  EXPECT_FALSE(t.pool->WhenSourcesComplete({}, {}, [](absl::Status) { FAIL(); }));
 
   // Pending: the callback comes once both have completed, on the waiter's thread.
   {
@@ -237,7 +237,7 @@ TEST(DeferredWritesTest, TheCommitWaitsOffTheWorkerForTheHeldRowsEvents) {
   }
   absl::Notification done;
   absl::Status got = absl::UnknownError("not called");
-  ASSERT_TRUE(t.pool->WhenSourcesComplete(events, absl::InfiniteFuture(), [&](absl::Status s) {
+  ASSERT_TRUE(t.pool->WhenSourcesComplete(events, {}, [&](absl::Status s) {
     got = std::move(s);
     done.Notify();
   }));
@@ -269,11 +269,11 @@ TEST(DeferredWritesTest, TheCommitWaitsOffTheWorkerForTheHeldRowsEvents) {
   }
   absl::Notification failed, late;
   absl::Status failed_status, late_status;
-  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer_b, &producer_a}, absl::InfiniteFuture(), [&](absl::Status s) {
+  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer_b, &producer_a}, {}, [&](absl::Status s) {
     failed_status = std::move(s);
     failed.Notify();
   }));
-  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer_a}, absl::Now() + absl::Milliseconds(30), [&](absl::Status s) {
+  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer_a}, {.deadline = absl::Now() + absl::Milliseconds(30)}, [&](absl::Status s) {
     late_status = std::move(s);
     late.Notify();
   }));
@@ -297,7 +297,7 @@ TEST(DeferredWritesTest, TheWorkerWaitsItselfOnlyWhileNothingElseIsQueued) {
     absl::Notification started, done;
     t.pool->worker().Post([&] {
       started.Notify();
-      got = t.pool->WaitForSourcesHere(events, deadline);
+      got = t.pool->WaitForSourcesHere(events, {.deadline = deadline});
       done.Notify();
     });
     started.WaitForNotification();
@@ -355,7 +355,7 @@ TEST(DeferredWritesTest, ManyWaitsEachCalledBackOnce) {
   std::atomic<int> not_ok{0};
   absl::BlockingCounter all(kWaits);
   for (int i = 0; i < kWaits; ++i) {
-    ASSERT_TRUE(t.pool->WhenSourcesComplete({&producers[i]}, absl::InfiniteFuture(), [&, i](absl::Status s) {
+    ASSERT_TRUE(t.pool->WhenSourcesComplete({&producers[i]}, {}, [&, i](absl::Status s) {
       if (!s.ok()) not_ok.fetch_add(1);
       calls[i].fetch_add(1);
       all.DecrementCount();
@@ -373,6 +373,60 @@ TEST(DeferredWritesTest, ManyWaitsEachCalledBackOnce) {
   EXPECT_EQ(t.pool->sources_waiting(), 0u);
 }
 
+// A caller that gives the wait up (its client cancelled the Append) ends it
+// with CANCELLED as soon as the wait polls, not at the deadline -- on the
+// waiter's thread and on the worker -- and only its own wait: another
+// commit waiting on the same event still completes with OK.
+TEST(DeferredWritesTest, AnAbandonedWaitEndsAtOnceWithCancelled) {
+  TestPool t = MakePool();
+  int producer = 0;
+  {
+    absl::MutexLock lock(&t.backend->events_mu);
+    t.backend->pending = {&producer};
+  }
+  std::atomic<bool> cancelled{false};
+  const WaitLimits abandonable{.deadline = absl::InfiniteFuture(), .abandoned = [&] { return cancelled.load(); }};
+  absl::Notification abandoned_done, kept_done;
+  absl::Status abandoned_status, kept_status;
+  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer}, abandonable, [&](absl::Status s) {
+    abandoned_status = std::move(s);
+    abandoned_done.Notify();
+  }));
+  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer}, {}, [&](absl::Status s) {
+    kept_status = std::move(s);
+    kept_done.Notify();
+  }));
+  EXPECT_FALSE(abandoned_done.WaitForNotificationWithTimeout(absl::Milliseconds(30))) << "nothing ended it yet";
+  EXPECT_EQ(t.pool->sources_waiting(), 2u);
+  cancelled = true;
+  ASSERT_TRUE(abandoned_done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(abandoned_status.code(), absl::StatusCode::kCancelled) << abandoned_status;
+  EXPECT_FALSE(kept_done.HasBeenNotified()) << "the other wait is not abandoned";
+  EXPECT_EQ(t.pool->sources_waiting(), 1u);
+  t.backend->Complete(&producer);
+  ASSERT_TRUE(kept_done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(kept_status.ok()) << kept_status;
+
+  // On the worker: the spinning wait returns CANCELLED once abandoned.
+  {
+    absl::MutexLock lock(&t.backend->events_mu);
+    t.backend->pending = {&producer};
+  }
+  cancelled = false;
+  absl::StatusOr<bool> got = absl::UnknownError("not run");
+  absl::Notification started, done;
+  t.pool->worker().Post([&] {
+    started.Notify();
+    got = t.pool->WaitForSourcesHere(std::vector<const void*>{&producer}, abandonable);
+    done.Notify();
+  });
+  started.WaitForNotification();
+  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(30))) << "nothing ended it yet";
+  cancelled = true;
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kCancelled) << got.status();
+}
+
 // A pool destroyed while a commit waits calls it back with CANCELLED (its
 // reactor then rolls back); nothing is left waiting.
 TEST(DeferredWritesTest, APoolThatGoesCancelsWhatWaits) {
@@ -384,7 +438,7 @@ TEST(DeferredWritesTest, APoolThatGoesCancelsWhatWaits) {
   }
   absl::Status got;
   bool called = false;
-  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer}, absl::InfiniteFuture(), [&](absl::Status s) {
+  ASSERT_TRUE(t.pool->WhenSourcesComplete({&producer}, {}, [&](absl::Status s) {
     got = std::move(s);
     called = true;
   }));

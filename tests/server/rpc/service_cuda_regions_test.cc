@@ -227,6 +227,73 @@ TEST_F(CudaRegionServiceTest, AStreamWaitsForALateEventOffThePoolsWorker) {
   EXPECT_TRUE(s.ok()) << Describe(s);
 }
 
+// A client that cancels while its stream's commit waits for a late producer
+// event is noticed at once, not when the event completes or the server's
+// append_idle_timeout_seconds (30 s here) pass: the stream is rolled back and
+// its pages are free again long before its event completes -- whether the
+// pool's worker was spending the wait itself (nothing else queued) or had
+// handed it to the pool's SourceWaiter (another append came meanwhile).
+TEST_F(CudaRegionServiceTest, ACancelWhileTheCommitWaitsForALateEventRollsBackAtOnce) {
+  StopServer();
+  StartServer("cuda:0", "name: 'default' num_layers: 4 page_size: 16 num_pages: 512", "append_idle_timeout_seconds: 30");
+  const Rows rows = RandomRows(300, 31);
+  const ProducerLayout layout = MakeProducerLayout(rows);
+  const uint64_t n = rows.n, kpe_off = layout.kpe_off;
+  IpcProducerProcess producer(layout.bytes);
+  ASSERT_TRUE(RegisterCuda("e", producer.mem_handle(), layout.bytes.size(), producer.event_handle()).ok());
+  grpc::Status s = AppendRows("bytes", 0, rows, {0, 1}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  const uint64_t pages_before = GetPool().pages_used();
+  // Pages back to `pages_before` within `limit` of now (polled).
+  auto pages_back_within = [&](absl::Duration limit) {
+    const absl::Time until = absl::Now() + limit;
+    while (GetPool().pages_used() != pages_before) {
+      if (absl::Now() > until) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return true;
+  };
+  for (const bool other_append_meanwhile : {false, true}) {
+    SCOPED_TRACE(other_append_meanwhile ? "the wait handed to the SourceWaiter" : "the worker spending the wait");
+    ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(4000));
+    const std::string id = other_append_meanwhile ? "cancelled-b" : "cancelled-a";
+    grpc::ClientContext ctx;
+    v1::AppendResponse resp;
+    auto writer = stub().Append(&ctx, &resp);
+    ASSERT_TRUE(writer->Write(
+        RegionMessage(id, 0, static_cast<uint32_t>(n), rows.dtype, {0, 1}, Ref("e", 0), Ref("e", kpe_off))));
+    ASSERT_TRUE(writer->WritesDone());
+    absl::SleepFor(absl::Milliseconds(200));  // the stream has ended; its commit waits for the event
+    EXPECT_GT(GetPool().pages_used(), pages_before) << "the waiting stream's pages are reserved";
+    if (other_append_meanwhile) {
+      const absl::Time o0 = absl::Now();
+      s = AppendRows("other", 0, rows, {2}, kCkvScale, kKpeScale);
+      EXPECT_TRUE(s.ok()) << Describe(s);
+      EXPECT_LT(absl::Now() - o0, absl::Milliseconds(1000)) << "the other append waited for the event";
+      v1::FreeSequenceRequest free;
+      free.set_sequence("other");
+      v1::FreeSequenceResponse freed;
+      grpc::ClientContext free_ctx;
+      s = stub().FreeSequence(&free_ctx, free, &freed);
+      ASSERT_TRUE(s.ok()) << Describe(s);
+    }
+    const absl::Time c0 = absl::Now();
+    ctx.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    EXPECT_TRUE(pages_back_within(absl::Milliseconds(1500)))
+        << "the cancelled stream still held its pages " << absl::FormatDuration(absl::Now() - c0)
+        << " after the cancel (its event completes 4 s after it was delayed)";
+    v1::Sequence seq;
+    EXPECT_EQ(GetSequence(id, &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+    absl::SleepFor(absl::Milliseconds(4000));  // the delayed event completes before the next round
+  }
+  ExpectSameStored("bytes", "bytes", {0, 1}, n);
+  // The region serves again once the event has completed.
+  s = Append({RegionMessage("after", 0, static_cast<uint32_t>(n), rows.dtype, {0, 1}, Ref("e", 0), Ref("e", kpe_off))});
+  EXPECT_TRUE(s.ok()) << Describe(s);
+  ExpectSameStored("after", "bytes", {0, 1}, n);
+}
+
 // AppendBatch's compact form from one CUDA region range per layer: the rows
 // of three sequences lie one after another, so each layer's rows are read in
 // place (no gather) and all four layers go in one kernel launch. Layers 0-1
