@@ -182,7 +182,7 @@ int Main() {
   struct Variant {
     const char* name;
     std::function<grpc::Status(grpc::ClientContext&)> call;
-    std::vector<double> us;
+    std::vector<double> us = {};
   };
   std::vector<Variant> variants = {
       {"minimal sync server, Health/Check",
