@@ -3,7 +3,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <limits>
 #include <thread>
@@ -145,13 +144,10 @@ absl::Status CudaBackend::EnsureStaging(size_t bytes) {
   return absl::OkStatus();
 }
 
-// Layout of the staging buffer: first the rows of every layer (per layer
-// its ckv rows, then its kpe rows), then the small parts of every layer (per
-// layer the rows' placement by segment -- segment_indptr, segment_request,
-// segment_start: 3 x segments + 1 ints, no per-row arrays -- kv_indptr,
-// kv_indices), each 256-byte aligned. The rows area is copied to the
-// device chunk by chunk as the host copies fill it (for large appends), the
-// small parts in one copy after (CudaBackend::Launch).
+// Layout of the staging buffer, per layer: ckv rows, kpe rows, the rows'
+// placement by segment (segment_indptr, segment_request, segment_start:
+// 3 x segments + 1 ints, no per-row arrays), kv_indptr, kv_indices (each
+// 256-byte aligned). The whole buffer goes to the device in one copy.
 struct CudaBackend::LayerSlots {
   size_t ckv = 0, kpe = 0, placement = 0, indptr = 0, indices = 0;  // offsets in the staging buffer
   int64_t rows = 0;
@@ -224,23 +220,21 @@ void AddCopy(std::vector<CopyJob>* jobs, const CopyJob& job) {
 
 absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   std::vector<LayerSlots> slots;
-  size_t rows_bytes = 0;
-  MLAKV_ASSIGN_OR_RETURN(const size_t total, PlanStaging(layers, &slots, &rows_bytes));
+  MLAKV_ASSIGN_OR_RETURN(const size_t total, PlanStaging(layers, &slots));
   if (total == 0) return absl::OkStatus();
   ScopedCudaDevice guard(options_.device.ordinal());
   MLAKV_RETURN_IF_ERROR(guard.status());
   MLAKV_RETURN_IF_ERROR(EnsureStaging(total));
   MLAKV_ASSIGN_OR_RETURN(StagedAppend staged, Stage(layers, slots));
   if (staged.params.empty()) return absl::OkStatus();
-  return Launch(staged, rows_bytes, total);
+  return Launch(staged, total);
 }
 
-absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> layers, std::vector<LayerSlots>* slots,
-                                               size_t* rows_bytes) const {
+absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> layers,
+                                               std::vector<LayerSlots>* slots) const {
   const Geometry& g = options_.geometry;
   slots->assign(layers.size(), {});
-  size_t total = 0;  // the rows area
-  size_t small = 0;  // the small parts' area, placed after the rows below
+  size_t total = 0;
   for (size_t li = 0; li < layers.size(); ++li) {
     const LayerAppend& la = layers[li];
     if (la.layer < 0 || la.layer >= g.num_layers) {
@@ -295,20 +289,14 @@ absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> lay
         continue;
       }
     }
-    s.placement = small;
-    small += AlignUp((3 * static_cast<size_t>(non_empty) + 1) * sizeof(int32_t));
-    s.indptr = small;
-    small += AlignUp(la.kv_indptr.size() * sizeof(int32_t));
-    s.indices = small;
-    small += AlignUp(std::max<size_t>(1, la.kv_indices.size()) * sizeof(int32_t));
+    s.placement = total;
+    total += AlignUp((3 * static_cast<size_t>(non_empty) + 1) * sizeof(int32_t));
+    s.indptr = total;
+    total += AlignUp(la.kv_indptr.size() * sizeof(int32_t));
+    s.indices = total;
+    total += AlignUp(std::max<size_t>(1, la.kv_indices.size()) * sizeof(int32_t));
   }
-  *rows_bytes = total;
-  for (LayerSlots& s : *slots) {  // shared placements hold the same relative offsets: moved alike
-    s.placement += total;
-    s.indptr += total;
-    s.indices += total;
-  }
-  return total + small;
+  return total;
 }
 
 // Packs placements and page tables into the pinned buffer, lists the host
@@ -422,45 +410,6 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
   return out;
 }
 
-// Host rows into pinned staging and everything staged onto the device, in
-// stream order before what Launch enqueues next. Large appends (a 4 MB
-// bytes message) start each chunk's DMA on the thread that copied it into
-// staging, as soon as it is there, so the DMA overlaps the rest of the copy
-// instead of following all of it; the small parts after the rows go in one
-// copy once the rows are staged. Small appends (a decode step's many small
-// runs) keep one DMA of the whole buffer: a DMA per chunk would cost more
-// in calls than it hides.
-absl::Status CudaBackend::CopyToScratch(std::span<const CopyJob> host_copies, size_t rows_bytes, size_t total) {
-  size_t host_bytes = 0;
-  for (const CopyJob& j : host_copies) host_bytes += j.bytes;
-  if (host_bytes < kStreamedDmaBytes) {
-    copier_->Copy(host_copies);
-    MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
-                               absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
-    return absl::OkStatus();
-  }
-  const int ordinal = options_.device.ordinal();
-  std::atomic<int> first_error{cudaSuccess};
-  const ParallelCopy::AfterChunk dma = [&](void* chunk, size_t bytes) {
-    // The copier's helpers are this backend's own threads (on the worker the
-    // caller's ScopedCudaDevice has set the same device already).
-    cudaError_t err = cudaSetDevice(ordinal);
-    const size_t off = static_cast<size_t>(static_cast<uint8_t*>(chunk) - pinned_);
-    if (err == cudaSuccess) err = cudaMemcpyAsync(scratch_ + off, chunk, bytes, cudaMemcpyHostToDevice, stream_);
-    int none = cudaSuccess;
-    if (err != cudaSuccess) first_error.compare_exchange_strong(none, err);
-  };
-  copier_->Copy(host_copies, &dma);
-  cudaError_t err = static_cast<cudaError_t>(first_error.load());
-  if (err == cudaSuccess && total > rows_bytes) {
-    err = cudaMemcpyAsync(scratch_ + rows_bytes, pinned_ + rows_bytes, total - rows_bytes, cudaMemcpyHostToDevice,
-                          stream_);
-  }
-  if (err != cudaSuccess) cudaStreamSynchronize(stream_);  // leave the stream idle: some chunks may be in flight
-  MLAKV_CUDA_RETURN_IF_ERROR(err, absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
-  return absl::OkStatus();
-}
-
 // Copies the rows into pinned staging, waits for the producers' events,
 // copies the staging buffer to the device, gathers device rows, launches one kernel
 // per layer and checks that the kernel's bounds guard skipped nothing.
@@ -476,12 +425,14 @@ absl::Status CudaBackend::CopyToScratch(std::span<const CopyJob> host_copies, si
 // before: it synchronized on the stream behind the event anyway. An Append
 // stream's held rows usually arrive here with their events complete (the
 // commit waited for them first, Pool::WaitForSourcesHere).
-absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t rows_bytes, size_t total) {
-  MLAKV_RETURN_IF_ERROR(CopyToScratch(staged.host_copies, rows_bytes, total));
+absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
+  copier_->Copy(staged.host_copies);
   for (const void* ev : staged.wait_events) {
     MLAKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(static_cast<cudaEvent_t>(const_cast<void*>(ev))),
                                "cudaEventSynchronize on a region's IPC event");
   }
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
+                             absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
   for (const StagedAppend::Gather& g : staged.gathers) {
     const size_t ckv_row = kCkvDim * g.esize, kpe_row = kKpeDim * g.esize;
     const RowSource& rows = g.rows;

@@ -2,9 +2,8 @@
 // quantize-append kernel (QuantizeAppend launcher of kernels/).
 //
 // One CUDA stream per pool (per backend). Appended rows, positions and page
-// tables are packed into one pinned host buffer and copied to a device scratch
-// buffer (large appends chunk by chunk, overlapping the packing), then one
-// kernel launch covers every layer; every
+// tables are packed into one pinned host buffer, copied to a device scratch
+// buffer in one cudaMemcpyAsync, then one kernel per layer is launched; every
 // call synchronizes the stream before it returns, so the caller's buffers are
 // free again and errors are reported by the call that caused them. Reads and
 // restores copy whole runs of consecutive cache entries with cudaMemcpyAsync.
@@ -55,14 +54,9 @@ class CudaBackend : public CacheBackend {
   absl::Status Init();
   // The three steps of Append: where each layer's parts go in the staging
   // buffer (its total size), packing them there, and the device work.
-  // PlanStaging returns the buffer's size and sets `rows_bytes`, where the rows end in it.
-  absl::StatusOr<size_t> PlanStaging(std::span<const LayerAppend> layers, std::vector<LayerSlots>* slots,
-                                     size_t* rows_bytes) const;
+  absl::StatusOr<size_t> PlanStaging(std::span<const LayerAppend> layers, std::vector<LayerSlots>* slots) const;
   absl::StatusOr<StagedAppend> Stage(std::span<const LayerAppend> layers, const std::vector<LayerSlots>& slots);
-  absl::Status Launch(const StagedAppend& staged, size_t rows_bytes, size_t total);
-  absl::Status CopyToScratch(std::span<const CopyJob> host_copies, size_t rows_bytes, size_t total);
-  // Host rows from which each staged chunk's DMA starts as soon as it is copied.
-  static constexpr size_t kStreamedDmaBytes = ParallelCopy::kMinParallelBytes;
+  absl::Status Launch(const StagedAppend& staged, size_t total);
   absl::Status EnsureStaging(size_t bytes);
   absl::Status CheckEntries(int32_t layer, std::span<const int64_t> entries) const;
   // Copies runs between the layer's caches and host rows; `to_device` picks the direction.

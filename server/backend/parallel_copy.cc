@@ -24,7 +24,6 @@ ParallelCopy::~ParallelCopy() {
 void ParallelCopy::Drain() {
   for (size_t i = next_.fetch_add(1); i < chunks_.size(); i = next_.fetch_add(1)) {
     std::memcpy(chunks_[i].dst, chunks_[i].src, chunks_[i].bytes);
-    if (after_chunk_ != nullptr) (*after_chunk_)(chunks_[i].dst, chunks_[i].bytes);
   }
 }
 
@@ -47,21 +46,14 @@ void ParallelCopy::Helper() {
   }
 }
 
-void ParallelCopy::Copy(std::span<const CopyJob> jobs, const AfterChunk* after_chunk) {
+void ParallelCopy::Copy(std::span<const CopyJob> jobs) {
   size_t total = 0;
   for (const CopyJob& j : jobs) total += j.bytes;
   if (helpers_.empty() || total < kMinParallelBytes) {
-    for (const CopyJob& j : jobs) {
-      for (size_t off = 0; off < j.bytes; off += kChunkBytes) {
-        const size_t n = std::min(kChunkBytes, j.bytes - off);
-        std::memcpy(static_cast<char*>(j.dst) + off, static_cast<const char*>(j.src) + off, n);
-        if (after_chunk != nullptr) (*after_chunk)(static_cast<char*>(j.dst) + off, n);
-      }
-    }
+    for (const CopyJob& j : jobs) std::memcpy(j.dst, j.src, j.bytes);
     return;
   }
   // No helper is draining here: the previous call waited for all of them.
-  after_chunk_ = after_chunk;
   chunks_.clear();
   for (const CopyJob& j : jobs) {
     for (size_t off = 0; off < j.bytes; off += kChunkBytes) {

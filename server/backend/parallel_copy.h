@@ -9,18 +9,12 @@
 // memcpy on the caller. Copy() returns when every byte is copied and every
 // helper has finished with this call's chunks (so the next call may rebuild
 // them); calls are serialized by the caller (one pool worker).
-//
-// `after_chunk`, when given, runs once for every chunk (at most kChunkBytes
-// of one job) on the thread that copied it, right after the copy: the CUDA
-// backend starts each chunk's host-to-device DMA there, so the DMA of the
-// first chunks overlaps the copy of the later ones.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstddef>
-#include <functional>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -45,8 +39,7 @@ class ParallelCopy {
   ParallelCopy(const ParallelCopy&) = delete;
   ParallelCopy& operator=(const ParallelCopy&) = delete;
 
-  using AfterChunk = std::function<void(void* dst, size_t bytes)>;
-  void Copy(std::span<const CopyJob> jobs, const AfterChunk* after_chunk = nullptr);
+  void Copy(std::span<const CopyJob> jobs);
 
  private:
   struct Chunk {
@@ -62,7 +55,6 @@ class ParallelCopy {
   // pthread locks but not those of an uninstrumented absl, can check this
   // hand-off (tests/server/parallel_copy_test.cc under -fsanitize=thread).
   std::vector<Chunk> chunks_;    // this call's chunks; changed only while no helper is draining
-  const AfterChunk* after_chunk_ = nullptr;  // this call's; as chunks_
   std::atomic<size_t> next_{0};  // next chunk to take
   std::mutex mu_;
   std::condition_variable work_;      // helpers wait here for a new generation (or stop)
