@@ -50,7 +50,7 @@ ABSL_FLAG(int, sequences, 256, "sequences per step");
 ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step)");
 ABSL_FLAG(int, steps, 400, "steps (calls) timed");
 ABSL_FLAG(int, rows, 1, "rows per sequence per step (> 1: fresh sequences every step)");
-ABSL_FLAG(std::string, view, "basic", "the response's view: basic or full");
+ABSL_FLAG(std::string, view, "basic", "the response's view: basic, compact or full");
 
 namespace mlakv::bench {
 namespace {
@@ -85,7 +85,10 @@ int Run() {
   const int steps = absl::GetFlag(FLAGS_steps);
   const int rows_per = absl::GetFlag(FLAGS_rows);
   const bool fresh = rows_per > 1;
-  const v1::SequenceView view = absl::GetFlag(FLAGS_view) == "full" ? v1::SEQUENCE_VIEW_FULL : v1::SEQUENCE_VIEW_BASIC;
+  const std::string view_flag = absl::GetFlag(FLAGS_view);
+  const v1::SequenceView view = view_flag == "full"      ? v1::SEQUENCE_VIEW_FULL
+                                : view_flag == "compact" ? v1::SEQUENCE_VIEW_COMPACT
+                                                         : v1::SEQUENCE_VIEW_BASIC;
   constexpr int kPageSize = 64;
   Pool::Options opts;
   opts.name = "bench";
@@ -176,7 +179,9 @@ int Run() {
     const Clock::time_point t3 = Clock::now();
     v1::AppendBatchResponse resp;
     for (size_t i = 0; i < after->size(); ++i) {
-      server::ToProto("bench", (*after)[i], resp.add_sequences(), view, append.transaction(i).original_pages());
+      v1::Sequence* out = resp.add_sequences();
+      server::ToProto("bench", (*after)[i], out, view, append.transaction(i).original_pages());
+      if (server::NamesSequence(view)) out->set_server_id("mlakv-0.mlakv.serving");  // as the handler (a pod's name)
     }
     const Clock::time_point t3b = Clock::now();
     call.reset();

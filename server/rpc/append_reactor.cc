@@ -353,9 +353,9 @@ absl::Status AppendReactor::CommitStream() {
       if (doomed_) return absl::AbortedError("the Append stream failed before its commit");
     }
     const uint64_t bound = SequenceProtoBytesBound(sequence_.size(), pool_->name().size(),
-                                                   view_ == v1::SEQUENCE_VIEW_BASIC ? pages - first_new : pages,
+                                                   OnlyNewPages(view_) ? pages - first_new : pages,
                                                    pool_->num_pages(),
-                                                   view_ == v1::SEQUENCE_VIEW_BASIC ? 0 : pool_->num_layers()) +
+                                                   OnlyNewPages(view_) ? 0 : pool_->num_layers()) +
                            32;
     if (bound > max_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -369,7 +369,7 @@ absl::Status AppendReactor::CommitStream() {
   MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append_->Commit(last_check));
   v1::AppendResponse response;
   ToProto(pool_->name(), after.front(), response.mutable_sequence(), view_, first_new);
-  response.mutable_sequence()->set_server_id(service_->options().server_id);
+  if (NamesSequence(view_)) response.mutable_sequence()->set_server_id(service_->options().server_id);
   response.set_rows_written(rows);
   response.set_pages_allocated(allocated);
   bool own = false;

@@ -320,8 +320,8 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
         const AppendTransaction& txn = append.transaction(i);
         const size_t pages = txn.original_pages() + txn.pages_allocated();
         bound += SequenceProtoBytesBound(txn.sequence_id().size(), p->name().size(),
-                                         c.view == v1::SEQUENCE_VIEW_BASIC ? txn.pages_allocated() : pages,
-                                         p->num_pages(), c.view == v1::SEQUENCE_VIEW_BASIC ? 0 : p->num_layers());
+                                         OnlyNewPages(c.view) ? txn.pages_allocated() : pages,
+                                         p->num_pages(), OnlyNewPages(c.view) ? 0 : p->num_layers());
       }
       auto last_check = [&]() -> absl::Status {
         MLAKV_RETURN_IF_ERROR(hold.CheckNoFaults("AppendBatch"));
@@ -330,7 +330,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
           return absl::ResourceExhaustedError(absl::StrCat(
               "the response would describe ", append.size(), " sequences in up to ", bound, " bytes, over the ",
               options_.max_message_bytes,
-              "-byte message limit; nothing was written. Ask for view SEQUENCE_VIEW_BASIC, or send fewer "
+              "-byte message limit; nothing was written. Ask for view SEQUENCE_VIEW_BASIC (or COMPACT), or send fewer "
               "sequences per call"));
         }
         return absl::OkStatus();
@@ -344,7 +344,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       for (size_t i = 0; i < after.size(); ++i) {
         v1::Sequence* out = resp->add_sequences();
         ToProto(p->name(), after[i], out, c.view, first_new[i]);
-        out->set_server_id(options_.server_id);
+        if (NamesSequence(c.view)) out->set_server_id(options_.server_id);
       }
       resp->set_rows_written(rows_written);
       resp->set_pages_allocated(pages);
@@ -362,8 +362,9 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
   return scope.Done(FinishCall(
       "AppendBatch",
       [&] {
+        // A phase the call did not reach (it failed before) reads 0.
         auto us = [](Clock::time_point a, Clock::time_point b) {
-          return std::chrono::duration_cast<std::chrono::microseconds>(b - a).count();
+          return std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::microseconds>(b - a).count());
         };
         return absl::StrCat(detail(), " rows=", resp->rows_written(), " us: checks=", us(t_entered, t_queued),
                             " wait=", us(t_queued, t_started),

@@ -32,9 +32,11 @@ absl::StatusOr<v1::SequenceView> ToView(v1::SequenceView view) {
     case v1::SEQUENCE_VIEW_UNSPECIFIED:
     case v1::SEQUENCE_VIEW_FULL: return v1::SEQUENCE_VIEW_FULL;
     case v1::SEQUENCE_VIEW_BASIC: return v1::SEQUENCE_VIEW_BASIC;
+    case v1::SEQUENCE_VIEW_COMPACT: return v1::SEQUENCE_VIEW_COMPACT;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "view ", static_cast<int>(view), " is not a SequenceView; use SEQUENCE_VIEW_FULL or SEQUENCE_VIEW_BASIC"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("view ", static_cast<int>(view),
+                       " is not a SequenceView; use SEQUENCE_VIEW_FULL, SEQUENCE_VIEW_BASIC or SEQUENCE_VIEW_COMPACT"));
   }
 }
 
@@ -90,14 +92,19 @@ LeaseRequest ToLeaseRequest(const v1::LeaseOptions& options) {
 
 void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* out, v1::SequenceView view,
              size_t first_new_page) {
-  out->set_pool(pool);
-  out->set_id(s.id);
+  if (NamesSequence(view)) {
+    out->set_pool(pool);
+    out->set_id(s.id);
+  }
   out->set_length(s.length);
-  const size_t first = view == v1::SEQUENCE_VIEW_BASIC ? std::min(first_new_page, s.kv_indices.size()) : 0;
+  const size_t first = OnlyNewPages(view) ? std::min(first_new_page, s.kv_indices.size()) : 0;
   out->set_kv_indices_offset(static_cast<uint32_t>(first));
-  for (size_t i = first; i < s.kv_indices.size(); ++i) out->add_kv_indices(static_cast<uint32_t>(s.kv_indices[i]));
+  if (first < s.kv_indices.size()) {
+    out->mutable_kv_indices()->Reserve(static_cast<int>(s.kv_indices.size() - first));
+    for (size_t i = first; i < s.kv_indices.size(); ++i) out->add_kv_indices(static_cast<uint32_t>(s.kv_indices[i]));
+  }
   out->set_last_page_len(s.last_page_len);
-  if (view != v1::SEQUENCE_VIEW_BASIC) {
+  if (!OnlyNewPages(view)) {
     for (uint32_t len : s.layer_lengths) out->add_layer_lengths(len);
   }
   out->set_page_size(s.page_size);

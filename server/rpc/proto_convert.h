@@ -21,10 +21,16 @@ absl::StatusOr<std::optional<DType>> ToDType(v1::RowDType dtype);
 // INVALID_ARGUMENT for a value outside the enum; UNSPECIFIED -> FULL.
 absl::StatusOr<v1::SequenceView> ToView(v1::SequenceView view);
 
+// What a view (as ToView returns it) carries: only the pages the call
+// allocated (BASIC, COMPACT), and the names (pool, id, server_id; not COMPACT).
+inline bool OnlyNewPages(v1::SequenceView view) { return view != v1::SEQUENCE_VIEW_FULL; }
+inline bool NamesSequence(v1::SequenceView view) { return view != v1::SEQUENCE_VIEW_COMPACT; }
+
 void ToProto(const PoolSnapshot& p, v1::Pool* out);
 
 // `view` FULL: every page; BASIC: only page table entries from
-// `first_new_page` on (the pages an append allocated), no per-layer lengths.
+// `first_new_page` on (the pages an append allocated), no per-layer lengths;
+// COMPACT: BASIC without pool and id.
 void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* out,
              v1::SequenceView view = v1::SEQUENCE_VIEW_FULL, size_t first_new_page = 0);
 

@@ -17,6 +17,7 @@
 
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kernels/quantize_rows.h"
+#include "absl/strings/match.h"
 #include "server/core/pool.h"
 #include "tests/server/rpc/service_fixture.h"
 #include "tests/testing/vector_files.h"
@@ -463,6 +464,110 @@ TEST_F(ServiceTest, AppendBatchCompactFormStoresWhatThePerSequenceFormStores) {
       EXPECT_EQ(mlakv::testing::DescribeMismatch(p.rows, c.rows), "") << "sequence " << i << " layer " << l;
     }
   }
+}
+
+// SEQUENCE_VIEW_COMPACT is BASIC without the names: the same numbers, in
+// request order, with pool, id and server_id empty; on Append and
+// AppendBatch alike. A view outside the enum is refused naming all three.
+TEST_F(ServiceTest, TheCompactViewIsTheBasicViewWithoutTheNames) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 4 num_pages: 256");
+  const std::vector<uint32_t> prefix = {0, 3, 4, 7}, step = {5, 1, 2, 0};  // new pages for some, none for others
+  for (const char* who : {"b", "c"}) {
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      if (prefix[i] == 0) continue;
+      const grpc::Status s = AppendRows(who + std::to_string(i), 0, RandomRows(prefix[i], 500 + i), {0, 1},
+                                        kCkvScale, kKpeScale);
+      ASSERT_TRUE(s.ok()) << Describe(s);
+    }
+  }
+  uint32_t total = 0;
+  for (uint32_t n : step) total += n;
+  const Rows rows = RandomRows(total, 520);
+  v1::AppendBatchResponse responses[2];
+  for (int v = 0; v < 2; ++v) {
+    v1::AppendBatchRequest req;
+    req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+    req.set_view(v == 0 ? v1::SEQUENCE_VIEW_BASIC : v1::SEQUENCE_VIEW_COMPACT);
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      v1::SequenceRows* sr = req.add_sequences();
+      sr->set_sequence((v == 0 ? "b" : "c") + std::to_string(i));
+      sr->set_start(prefix[i]);
+      sr->set_row_count(step[i]);
+    }
+    for (uint32_t l : {0u, 1u}) {
+      v1::LayerRows* lr = req.add_batch_layers();
+      lr->set_layer(l);
+      lr->set_ckv(rows.ckv_bytes());
+      lr->set_kpe(rows.kpe_bytes());
+    }
+    grpc::ClientContext ctx;
+    const grpc::Status s = stub().AppendBatch(&ctx, req, &responses[v]);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
+  const v1::AppendBatchResponse& basic = responses[0];
+  const v1::AppendBatchResponse& compact = responses[1];
+  EXPECT_EQ(compact.rows_written(), basic.rows_written());
+  EXPECT_EQ(compact.pages_allocated(), basic.pages_allocated());
+  EXPECT_EQ(compact.pages_allocated(), 3u);  // b0: 2 pages, b2: 1
+  ASSERT_EQ(basic.sequences_size(), static_cast<int>(prefix.size()));
+  ASSERT_EQ(compact.sequences_size(), static_cast<int>(prefix.size()));
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    const v1::Sequence& b = basic.sequences(static_cast<int>(i));
+    const v1::Sequence& c = compact.sequences(static_cast<int>(i));
+    EXPECT_EQ(b.id(), "b" + std::to_string(i));
+    EXPECT_EQ(b.pool(), "default");
+    EXPECT_FALSE(b.server_id().empty());
+    EXPECT_EQ(c.id(), "") << i;
+    EXPECT_EQ(c.pool(), "") << i;
+    EXPECT_EQ(c.server_id(), "") << i;
+    EXPECT_EQ(c.length(), prefix[i] + step[i]) << i;
+    EXPECT_EQ(c.length(), b.length()) << i;
+    EXPECT_EQ(c.last_page_len(), b.last_page_len()) << i;
+    EXPECT_EQ(c.capacity_tokens(), b.capacity_tokens()) << i;
+    EXPECT_EQ(c.page_size(), 4u) << i;
+    EXPECT_EQ(c.kv_indices_offset(), b.kv_indices_offset()) << i;
+    EXPECT_EQ(c.layer_lengths_size(), 0) << i;
+    // The pages the call allocated: the tail of the sequence's page table.
+    v1::Sequence stored;
+    ASSERT_TRUE(GetSequence("c" + std::to_string(i), &stored).ok());
+    ASSERT_EQ(c.kv_indices_offset() + c.kv_indices_size(), static_cast<uint32_t>(stored.kv_indices_size())) << i;
+    ASSERT_EQ(c.kv_indices_size(), b.kv_indices_size()) << i;
+    for (int k = 0; k < c.kv_indices_size(); ++k) {
+      EXPECT_EQ(c.kv_indices(k), stored.kv_indices(static_cast<int>(c.kv_indices_offset()) + k)) << i << " " << k;
+    }
+  }
+  // The Append stream: one message, the view in it.
+  v1::AppendRequest m = AppendMessage("c9", 0, RandomRows(6, 530), 0, 6, {0, 1}, kCkvScale, kKpeScale);
+  m.set_view(v1::SEQUENCE_VIEW_COMPACT);
+  v1::AppendResponse resp;
+  {
+    grpc::ClientContext ctx;
+    auto writer = stub().Append(&ctx, &resp);
+    ASSERT_TRUE(writer->Write(m));
+    writer->WritesDone();
+    const grpc::Status s = writer->Finish();
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
+  EXPECT_EQ(resp.sequence().id(), "");
+  EXPECT_EQ(resp.sequence().pool(), "");
+  EXPECT_EQ(resp.sequence().server_id(), "");
+  EXPECT_EQ(resp.sequence().length(), 6u);
+  EXPECT_EQ(resp.sequence().kv_indices_size(), 2);
+  EXPECT_EQ(resp.pages_allocated(), 2u);
+  // Not a view: refused, nothing written.
+  m.set_sequence("c10");
+  m.set_view(static_cast<v1::SequenceView>(7));
+  grpc::ClientContext ctx;
+  v1::AppendResponse refused;
+  auto writer = stub().Append(&ctx, &refused);
+  writer->Write(m);
+  writer->WritesDone();
+  const grpc::Status bad = writer->Finish();
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(bad);
+  EXPECT_TRUE(absl::StrContains(bad.error_message(), "SEQUENCE_VIEW_COMPACT")) << Describe(bad);
+  v1::Sequence none;
+  EXPECT_EQ(GetSequence("c10", &none).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
 // Every malformed compact batch is refused before anything is written, with
