@@ -1,7 +1,7 @@
 // IPC append end to end vs the kernel alone (issue 6's measurement).
 //
 //   ipc_append_bench --server ADDR [--rows 262144] [--repeats 20]
-//   ipc_append_bench --server ADDR --decode_step [--sequences 256] [--layers 61] [--repeats 200]
+//   ipc_append_bench --server ADDR --decode_step [--sequences 256] [--layers 61] [--repeats 200] [--basic_only]
 //
 // Acts as a prefill worker on the same GPU as a running
 // `mlakv-server --allow_ipc --device cuda:0` (a separate process: a CUDA IPC
@@ -19,7 +19,9 @@
 // end (p50 / p99 over --repeats steps at fresh positions), against the
 // kernel alone for the same step in this process (all layers in one launch,
 // and one launch per layer) and a device copy of the step's bytes (the
-// kernel's byte floor: 1512 bytes read + written per row).
+// kernel's byte floor: 1512 bytes read + written per row). The steps
+// alternate between the response views BASIC and COMPACT (--basic_only:
+// BASIC alone, for a server that predates COMPACT).
 #include <cuda_runtime_api.h>
 #include <grpcpp/grpcpp.h>
 
@@ -93,7 +95,7 @@ void UnregisterRegion(mlakv::v1::KvCache::Stub& stub, const std::string& name) {
 // The decode step by reference. Region layout: every layer's ckv rows
 // (layer L's [sequences, 512] at L x sequences x 1024 bytes), then every
 // layer's kpe rows.
-int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int repeats) {
+int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int repeats, bool with_compact) {
   const size_t rows = static_cast<size_t>(sequences) * layers;
   const size_t ckv_bytes = rows * 1024, kpe_bytes = rows * 128;
   const std::vector<uint16_t> host = RandomBf16((ckv_bytes + kpe_bytes) / 2, 11);
@@ -124,8 +126,8 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
   // Steps alternate between the response's views BASIC and COMPACT (no
   // names), so that both meet the same host state.
   std::vector<double> step_us, compact_us, get_pool_us;
-  for (int t = 0; t < 2 * repeats + 5; ++t) {
-    const bool compact = t % 2 == 1;
+  for (int t = 0; t < (with_compact ? 2 : 1) * repeats + 5; ++t) {
+    const bool compact = with_compact && t % 2 == 1;
     req.set_view(compact ? mlakv::v1::SEQUENCE_VIEW_COMPACT : mlakv::v1::SEQUENCE_VIEW_BASIC);
     for (mlakv::v1::SequenceRows& seq : *req.mutable_sequences()) {
       seq.set_start(static_cast<uint32_t>(t));
@@ -241,9 +243,11 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
   std::printf("  AppendBatch compact end to end: p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f); GetPool p50 %.1f us\n",
               Median(step_us), Percentile(step_us, 0.9), Percentile(step_us, 0.99),
               *std::min_element(step_us.begin(), step_us.end()), Median(get_pool_us));
-  std::printf("    the same, view COMPACT (steps interleaved): p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f)\n",
-              Median(compact_us), Percentile(compact_us, 0.9), Percentile(compact_us, 0.99),
-              *std::min_element(compact_us.begin(), compact_us.end()));
+  if (with_compact) {
+    std::printf("    the same, view COMPACT (steps interleaved): p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f)\n",
+                Median(compact_us), Percentile(compact_us, 0.9), Percentile(compact_us, 0.99),
+                *std::min_element(compact_us.begin(), compact_us.end()));
+  }
   std::printf("  kernel, all layers in one launch: %.1f us; one launch per layer: %.1f us; copy of the step's bytes: "
               "%.1f us (one launch / copy = %.2fx)\n",
               Median(one_launch), Median(per_layer), Median(copy), Median(one_launch) / Median(copy));
@@ -260,12 +264,16 @@ int main(int argc, char** argv) {
   std::string server;
   int64_t rows = 262144;
   int repeats = 20;
-  bool decode_step = false;
+  bool decode_step = false, with_compact = true;
   int sequences = 256, layers = 61;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--decode_step") {
       decode_step = true;
+      continue;
+    }
+    if (a == "--basic_only") {  // a server without SEQUENCE_VIEW_COMPACT
+      with_compact = false;
       continue;
     }
     if (i + 1 >= argc) break;
@@ -277,14 +285,14 @@ int main(int argc, char** argv) {
     else ++i;
   }
   if (server.empty() || rows < 1) {
-    std::fprintf(stderr, "usage: %s --server ADDR [--rows N] [--repeats N] | --decode_step [--sequences S] [--layers L]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s --server ADDR [--rows N] [--repeats N] | --decode_step [--sequences S] [--layers L] [--basic_only]\n", argv[0]);
     return 2;
   }
   if (decode_step && !server.empty()) {
     auto args = grpc::ChannelArguments();
     args.SetMaxReceiveMessageSize(-1);
     auto stub = mlakv::v1::KvCache::NewStub(grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args));
-    return RunDecodeStep(*stub, sequences, layers, repeats);
+    return RunDecodeStep(*stub, sequences, layers, repeats, with_compact);
   }
   // Rows: ckv [rows, 512] then kpe [rows, 64], bf16, random and never zero.
   const size_t ckv_bytes = static_cast<size_t>(rows) * 512 * 2, kpe_bytes = static_cast<size_t>(rows) * 64 * 2;

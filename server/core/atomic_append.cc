@@ -1,19 +1,40 @@
 #include "server/core/atomic_append.h"
 
+#include "absl/strings/str_cat.h"
+#include "common/quote.h"
 #include "common/status_macros.h"
 
 namespace mlakv::server {
 
 absl::Status AtomicAppend::Begin(const std::string& sequence) {
   if (finished_) return absl::InternalError("AtomicAppend::Begin after the append finished");
-  MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<AppendTransaction> txn, pool_->BeginAppend(sequence));
-  txns_.push_back(std::move(txn));
+  absl::StatusOr<std::unique_ptr<AppendTransaction>> txn = pool_->BeginAppend(sequence);
+  if (!txn.ok()) return NamedTwiceOr(sequence, txn.status());
+  txns_.push_back(*std::move(txn));
   return absl::OkStatus();
 }
 
 absl::Status AtomicAppend::Begin(std::span<const std::string* const> sequences) {
   if (finished_) return absl::InternalError("AtomicAppend::Begin after the append finished");
-  return pool_->BeginAppends(sequences, &txns_);
+  const size_t before = txns_.size();
+  absl::Status s = pool_->BeginAppends(sequences, &txns_);
+  // BeginAppends stops at the first sequence it cannot begin.
+  if (!s.ok() && txns_.size() - before < sequences.size()) return NamedTwiceOr(*sequences[txns_.size() - before], s);
+  return s;
+}
+
+// A sequence this append already holds is busy to the pool (ABORTED, "another
+// append in progress"); here it is the caller naming it twice. Checked only
+// on that error, not with a set of the call's ids up front.
+absl::Status AtomicAppend::NamedTwiceOr(const std::string& sequence, absl::Status status) const {
+  if (!absl::IsAborted(status)) return status;
+  for (const auto& txn : txns_) {
+    if (txn->sequence_id() == sequence) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", Quote(sequence), " appears twice in one call; merge its rows"));
+    }
+  }
+  return status;
 }
 
 absl::Status AtomicAppend::Stage(std::span<const SequenceRowsIn* const> rows, std::optional<DType> dtype) {
@@ -24,7 +45,8 @@ absl::Status AtomicAppend::Stage(std::span<const SequenceRowsIn* const> rows, st
   return pool_->Stage(raw, rows, dtype, hold_device_writes_ ? &held_ : nullptr);
 }
 
-absl::StatusOr<std::vector<SequenceSnapshot>> AtomicAppend::Commit(absl::FunctionRef<absl::Status()> last_check) {
+absl::StatusOr<std::vector<SequenceSnapshot>> AtomicAppend::Commit(absl::FunctionRef<absl::Status()> last_check,
+                                                                   SnapshotPages pages) {
   if (finished_) return absl::InternalError("AtomicAppend::Commit after the append finished");
   if (absl::Status s = pool_->Flush(held_); !s.ok()) {
     Abort();
@@ -37,7 +59,7 @@ absl::StatusOr<std::vector<SequenceSnapshot>> AtomicAppend::Commit(absl::Functio
   std::vector<AppendTransaction*> raw;
   raw.reserve(txns_.size());
   for (const auto& txn : txns_) raw.push_back(txn.get());
-  std::vector<SequenceSnapshot> out = pool_->Commit(raw);
+  std::vector<SequenceSnapshot> out = pool_->Commit(raw, pages);
   finished_ = true;
   return out;
 }

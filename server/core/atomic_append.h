@@ -60,7 +60,9 @@ class AtomicAppend {
   // Writes what was held back (HoldDeviceWrites), then runs `last_check`;
   // if both pass, commits every transaction and returns the sequences after
   // the append, in Begin order; else aborts and returns the status.
-  absl::StatusOr<std::vector<SequenceSnapshot>> Commit(absl::FunctionRef<absl::Status()> last_check);
+  // `pages`: as Pool::Commit's.
+  absl::StatusOr<std::vector<SequenceSnapshot>> Commit(absl::FunctionRef<absl::Status()> last_check,
+                                                       SnapshotPages pages = SnapshotPages::kAll);
   // Rolls every transaction back (idempotent; nothing after a Commit).
   void Abort();
   bool finished() const { return finished_; }
@@ -70,6 +72,8 @@ class AtomicAppend {
   uint32_t pages_allocated() const;
 
  private:
+  absl::Status NamedTwiceOr(const std::string& sequence, absl::Status status) const;
+
   Pool* pool_;
   std::vector<std::unique_ptr<AppendTransaction>> txns_;
   bool hold_device_writes_ = false;

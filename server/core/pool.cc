@@ -783,16 +783,16 @@ SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
   return CommitLocked(txn, now);
 }
 
-std::vector<SequenceSnapshot> Pool::Commit(std::span<AppendTransaction* const> txns) {
+std::vector<SequenceSnapshot> Pool::Commit(std::span<AppendTransaction* const> txns, SnapshotPages pages) {
   std::vector<SequenceSnapshot> out;
   out.reserve(txns.size());
   const int64_t now = NowNs();  // one use time for the call's sequences
   absl::MutexLock lock(&mu_);
-  for (AppendTransaction* txn : txns) out.push_back(CommitLocked(*txn, now));
+  for (AppendTransaction* txn : txns) out.push_back(CommitLocked(*txn, now, pages));
   return out;
 }
 
-SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns) {
+SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns, SnapshotPages pages) {
   Sequence& seq = *txn.sequence_;
   for (int32_t l = 0; l < options_.num_layers; ++l) {
     if (!txn.touched_[l]) continue;
@@ -835,7 +835,9 @@ SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns) {
     ended_.Forget(seq.id());
     if (txn.pin_) sequences_.SetPinned(&seq);
   }
-  SequenceSnapshot snapshot = SnapshotOf(seq, /*count_shared=*/false);
+  SequenceSnapshot snapshot =
+      SnapshotOf(seq, /*count_shared=*/false,
+                 pages == SnapshotPages::kNew ? std::optional<size_t>(txn.original_pages_) : std::nullopt);
   if (txn.created_ && seq.empty()) {
     // Nothing written and nothing reserved: a new id is not kept (an append
     // of zero rows must not leave a sequence behind), and has no generation.
@@ -898,11 +900,17 @@ void Pool::Abort(AppendTransaction& txn) {
 
 // ---- queries -------------------------------------------------------------------
 
-SequenceSnapshot Pool::SnapshotOf(const Sequence& seq, bool count_shared) const {
+SequenceSnapshot Pool::SnapshotOf(const Sequence& seq, bool count_shared, std::optional<size_t> pages_from) const {
   SequenceSnapshot s;
   s.id = seq.id();
-  s.kv_indices = seq.pages();
-  s.layer_lengths = seq.layer_lengths();
+  if (pages_from) {
+    const size_t from = std::min(*pages_from, seq.pages().size());
+    s.kv_indices.assign(seq.pages().begin() + static_cast<ptrdiff_t>(from), seq.pages().end());
+    s.kv_indices_offset = static_cast<uint32_t>(from);
+  } else {
+    s.kv_indices = seq.pages();
+    s.layer_lengths = seq.layer_lengths();
+  }
   s.length = seq.length();
   s.page_size = static_cast<uint32_t>(options_.page_size);
   s.last_page_len = s.length == 0 ? 0 : (s.length - 1) % s.page_size + 1;

@@ -132,10 +132,17 @@ struct SequenceRowsIn {
   bool pin = false;
 };
 
+// How much of the page table a snapshot copies.
+enum class SnapshotPages { kAll, kNew };
+
 struct SequenceSnapshot {
   std::string id;
-  std::vector<int32_t> kv_indices;     // every page held, in order
-  std::vector<uint32_t> layer_lengths;  // [num_layers]
+  // The page table from entry kv_indices_offset on: every page held
+  // (offset 0), or after an append committed with SnapshotPages::kNew only
+  // the pages it allocated.
+  std::vector<int32_t> kv_indices;
+  uint32_t kv_indices_offset = 0;
+  std::vector<uint32_t> layer_lengths;  // [num_layers]; empty with SnapshotPages::kNew
   uint32_t length = 0;                 // min over layers
   uint32_t last_page_len = 0;          // entries of page (length-1)/page_size filled; 0 when length is 0
   uint32_t page_size = 0;
@@ -384,8 +391,11 @@ class Pool {
   // append. A sequence the append created that holds no page and no token
   // is not kept (the snapshot then describes it empty).
   SequenceSnapshot Commit(AppendTransaction& txn);
-  // The same for several transactions under one hold of the lock, in order.
-  std::vector<SequenceSnapshot> Commit(std::span<AppendTransaction* const> txns);
+  // The same for several transactions under one hold of the lock, in order;
+  // with kNew the snapshots carry only the pages each append allocated and
+  // no per-layer lengths (what a BASIC or COMPACT response shows).
+  std::vector<SequenceSnapshot> Commit(std::span<AppendTransaction* const> txns,
+                                       SnapshotPages pages = SnapshotPages::kAll);
   // Restores rewritten rows, returns the pages the append allocated, erases a
   // sequence it created, unsets scales it set on a layer that stays empty.
   void Abort(AppendTransaction& txn);
@@ -481,7 +491,8 @@ class Pool {
   // BeginAppend and Commit of one transaction, under mu_.
   absl::StatusOr<std::unique_ptr<AppendTransaction>> BeginLocked(const std::string& sequence)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  SequenceSnapshot CommitLocked(AppendTransaction& txn, int64_t now_ns) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SequenceSnapshot CommitLocked(AppendTransaction& txn, int64_t now_ns, SnapshotPages pages = SnapshotPages::kAll)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- the steps of Stage ----
   // Shape of one sequence's rows; needs no state. The call's shared layers
   // are checked with its first sequence that names them (plan.shared).
@@ -515,7 +526,10 @@ class Pool {
 
   // `count_shared`: also count the shared entries of the page table (a pass
   // over it; appends skip it, so that a decode step's commits stay O(rows)).
-  SequenceSnapshot SnapshotOf(const Sequence& seq, bool count_shared = true) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // `pages_from`: the first page-table entry copied (kNew snapshots), whose
+  // per-layer lengths are left out too.
+  SequenceSnapshot SnapshotOf(const Sequence& seq, bool count_shared = true, std::optional<size_t> pages_from = {}) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   LeaseSnapshot SnapshotOf(const Lease& lease) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The committed sequence `id`, or NOT_FOUND naming the pool (and saying
   // when the server evicted or reaped it, if it remembers).

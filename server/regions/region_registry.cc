@@ -193,12 +193,12 @@ void RegionRegistry::Clear() {
   dropped.swap(regions_);
 }
 
-absl::StatusOr<RegionRegistry::Resolved> RegionRegistry::ResolveOne(const std::string& who, const char* field,
+absl::StatusOr<RegionRegistry::Resolved> RegionRegistry::ResolveOne(absl::FunctionRef<std::string()> who, const char* field,
                                                                     const RegionRef& ref, uint64_t row_bytes,
                                                                     uint32_t row_count, const Device& pool_device,
                                                                     RegionHold* hold) const {
   // Built only for a message (a decode step resolves 122 references).
-  const auto what = [&] { return absl::StrCat(who, ": ", field, "_ref region ", Quote(ref.region)); };
+  const auto what = [&] { return absl::StrCat(who(), ": ", field, "_ref region ", Quote(ref.region)); };
   if (ref.region.size() > kMaxNameBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat(what(), " names a region of ", ref.region.size(), " bytes; region names have 1..", kMaxNameBytes));
@@ -278,7 +278,7 @@ absl::StatusOr<RegionRegistry::Resolved> RegionRegistry::ResolveOne(const std::s
   return out;
 }
 
-absl::Status RegionRegistry::ResolveRows(const std::string& who, const LayerRowsRequest& in, uint32_t row_count,
+absl::Status RegionRegistry::ResolveRows(absl::FunctionRef<std::string()> who, const LayerRowsRequest& in, uint32_t row_count,
                                          const Device& pool_device, LayerRows* out, RegionHold* hold) const {
   out->layer = in.layer;
   out->source = RowSource{.ckv = in.ckv.data(), .kpe = in.kpe.data()};
@@ -304,7 +304,7 @@ absl::Status RegionRegistry::ResolveRows(const std::string& who, const LayerRows
     if (!ref) return std::optional<Resolved>();
     if (inline_bytes != 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(who, ": carries both ", tensor, " bytes and ", tensor, "_ref; send the rows one way"));
+          absl::StrCat(who(), ": carries both ", tensor, " bytes and ", tensor, "_ref; send the rows one way"));
     }
     MLAKV_ASSIGN_OR_RETURN(Resolved r, ResolveOne(who, tensor, *ref, row_bytes, row_count, pool_device, hold));
     return std::optional<Resolved>(r);
@@ -327,7 +327,7 @@ absl::Status RegionRegistry::ResolveRows(const std::string& who, const LayerRows
   const bool ckv_device = ckv && ckv->device_stride > 0, kpe_device = kpe && kpe->device_stride > 0;
   if (ckv_device != kpe_device) {
     return absl::InvalidArgumentError(absl::StrCat(
-        who, ": ", ckv_device ? "ckv" : "kpe", " comes from a CUDA region but ", ckv_device ? "kpe" : "ckv",
+        who(), ": ", ckv_device ? "ckv" : "kpe", " comes from a CUDA region but ", ckv_device ? "kpe" : "ckv",
         " does not; name CUDA regions for both, or send both from host memory"));
   }
   if (ckv_device) {

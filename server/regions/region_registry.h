@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -123,8 +124,8 @@ class RegionRegistry {
   // references name (`row_count` rows of 2-byte elements). Host rows are
   // viewed in place when packed and copied into `hold` when strided.
   // `pool_device` is the appending pool's device. `who` starts error
-  // messages ("sequence 's' layer 0").
-  absl::Status ResolveRows(const std::string& who, const LayerRowsRequest& in, uint32_t row_count,
+  // messages ("sequence 's' layer 0"; built only for one).
+  absl::Status ResolveRows(absl::FunctionRef<std::string()> who, const LayerRowsRequest& in, uint32_t row_count,
                            const Device& pool_device, LayerRows* out, RegionHold* hold) const;
 
  private:
@@ -150,7 +151,7 @@ class RegionRegistry {
   // Adds the region under `name` (ALREADY_EXISTS if taken meanwhile).
   absl::StatusOr<RegionInfo> Insert(const std::string& name, std::shared_ptr<const Region> region);
   static RegionInfo InfoOf(const std::string& name, const Region& region, long use_count);
-  absl::StatusOr<Resolved> ResolveOne(const std::string& who, const char* field, const RegionRef& ref,
+  absl::StatusOr<Resolved> ResolveOne(absl::FunctionRef<std::string()> who, const char* field, const RegionRef& ref,
                                       uint64_t row_bytes, uint32_t row_count, const Device& pool_device,
                                       RegionHold* hold) const;
 

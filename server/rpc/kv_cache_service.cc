@@ -5,7 +5,6 @@
 #include <optional>
 #include <tuple>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
@@ -254,13 +253,9 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
     }
     MLAKV_ASSIGN_OR_RETURN(std::optional<DType> dtype, ToDType(req->dtype()));
     MLAKV_ASSIGN_OR_RETURN(v1::SequenceView view, ToView(req->view()));
-    absl::flat_hash_set<std::string_view> ids;
+    // (A sequence named twice is found by AtomicAppend::Begin.)
     for (const v1::SequenceRows& s : req->sequences()) {
       MLAKV_RETURN_IF_ERROR(CheckFieldLength("sequence", s.sequence(), kMaxSequenceIdBytes));
-      if (!ids.insert(s.sequence()).second) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("sequence ", Quote(s.sequence()), " appears twice in one AppendBatch; merge its rows"));
-      }
     }
     return Checked{pool, dtype, view};
   }();
@@ -339,7 +334,9 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       for (size_t i = 0; i < append.size(); ++i) first_new.push_back(append.transaction(i).original_pages());
       const uint64_t rows_written = append.rows_written();
       const uint32_t pages = append.pages_allocated();
-      MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append.Commit(last_check));
+      MLAKV_ASSIGN_OR_RETURN(
+          std::vector<SequenceSnapshot> after,
+          append.Commit(last_check, OnlyNewPages(c.view) ? SnapshotPages::kNew : SnapshotPages::kAll));
       t_committed = Clock::now();
       for (size_t i = 0; i < after.size(); ++i) {
         v1::Sequence* out = resp->add_sequences();

@@ -97,11 +97,13 @@ void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* o
     out->set_id(s.id);
   }
   out->set_length(s.length);
-  const size_t first = OnlyNewPages(view) ? std::min(first_new_page, s.kv_indices.size()) : 0;
+  // The snapshot holds page-table entries [offset, end).
+  const size_t offset = s.kv_indices_offset, end = offset + s.kv_indices.size();
+  const size_t first = OnlyNewPages(view) ? std::clamp(first_new_page, offset, end) : offset;
   out->set_kv_indices_offset(static_cast<uint32_t>(first));
-  if (first < s.kv_indices.size()) {
-    out->mutable_kv_indices()->Reserve(static_cast<int>(s.kv_indices.size() - first));
-    for (size_t i = first; i < s.kv_indices.size(); ++i) out->add_kv_indices(static_cast<uint32_t>(s.kv_indices[i]));
+  if (first < end) {
+    out->mutable_kv_indices()->Reserve(static_cast<int>(end - first));
+    for (size_t i = first; i < end; ++i) out->add_kv_indices(static_cast<uint32_t>(s.kv_indices[i - offset]));
   }
   out->set_last_page_len(s.last_page_len);
   if (!OnlyNewPages(view)) {
@@ -196,7 +198,7 @@ absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t star
   for (int i = 0; i < layers.size(); ++i) {
     const v1::LayerRows& lr = layers[i];
     LayerRows out;
-    MLAKV_RETURN_IF_ERROR(regions.ResolveRows(absl::StrCat("sequence ", Quote(sequence), " layer ", lr.layer()),
+    MLAKV_RETURN_IF_ERROR(regions.ResolveRows([&] { return absl::StrCat("sequence ", Quote(sequence), " layer ", lr.layer()); },
                                               ToLayerRowsRequest(lr, pieces.empty() ? nullptr : &pieces[i]),
                                               row_count, pool.device(), &out, hold));
     r.layers.push_back(out);
@@ -229,12 +231,12 @@ absl::Status ToCompactBatchRows(const v1::AppendBatchRequest& req, const RegionR
   whole.assign(req.batch_layers_size(), {});
   for (int k = 0; k < req.batch_layers_size(); ++k) {
     const v1::LayerRows& lr = req.batch_layers(k);
-    const std::string who = absl::StrCat("batch_layers[", k, "] (layer ", lr.layer(), ")");
+    const auto who = [&] { return absl::StrCat("batch_layers[", k, "] (layer ", lr.layer(), ")"); };  // for errors
     MLAKV_RETURN_IF_ERROR(regions.ResolveRows(who, ToLayerRowsRequest(lr), static_cast<uint32_t>(total), pool.device(),
                                               &whole[k], hold));
     if (whole[k].ckv_bytes != total * kCkvRow || whole[k].kpe_bytes != total * kKpeRow) {
       return absl::InvalidArgumentError(absl::StrCat(
-          who, ": holds ", whole[k].ckv_bytes, " ckv and ", whole[k].kpe_bytes, " kpe bytes; the batch's ", total,
+          who(), ": holds ", whole[k].ckv_bytes, " ckv and ", whole[k].kpe_bytes, " kpe bytes; the batch's ", total,
           " rows (the sum of its row_count values) need ", total * kCkvRow, " and ", total * kKpeRow));
     }
   }

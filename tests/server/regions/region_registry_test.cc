@@ -40,7 +40,7 @@ TEST(RegionRegistry, EverythingIsRefusedWithoutAllowIpc) {
   LayerRows out;
   RegionHold hold;
   LayerRowsRequest in{.ckv_ref = RegionRef{"a"}};
-  EXPECT_EQ(r.ResolveRows("s", in, 1, Device::Cpu(), &out, &hold).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(r.ResolveRows([] { return std::string("s"); }, in, 1, Device::Cpu(), &out, &hold).code(), absl::StatusCode::kPermissionDenied);
 }
 
 TEST(RegionRegistry, NamesAreUniqueAndBounded) {
@@ -80,7 +80,7 @@ TEST(RegionRegistry, AnUnregisteredRegionHeldByAnAppendStaysCountedAndMapped) {
   RegionHold hold;
   LayerRows out;
   LayerRowsRequest in{.ckv_ref = RegionRef{"a", 0, 0}, .kpe_ref = RegionRef{"a", 2048, 0}};
-  ASSERT_TRUE(r.ResolveRows("s", in, 1, Device::Cpu(), &out, &hold).ok());
+  ASSERT_TRUE(r.ResolveRows([] { return std::string("s"); }, in, 1, Device::Cpu(), &out, &hold).ok());
   absl::StatusOr<uint32_t> holders = r.Unregister("a");
   ASSERT_TRUE(holders.ok());
   EXPECT_EQ(*holders, 1u);
@@ -101,7 +101,7 @@ TEST(RegionRegistry, ReferencesResolveToPackedHostRows) {
   LayerRows out;
   // Interleaved rows (ckv then kpe, 1152 bytes a row): gathered into packed copies.
   LayerRowsRequest in{.layer = 3, .ckv_ref = RegionRef{"rows", 0, 1152}, .kpe_ref = RegionRef{"rows", 1024, 1152}};
-  ASSERT_TRUE(r.ResolveRows("s", in, 8, Device::Cpu(), &out, &hold).ok());
+  ASSERT_TRUE(r.ResolveRows([] { return std::string("s"); }, in, 8, Device::Cpu(), &out, &hold).ok());
   EXPECT_EQ(out.layer, 3);
   EXPECT_EQ(out.ckv_bytes, 8u * 1024);
   EXPECT_EQ(out.kpe_bytes, 8u * 128);
@@ -120,7 +120,7 @@ TEST(RegionRegistry, BadReferencesSayWhatIsWrong) {
   RegionHold hold;
   LayerRows out;
   auto code = [&](LayerRowsRequest in, uint32_t rows) {
-    return r.ResolveRows("sequence 's' layer 0", in, rows, Device::Cpu(), &out, &hold).code();
+    return r.ResolveRows([] { return std::string("sequence 's' layer 0"); }, in, rows, Device::Cpu(), &out, &hold).code();
   };
   EXPECT_EQ(code({.ckv_ref = RegionRef{"missing"}}, 1), absl::StatusCode::kNotFound);
   EXPECT_EQ(code({.ckv_ref = RegionRef{"a", 0, 1000}}, 2), absl::StatusCode::kInvalidArgument);  // stride < row
@@ -139,7 +139,7 @@ TEST(RegionRegistry, APoisonedRegionIsRefusedUntilRegisteredAgain) {
   RegionHold hold;
   LayerRows out;
   LayerRowsRequest in{.ckv_ref = RegionRef{"a", 0, 0}, .kpe_ref = RegionRef{"a", 8192, 0}};
-  ASSERT_TRUE(r.ResolveRows("s", in, 8, Device::Cpu(), &out, &hold).ok());
+  ASSERT_TRUE(r.ResolveRows([] { return std::string("s"); }, in, 8, Device::Cpu(), &out, &hold).ok());
   const int fd = shm_open(obj.name().c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(ftruncate(fd, 4096), 0);
@@ -149,13 +149,13 @@ TEST(RegionRegistry, APoisonedRegionIsRefusedUntilRegisteredAgain) {
   ASSERT_EQ(ftruncate(fd, 4 * 4096), 0);
   close(fd);
   RegionHold again;
-  const absl::Status refused = r.ResolveRows("s", in, 8, Device::Cpu(), &out, &again);
+  const absl::Status refused = r.ResolveRows([] { return std::string("s"); }, in, 8, Device::Cpu(), &out, &again);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
   EXPECT_TRUE(absl::StrContains(refused.message(), "register it again")) << refused;
   ASSERT_TRUE(r.Unregister("a").ok());
   ASSERT_TRUE(r.RegisterShm("a", {.shm_name = obj.name()}).ok());
   RegionHold fresh;
-  EXPECT_TRUE(r.ResolveRows("s", in, 8, Device::Cpu(), &out, &fresh).ok());
+  EXPECT_TRUE(r.ResolveRows([] { return std::string("s"); }, in, 8, Device::Cpu(), &out, &fresh).ok());
 }
 
 }  // namespace

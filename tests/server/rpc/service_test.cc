@@ -466,6 +466,55 @@ TEST_F(ServiceTest, AppendBatchCompactFormStoresWhatThePerSequenceFormStores) {
   }
 }
 
+// A sequence named twice in one AppendBatch (new or existing, in either
+// form) is INVALID_ARGUMENT naming it, and nothing of the call is written.
+TEST_F(ServiceTest, AppendBatchNamingASequenceTwiceWritesNothing) {
+  ASSERT_TRUE(AppendRows("old", 0, RandomRows(2, 600), {0, 1, 2, 3}, kCkvScale, kKpeScale).ok());
+  const Rows rows = RandomRows(3, 601);
+  for (const bool compact : {false, true}) {
+    for (const std::vector<std::string>& ids : std::vector<std::vector<std::string>>{
+             {"a", "b", "a"}, {"old", "c", "old"}, {"d", "old", "old"}}) {
+      v1::AppendBatchRequest req;
+      req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+      for (const std::string& id : ids) {
+        v1::SequenceRows* sr = req.add_sequences();
+        sr->set_sequence(id);
+        sr->set_start(id == "old" ? 2 : 0);
+        sr->set_row_count(1);
+        if (compact) continue;
+        v1::LayerRows* lr = sr->add_layers();
+        lr->set_layer(0);
+        lr->set_ckv(rows.ckv_bytes(0, 1));
+        lr->set_kpe(rows.kpe_bytes(0, 1));
+      }
+      if (compact) {
+        v1::LayerRows* lr = req.add_batch_layers();
+        lr->set_layer(0);
+        lr->set_ckv(rows.ckv_bytes());
+        lr->set_kpe(rows.kpe_bytes());
+      }
+      grpc::ClientContext ctx;
+      v1::AppendBatchResponse resp;
+      const grpc::Status s = stub().AppendBatch(&ctx, req, &resp);
+      const std::string twice = ids[0] == ids[2] ? ids[0] : ids[1];
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(s);
+      EXPECT_TRUE(absl::StrContains(s.error_message(), "sequence '" + twice + "' appears twice")) << Describe(s);
+      EXPECT_EQ(resp.sequences_size(), 0);
+      for (const std::string& id : ids) {
+        v1::Sequence seq;
+        const grpc::Status g = GetSequence(id, &seq);
+        if (id == "old") {
+          ASSERT_TRUE(g.ok()) << Describe(g);
+          EXPECT_EQ(seq.length(), 2u);
+        } else {
+          EXPECT_EQ(g.error_code(), grpc::StatusCode::NOT_FOUND) << id << " " << Describe(g);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(GetPool().layers(0).tokens(), 2u);
+}
+
 // SEQUENCE_VIEW_COMPACT is BASIC without the names: the same numbers, in
 // request order, with pool, id and server_id empty; on Append and
 // AppendBatch alike. A view outside the enum is refused naming all three.
