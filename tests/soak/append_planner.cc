@@ -116,8 +116,9 @@ absl::StatusOr<std::optional<StreamPlan>> AppendPlanner::PlanStream(std::mt19937
   if (request.allow_expect && at_end && Chance(rng, 0.5)) {
     plan.expect_length = first.layers.empty() ? (before ? before->length() : 0) : first.start;
   }
-  const int view = static_cast<int>(Uniform(rng, 0, 2));
-  plan.view = view == 0 ? v1::SEQUENCE_VIEW_UNSPECIFIED : view == 1 ? v1::SEQUENCE_VIEW_FULL : v1::SEQUENCE_VIEW_BASIC;
+  constexpr v1::SequenceView kViews[] = {v1::SEQUENCE_VIEW_UNSPECIFIED, v1::SEQUENCE_VIEW_FULL,
+                                         v1::SEQUENCE_VIEW_BASIC, v1::SEQUENCE_VIEW_COMPACT};
+  plan.view = kViews[Uniform(rng, 0, 3)];
   return plan;
 }
 

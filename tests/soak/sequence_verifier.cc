@@ -80,7 +80,10 @@ absl::StatusOr<ServerSequence> SequenceVerifier::Fetch(const std::string& id, bo
 std::string SequenceVerifier::DiffMeta(const v1::Sequence& seq, const SequenceModel& expected, v1::SequenceView view,
                                        uint32_t pages_before) const {
   std::vector<std::string> diffs;
-  const bool basic = view == v1::SEQUENCE_VIEW_BASIC;
+  const bool basic = view == v1::SEQUENCE_VIEW_BASIC || view == v1::SEQUENCE_VIEW_COMPACT;  // only new pages
+  if (view == v1::SEQUENCE_VIEW_COMPACT && (!seq.pool().empty() || !seq.server_id().empty())) {
+    diffs.push_back("a COMPACT view names the pool or the server");
+  }
   const uint32_t ps = geometry_.page_size;
   if (seq.length() != expected.length()) diffs.push_back(absl::StrCat("length ", seq.length(), " != ", expected.length()));
   if (seq.page_size() != ps) diffs.push_back(absl::StrCat("page_size ", seq.page_size(), " != ", ps));
@@ -103,7 +106,7 @@ std::string SequenceVerifier::DiffMeta(const v1::Sequence& seq, const SequenceMo
     diffs.push_back(absl::StrCat("page ", *distinct.rbegin(), " is outside the pool's ", geometry_.pages_total));
   }
   if (basic) {
-    if (seq.layer_lengths_size() != 0) diffs.push_back("a BASIC view carries layer_lengths");
+    if (seq.layer_lengths_size() != 0) diffs.push_back("a BASIC or COMPACT view carries layer_lengths");
   } else if (seq.layer_lengths_size() != expected.num_layers()) {
     diffs.push_back(absl::StrCat("layer_lengths has ", seq.layer_lengths_size(), " entries"));
   } else {
