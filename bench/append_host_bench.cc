@@ -174,7 +174,7 @@ int Run() {
     const Clock::time_point t1 = Clock::now();
     if (absl::Status st = append.Stage(ptrs, DType::kBFloat16); !st.ok()) Fail("stage", st);
     const Clock::time_point t2 = Clock::now();
-    absl::StatusOr<std::vector<SequenceSnapshot>> after = append.Commit([] { return absl::OkStatus(); }, server::OnlyNewPages(view) ? server::SnapshotPages::kNew : server::SnapshotPages::kAll);
+    absl::StatusOr<std::vector<SequenceSnapshot>> after = append.Commit([] { return absl::OkStatus(); }, server::SnapshotPagesFor(view));
     if (!after.ok()) Fail("commit", after.status());
     const Clock::time_point t3 = Clock::now();
     v1::AppendBatchResponse resp;

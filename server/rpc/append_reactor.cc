@@ -366,8 +366,7 @@ absl::Status AppendReactor::CommitStream() {
   };
   const uint64_t rows = append_->rows_written();
   const uint32_t allocated = append_->pages_allocated();
-  MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after,
-                         append_->Commit(last_check, OnlyNewPages(view_) ? SnapshotPages::kNew : SnapshotPages::kAll));
+  MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append_->Commit(last_check, SnapshotPagesFor(view_)));
   v1::AppendResponse response;
   ToProto(pool_->name(), after.front(), response.mutable_sequence(), view_, first_new);
   if (NamesSequence(view_)) response.mutable_sequence()->set_server_id(service_->options().server_id);

@@ -334,9 +334,7 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       for (size_t i = 0; i < append.size(); ++i) first_new.push_back(append.transaction(i).original_pages());
       const uint64_t rows_written = append.rows_written();
       const uint32_t pages = append.pages_allocated();
-      MLAKV_ASSIGN_OR_RETURN(
-          std::vector<SequenceSnapshot> after,
-          append.Commit(last_check, OnlyNewPages(c.view) ? SnapshotPages::kNew : SnapshotPages::kAll));
+      MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append.Commit(last_check, SnapshotPagesFor(c.view)));
       t_committed = Clock::now();
       for (size_t i = 0; i < after.size(); ++i) {
         v1::Sequence* out = resp->add_sequences();

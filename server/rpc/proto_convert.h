@@ -25,6 +25,10 @@ absl::StatusOr<v1::SequenceView> ToView(v1::SequenceView view);
 // allocated (BASIC, COMPACT), and the names (pool, id, server_id; not COMPACT).
 inline bool OnlyNewPages(v1::SequenceView view) { return view != v1::SEQUENCE_VIEW_FULL; }
 inline bool NamesSequence(v1::SequenceView view) { return view != v1::SEQUENCE_VIEW_COMPACT; }
+// What an append's commit snapshots for a response in `view`.
+inline SnapshotPages SnapshotPagesFor(v1::SequenceView view) {
+  return OnlyNewPages(view) ? SnapshotPages::kNew : SnapshotPages::kAll;
+}
 
 void ToProto(const PoolSnapshot& p, v1::Pool* out);
 
