@@ -145,8 +145,10 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
     }
     if (resp.sequences_size() != sequences || resp.sequences(0).id().empty() != compact ||
         resp.sequences(0).length() != static_cast<uint32_t>(t + 1)) {
+      const bool any = resp.sequences_size() > 0;
       std::fprintf(stderr, "AppendBatch (compact, step %d): unexpected response: %d sequences, first id '%s' length %u\n",
-                   t, resp.sequences_size(), resp.sequences(0).id().c_str(), resp.sequences(0).length());
+                   t, resp.sequences_size(), any ? resp.sequences(0).id().c_str() : "",
+                   any ? resp.sequences(0).length() : 0u);
       return 1;
     }
     if (t >= 5) (compact ? compact_us : step_us).push_back(Us(t0, t1));
