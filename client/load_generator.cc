@@ -50,7 +50,7 @@ struct LoadGenerator::Worker {
   std::vector<double> latency_us;
   std::map<std::string, int64_t> errors_by_code;
   std::map<std::string, std::string> first_error_message;
-  int64_t requests = 0, errors = 0, row_bytes = 0, rows = 0;
+  int64_t requests = 0, errors = 0, row_bytes = 0, rows = 0, response_bytes = 0;
   std::string free_error;  // first failed free when the sequences were recycled
 };
 
@@ -142,6 +142,7 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
 
   worker.batch.set_pool(options_.pool);
   worker.batch.set_dtype(options_.dtype);
+  worker.batch.set_view(options_.view);
   for (uint32_t s = 0; s < sequences; ++s) {
     v1::SequenceRows* seq = worker.batch.add_sequences();
     seq->set_sequence(SequenceId(index, s));
@@ -172,6 +173,7 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
   append.rows = rows;
   append.dtype = options_.dtype;
   append.rows_owner = worker.random_rows;
+  append.view = options_.view;
   for (uint32_t layer = 0; layer < options_.layers && !decode; ++layer) {  // decode sends only AppendBatch
     append.layers.push_back({layer, ckv, kpe, ckv_scales_[layer], kpe_scales_[layer]});
   }
@@ -200,12 +202,17 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
 
     const auto begin = std::chrono::steady_clock::now();
     absl::Status status;
+    size_t response_bytes = 0;  // measured after the clock stops
     if (use_batch) {
       for (v1::SequenceRows& seq : *worker.batch.mutable_sequences()) seq.set_start(position);
-      status = client.AppendBatch(worker.batch).status();
+      absl::StatusOr<v1::AppendBatchResponse> response = client.AppendBatch(worker.batch);
+      status = response.status();
+      if (response.ok()) response_bytes = response->ByteSizeLong();
     } else {
       append.start = position;
-      status = client.Append(append).status();
+      absl::StatusOr<v1::AppendResponse> response = client.Append(append);
+      status = response.status();
+      if (response.ok()) response_bytes = response->ByteSizeLong();
     }
     const double micros = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count();
 
@@ -215,6 +222,7 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
     if (status.ok()) {
       worker.row_bytes += request_row_bytes;
       worker.rows += int64_t{rows} * sequences * options_.layers;
+      worker.response_bytes += static_cast<int64_t>(response_bytes);
       progress_.row_bytes.fetch_add(request_row_bytes, std::memory_order_relaxed);
       position += rows;
     } else {
@@ -243,6 +251,7 @@ LoadResult LoadGenerator::Run(const std::atomic<bool>& stop) {
     result.errors += w.errors;
     result.row_bytes += w.row_bytes;
     result.rows += w.rows;
+    result.response_bytes += w.response_bytes;
     result.latency_us.insert(result.latency_us.end(), w.latency_us.begin(), w.latency_us.end());
     for (const auto& [code, n] : w.errors_by_code) result.errors_by_code[code] += n;
     result.first_error_message.insert(w.first_error_message.begin(), w.first_error_message.end());

@@ -37,6 +37,7 @@ struct LoadOptions {
   double batch_fraction = 0;       // append: share of requests sent as AppendBatch, [0, 1]
   uint32_t sequences = 256;        // decode: sequences per AppendBatch (per worker)
   bool compact = false;            // decode: AppendBatch's compact form (one batch_layers entry per layer)
+  v1::SequenceView view = v1::SEQUENCE_VIEW_FULL;  // what every response's sequences carry
   uint32_t layers = 1;             // layers 0..layers-1 written by every request
   v1::RowDType dtype = v1::ROW_DTYPE_BFLOAT16;
   double duration_s = 10;          // stop after this many seconds (0: no time bound)
@@ -61,6 +62,7 @@ struct LoadResult {
   int64_t errors = 0;
   int64_t row_bytes = 0;  // input row bytes (ckv + kpe) of successful requests
   int64_t rows = 0;       // rows (per layer, summed over layers) of successful requests
+  int64_t response_bytes = 0;  // serialized size of the successful requests' responses, summed
   double seconds = 0;     // wall time of the load phase
   std::vector<double> latency_us;                 // every request, sorted ascending
   std::map<std::string, int64_t> errors_by_code;  // "RESOURCE_EXHAUSTED" -> count

@@ -14,6 +14,7 @@
 #include "client/cli/command_support.h"
 #include "client/cli/commands.h"
 #include "client/load_generator.h"
+#include "common/quote.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, mode, "append",
@@ -33,13 +34,16 @@ ABSL_FLAG(int32_t, sequences, 256, "bench decode: sequences per AppendBatch (per
 ABSL_FLAG(bool, compact, false,
           "bench decode: send each step in AppendBatch's compact form (one batch_layers entry per layer holding "
           "every sequence's row)");
+ABSL_FLAG(std::string, view, "full",
+          "bench: what each response's sequences carry: full (the whole page table and per-layer lengths), basic "
+          "(only the pages the request allocated, no per-layer lengths) or compact (basic without the names)");
 
 namespace mlakv::cli {
 namespace {
 
 constexpr char kUsage[] =
     "bench [--mode append|decode] [--concurrency N] [--connections C] [--rows_per_message R] [--batch_fraction F] "
-    "[--sequences S] [--compact] [--layers L] [--dtype bf16|f16] [--duration_s S | --requests N] [--pool P] [--server ADDR] "
+    "[--sequences S] [--compact] [--view full|basic|compact] [--layers L] [--dtype bf16|f16] [--duration_s S | --requests N] [--pool P] [--server ADDR] "
     "[--json]";
 
 std::atomic<bool> g_stop{false};
@@ -61,6 +65,17 @@ absl::StatusOr<LoadOptions> OptionsFromFlags() {
     options.dtype = v1::ROW_DTYPE_FLOAT16;
   } else {
     return absl::InvalidArgumentError(absl::StrCat("--dtype \"", dtype, "\" is not bf16 or f16"));
+  }
+  const std::string view = absl::GetFlag(FLAGS_view);
+  if (view == "full") {
+    options.view = v1::SEQUENCE_VIEW_FULL;
+  } else if (view == "basic") {
+    options.view = v1::SEQUENCE_VIEW_BASIC;
+  } else if (view == "compact") {
+    options.view = v1::SEQUENCE_VIEW_COMPACT;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--view ", Quote(view), " is not full, basic or compact"));
   }
   if (absl::GetFlag(FLAGS_rows_per_message) < 1 || absl::GetFlag(FLAGS_layers) < 1 ||
       absl::GetFlag(FLAGS_sequences) < 1 || absl::GetFlag(FLAGS_concurrency) < 1) {
@@ -96,6 +111,7 @@ nlohmann::json ResultJson(const LoadOptions& options, const LoadResult& r, uint3
           {"rows_per_request_per_layer", options.mode == LoadOptions::Mode::kDecode ? 1 : options.rows_per_message},
           {"sequences_per_request", options.mode == LoadOptions::Mode::kDecode ? options.sequences : 1},
           {"compact", options.mode == LoadOptions::Mode::kDecode && options.compact},
+          {"view", v1::SequenceView_Name(options.view)},
           {"layers", options.layers},
           {"batch_fraction", options.batch_fraction},
           {"context_tokens", context_tokens},
@@ -105,6 +121,7 @@ nlohmann::json ResultJson(const LoadOptions& options, const LoadResult& r, uint3
           {"requests_per_s", r.seconds > 0 ? r.requests / r.seconds : 0},
           {"row_bytes", r.row_bytes},
           {"rows", r.rows},
+          {"response_bytes_per_request", r.requests > r.errors ? r.response_bytes / (r.requests - r.errors) : 0},
           {"gb_per_s", r.seconds > 0 ? r.row_bytes / r.seconds / 1e9 : 0},
           {"latency_us",
            {{"p50", r.LatencyPercentile(50)}, {"p90", r.LatencyPercentile(90)}, {"p99", r.LatencyPercentile(99)},
@@ -128,6 +145,8 @@ void PrintText(const nlohmann::json& j) {
   const nlohmann::json& l = j["latency_us"];
   std::printf("latency    p50 %.0f us, p90 %.0f us, p99 %.0f us, max %.0f us\n", l["p50"].get<double>(),
               l["p90"].get<double>(), l["p99"].get<double>(), l["max"].get<double>());
+  std::printf("responses  %lld bytes each (%s)\n", j["response_bytes_per_request"].get<long long>(),
+              j["view"].get<std::string>().c_str());
   for (const auto& [code, e] : j["errors_by_code"].items()) {
     std::printf("errors     %s x %lld (first: %s)\n", code.c_str(), e["count"].get<long long>(),
                 e["first_message"].get<std::string>().c_str());

@@ -1,5 +1,9 @@
 // `mlakv bench`, bounded by request count, against a real server: it must
 // finish with zero errors, report what it sent, and free what it created.
+#include <map>
+#include <string>
+
+#include "absl/strings/ascii.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/e2e/e2e_fixture.h"
@@ -59,6 +63,28 @@ TEST_F(BenchCli, DecodeStepRunsCleanAndFreesItsSequences) {
   EXPECT_EQ(j["rows"], 40 * 64 * 2) << j.dump();
   EXPECT_EQ(j["sequences_freed"], 64) << j.dump();
   EXPECT_EQ(PagesUsed(), 0u);
+}
+
+// --view reaches the requests: the same steps' responses shrink from the full
+// view (whole page tables, per-layer lengths) to basic (no lengths, only new
+// pages) to compact (basic without the names).
+TEST_F(BenchCli, DecodeStepViewShrinksTheResponses) {
+  std::map<std::string, int64_t> bytes;
+  for (const std::string view : {"full", "basic", "compact"}) {
+    const nlohmann::json j = RunBench(*server_, {"--mode", "decode", "--sequences", "16", "--layers", "2",
+                                                 "--requests", "10", "--duration_s", "0", "--view", view});
+    EXPECT_EQ(j["errors"], 0) << j.dump();
+    EXPECT_EQ(j["view"], "SEQUENCE_VIEW_" + absl::AsciiStrToUpper(view)) << j.dump();
+    bytes[view] = j["response_bytes_per_request"].get<int64_t>();
+  }
+  EXPECT_GT(bytes["full"], bytes["basic"]);
+  EXPECT_GT(bytes["basic"], bytes["compact"]);
+  EXPECT_GT(bytes["compact"], 0);
+  EXPECT_EQ(PagesUsed(), 0u);
+
+  const CommandResult bad = server_->RunCli({"bench", "--view", "tiny\n", "--requests", "1"}, absl::Seconds(30));
+  EXPECT_NE(bad.exit_code, 0) << bad.Describe();
+  EXPECT_NE(bad.err.find("--view 'tiny\\n' is not full, basic or compact"), std::string::npos) << bad.Describe();
 }
 
 TEST_F(BenchCli, RecyclesSequencesWhenThePoolShareIsFull) {

@@ -16,6 +16,20 @@ def _scale(value):
     return 0.0 if value is None else float(value)
 
 
+# What a response's sequences carry (AppendRequest.view, AppendBatchRequest.view).
+_VIEWS = {None: pb.SEQUENCE_VIEW_UNSPECIFIED, "full": pb.SEQUENCE_VIEW_FULL, "basic": pb.SEQUENCE_VIEW_BASIC,
+          "compact": pb.SEQUENCE_VIEW_COMPACT}
+
+
+def _view(view):
+    """The SequenceView of a view name: None or "full" (the whole page table and
+    per-layer lengths), "basic" (lengths, capacity and only the pages the call
+    allocated), "compact" (basic without the pool, id and server_id strings)."""
+    if view is None or (isinstance(view, str) and view.lower() in _VIEWS):
+        return _VIEWS[view if view is None else view.lower()]
+    raise client_error("view %r is not one of \"full\", \"basic\", \"compact\"" % (view,))
+
+
 def _block_hashes(hashes, what="block_hashes"):
     """A list of bytes from bytes-like hashes (hex strings are refused: pass bytes.fromhex(h))."""
     if hashes is None:
@@ -33,8 +47,10 @@ def _block_hashes(hashes, what="block_hashes"):
 
 
 def _set_first_fields(msg, reserve_tokens, expect_length, expect_generation, block_hashes, block_hashes_first_page,
-                      pin):
-    """The fields only the first message of an Append stream may carry."""
+                      pin, view=pb.SEQUENCE_VIEW_UNSPECIFIED):
+    """The fields only the first message of an Append stream may carry (view:
+    a SequenceView from _view, checked before the stream opens)."""
+    msg.view = view
     msg.reserve_tokens = reserve_tokens
     if expect_length is not None:
         msg.expect_length = expect_length

@@ -19,7 +19,7 @@ import numpy as np
 from mlakv import regions as _regions
 from mlakv import rows as _rows
 from mlakv import save as _save
-from mlakv._wire import _MESSAGE_OVERHEAD, _block_hashes, _scale, _set_first_fields, _set_part
+from mlakv._wire import _MESSAGE_OVERHEAD, _block_hashes, _scale, _set_first_fields, _set_part, _view
 from mlakv.errors import Error, client_error
 from mlakv.v1 import kv_cache_pb2 as pb
 from mlakv.v1 import kv_cache_pb2_grpc as pb_grpc
@@ -396,7 +396,8 @@ class Client:
                pool: str = "", ckv_scale: Optional[float] = None, kpe_scale: Optional[float] = None,
                reserve_tokens: int = 0, dtype: Optional[str] = None, expect_length: Optional[int] = None,
                expect_generation: Optional[int] = None, block_hashes: Optional[Sequence[bytes]] = None,
-               block_hashes_first_page: int = 0, pin: bool = False) -> "pb.AppendResponse":
+               block_hashes_first_page: int = 0, pin: bool = False,
+               view: Optional[str] = None) -> "pb.AppendResponse":
         """Appends rows of one sequence in one Append stream; returns mlakv.pb.AppendResponse.
 
         layer: a layer index with ckv [N,512] and kpe [N,64]; or a list of L
@@ -431,6 +432,10 @@ class Client:
           fork_from_hashes; a page is indexed once it is complete in every layer.
         pin: when the append creates the sequence, it is never evicted nor
           freed by the idle TTL (free still frees it).
+        view: what the response's sequence carries: None / "full" (the whole
+          page table and per-layer lengths), "basic" (lengths, capacity, and
+          in kv_indices only the pages this call allocated, from
+          kv_indices_offset), "compact" ("basic" without pool, id, server_id).
         The rows travel as messages of about chunk_bytes each; the server
         applies the whole stream atomically. Rows passed by reference must not
         change until the call returns.
@@ -439,6 +444,7 @@ class Client:
         layers = [int(l) for l in layer] if multi else [int(layer)]
         if not layers:
             raise client_error("no layer given")
+        view_code = _view(view)
         prepared = self._prepare(ckv, kpe, leading=(len(layers),) if multi else (), dtype=dtype)
         hashes = _block_hashes(block_hashes)
         n = prepared.rows
@@ -461,7 +467,7 @@ class Client:
                                        dtype=prepared.dtype)
                 if first:
                     _set_first_fields(msg, reserve_tokens, expect_length, expect_generation, hashes,
-                                      block_hashes_first_page, pin)
+                                      block_hashes_first_page, pin, view_code)
                 for i, l in enumerate(layers):
                     rows = msg.layers.add(layer=l, ckv_scale=cs, kpe_scale=ks)
                     _set_part(rows, "ckv", prepared.ckv[i], lo, hi, _rows.CKV_DIM)
@@ -477,7 +483,7 @@ class Client:
              block_hashes: Optional[Sequence[bytes]] = None, block_hashes_first_page: int = 0, pin: bool = False,
              layerwise_min_tokens: int = _save.DEFAULT_LAYERWISE_MIN_TOKENS,
              layers_per_message: int = _save.DEFAULT_LAYERS_PER_MESSAGE,
-             num_layers: Optional[int] = None) -> "_save.LayerwiseSave":
+             num_layers: Optional[int] = None, view: Optional[str] = None) -> "_save.LayerwiseSave":
         """A layer-wise save (mlakv.save.LayerwiseSave): `with c.save(seq) as s:
         s.layer(l, ckv, kpe)` for each layer, each call returning at once; leaving
         the block commits every layer atomically (one Append stream) or raises
@@ -486,25 +492,29 @@ class Client:
         layers_per_message: layers handed to the stream together (mlakv.save);
         num_layers: how many layers the save gives (default: the pool's, from
         one GetPool per pool for the client's life) -- once that many are given,
-        the rest go at once instead of at wait()."""
+        the rest go at once instead of at wait(); view: what the response's
+        sequence carries, as for append."""
         return _save.LayerwiseSave(self, sequence, start=start, pool=pool, dtype=dtype, ckv_scale=ckv_scale,
                                    kpe_scale=kpe_scale, expect_length=expect_length,
                                    expect_generation=expect_generation, reserve_tokens=reserve_tokens,
                                    block_hashes=block_hashes, block_hashes_first_page=block_hashes_first_page,
                                    pin=pin, layerwise_min_tokens=layerwise_min_tokens,
-                                   layers_per_message=layers_per_message, num_layers=num_layers)
+                                   layers_per_message=layers_per_message, num_layers=num_layers, view=view)
 
     def append_batch(self, items: Iterable[Any], pool: str = "", ckv_scale: Optional[float] = None,
-                     kpe_scale: Optional[float] = None, dtype: Optional[str] = None) -> "pb.AppendBatchResponse":
+                     kpe_scale: Optional[float] = None, dtype: Optional[str] = None,
+                     view: Optional[str] = None) -> "pb.AppendBatchResponse":
         """A decode step: rows of many sequences and layers in one atomic AppendBatch.
 
         items: SequenceRows, or tuples (sequence, {layer: (ckv, kpe)}[, start]);
         ckv/kpe as for append (bytes, ShmRows views, CUDA tensors, RegionRows).
         All rows share one dtype (dtype= when only RegionRows give none). Returns mlakv.pb.AppendBatchResponse (the
-        sequences after the append, in request order).
+        sequences after the append, in request order); view: what each of
+        them carries, as for append. decode_step sends a step with one entry
+        per layer for all sequences instead.
         """
         items = [it if isinstance(it, SequenceRows) else SequenceRows(*it) for it in items]
-        req = pb.AppendBatchRequest(pool=pool)
+        req = pb.AppendBatchRequest(pool=pool, view=_view(view))
         batch_dtype = None
         used = []
         cs, ks = _scale(ckv_scale), _scale(kpe_scale)
@@ -537,25 +547,88 @@ class Client:
             if it.start is not None:
                 entry.start = it.start
         req.dtype = batch_dtype if batch_dtype is not None else pb.ROW_DTYPE_UNSPECIFIED
-        # Starts left to the server's state: every sequence's lengths, asked concurrently.
-        missing = {it.sequence for it in items if it.start is None}
+        self._fill_starts(pool, [(entry, it.layers.keys()) for it, entry in zip(items, req.sequences)
+                                 if it.start is None])
+        return self._call_fenced(used, self._stub.AppendBatch, req)
+
+    def decode_step(self, sequences: Sequence[str], ckv: Any, kpe: Any, *, layers: Optional[Sequence[int]] = None,
+                    starts: Optional[Sequence[Optional[int]]] = None, row_counts: Optional[Sequence[int]] = None,
+                    pool: str = "", ckv_scale: Optional[float] = None, kpe_scale: Optional[float] = None,
+                    dtype: Optional[str] = None, view: Optional[str] = "compact") -> "pb.AppendBatchResponse":
+        """A decode step in AppendBatch's compact form: per layer, one tensor
+        holding the rows of every sequence, concatenated in `sequences` order.
+
+        sequences: the step's sequence ids (each once; new ones are created).
+        ckv [L, R, 512], kpe [L, R, 64]: layer i's rows of all sequences, R =
+          sum(row_counts) (sequence 0's rows first); the same kinds as append
+          takes -- CUDA tensors and ShmRows views go by reference, one region
+          range per layer, and the server quantizes all layers in one launch;
+          or a list of L RegionRows each, with dtype=.
+        layers: the layer index of each of the L entries (default 0..L-1).
+        starts: each sequence's position of its first row; None (or a None
+          entry) = its current length over `layers`, read with one GetSequence
+          each (concurrently), which then is also its expect_length.
+        row_counts: rows of each sequence (default 1 each: a decode step).
+        view: what each response entry carries (as append; default "compact":
+          the sequences in request order without their names, and in
+          kv_indices only the pages the step allocated).
+        Returns mlakv.pb.AppendBatchResponse; the whole step is atomic.
+        """
+        ids = [str(s) for s in sequences]
+        if not ids:
+            raise client_error("decode_step: no sequence given")
+        counts = [1] * len(ids) if row_counts is None else [int(n) for n in row_counts]
+        if len(counts) != len(ids) or any(n < 1 for n in counts):
+            raise client_error("decode_step: row_counts must give a count >= 1 for each of the %d sequences, got %r"
+                               % (len(ids), list(row_counts)[:8]))
+        firsts = [None] * len(ids) if starts is None else list(starts)
+        if len(firsts) != len(ids):
+            raise client_error("decode_step: %d starts for %d sequences" % (len(firsts), len(ids)))
+        view_code = _view(view)
+        shape = getattr(ckv, "shape", None)
+        if not isinstance(ckv, (list, tuple)) and (shape is None or len(shape) != 3):
+            raise client_error("decode_step: ckv must be [layers, rows, 512] (or a list of RegionRows), got %s"
+                               % (type(ckv).__name__ if shape is None else "shape %s" % (tuple(shape),)))
+        n_layers = len(ckv) if isinstance(ckv, (list, tuple)) else int(shape[0])
+        indices = list(range(n_layers)) if layers is None else [int(l) for l in layers]
+        if len(indices) != n_layers:
+            raise client_error("decode_step: %d layer indices for %d layers of rows" % (len(indices), n_layers))
+        prepared = self._prepare(ckv, kpe, leading=(n_layers,), dtype=dtype)
+        if prepared.rows != sum(counts):
+            raise client_error("decode_step: each layer has %d rows but the sequences' row_counts sum to %d"
+                               % (prepared.rows, sum(counts)))
+        req = pb.AppendBatchRequest(pool=pool, dtype=prepared.dtype, view=view_code)
+        for sid, n, first in zip(ids, counts, firsts):
+            entry = req.sequences.add(sequence=sid, row_count=n)
+            if first is not None:
+                entry.start = int(first)
+        cs, ks = _scale(ckv_scale), _scale(kpe_scale)
+        for i, layer in enumerate(indices):
+            rows = req.batch_layers.add(layer=layer, ckv_scale=cs, kpe_scale=ks)
+            _set_part(rows, "ckv", prepared.ckv[i], 0, prepared.rows, _rows.CKV_DIM)
+            _set_part(rows, "kpe", prepared.kpe[i], 0, prepared.rows, _rows.KPE_DIM)
+        self._fill_starts(pool, [(entry, indices) for entry, first in zip(req.sequences, firsts) if first is None])
+        return self._call_fenced(prepared.cuda, self._stub.AppendBatch, req)
+
+    def _fill_starts(self, pool, entries):
+        """Sets start (and expect_length, when the layers agree) of each
+        (SequenceRows entry, layers) from the sequence's current lengths, asked
+        concurrently; a sequence not found starts at 0."""
         futures = {s: self._stub.GetSequence.future(pb.GetSequenceRequest(pool=pool, sequence=s),
                                                      timeout=self.timeout, metadata=self._metadata)
-                   for s in sorted(missing)}
-        for it, entry in zip(items, req.sequences):
-            if it.start is None:
-                try:
-                    lengths = list(futures[it.sequence].result().layer_lengths)
-                except grpc.RpcError as err:
-                    if err.code() != grpc.StatusCode.NOT_FOUND:
-                        raise Error.from_rpc_error(err) from None
-                    lengths = []
-                entry.start = self._start_from(lengths, it.layers.keys())
-                # Only if that end is still there: a retried step cannot append twice.
-                common = self._common_length(lengths, it.layers.keys())
-                if common is not None:
-                    entry.expect_length = common
-        return self._call_fenced(used, self._stub.AppendBatch, req)
+                   for s in sorted({entry.sequence for entry, _ in entries})}
+        for entry, layers in entries:
+            try:
+                lengths = list(futures[entry.sequence].result().layer_lengths)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.NOT_FOUND:
+                    raise Error.from_rpc_error(err) from None
+                lengths = []
+            entry.start = self._start_from(lengths, layers)
+            # Only if that end is still there: a retried step cannot append twice.
+            common = self._common_length(lengths, layers)
+            if common is not None:
+                entry.expect_length = common
 
     # -- regions (server --allow_ipc) ------------------------------------------
 

@@ -68,7 +68,7 @@ from typing import Any, Optional
 import grpc
 
 from mlakv import rows as _rows
-from mlakv._wire import _MESSAGE_OVERHEAD, _block_hashes, _scale, _set_first_fields, _set_part
+from mlakv._wire import _MESSAGE_OVERHEAD, _block_hashes, _scale, _set_first_fields, _set_part, _view
 from mlakv.errors import Error, client_error
 from mlakv.v1 import kv_cache_pb2 as pb
 
@@ -84,7 +84,7 @@ class LayerwiseSave:
     def __init__(self, client, sequence, *, start=0, pool="", dtype=None, ckv_scale=None, kpe_scale=None,
                  expect_length=None, expect_generation=None, reserve_tokens=0, block_hashes=None,
                  block_hashes_first_page=0, pin=False, layerwise_min_tokens=DEFAULT_LAYERWISE_MIN_TOKENS,
-                 layers_per_message=DEFAULT_LAYERS_PER_MESSAGE, num_layers=None):
+                 layers_per_message=DEFAULT_LAYERS_PER_MESSAGE, num_layers=None, view=None):
         if not sequence:
             raise client_error("save: sequence id is empty")
         if int(layers_per_message) < 1:
@@ -97,7 +97,7 @@ class LayerwiseSave:
         self._scales = (_scale(ckv_scale), _scale(kpe_scale))
         self._first_fields = dict(expect_length=expect_length, expect_generation=expect_generation,
                                   reserve_tokens=reserve_tokens, block_hashes=_block_hashes(block_hashes),
-                                  block_hashes_first_page=block_hashes_first_page, pin=pin)
+                                  block_hashes_first_page=block_hashes_first_page, pin=pin, view=_view(view))
         self._min_tokens = layerwise_min_tokens
         self._per_message = int(layers_per_message)
         if num_layers is not None and int(num_layers) < 1:

@@ -279,6 +279,103 @@ class AppendBatchTest(ServerTestCase):
         self.client.free("tup-a")
         self.client.free("tup-b")
 
+    def test_decode_step_compact_form_stores_what_per_sequence_appends_store(self):
+        rng = np.random.default_rng(61)
+        seqs = ["cstep-%d" % i for i in range(5)]
+        layers = [0, 3, 9]
+        written = {s: {l: [] for l in layers} for s in seqs}  # (ckv, kpe) parts in position order
+        # One sequence already holds 2 tokens: starts=None must put the step after them.
+        for l in layers:
+            rows = random_rows(rng, 2)
+            self.client.append(seqs[1], l, *rows, start=0, ckv_scale=0.01, kpe_scale=0.05)
+            written[seqs[1]][l].append(rows)
+        lengths = [0, 2, 0, 0, 0]
+        for counts in (None, [1, 2, 1, 3, 1]):
+            n = [1] * len(seqs) if counts is None else counts
+            ckv = np.empty((len(layers), sum(n), 512), np.uint16)
+            kpe = np.empty((len(layers), sum(n), 64), np.uint16)
+            for i in range(len(layers)):
+                ckv[i], kpe[i] = random_rows(rng, sum(n))
+            resp = self.client.decode_step(seqs, ckv, kpe, layers=layers, row_counts=counts,
+                                           ckv_scale=0.01, kpe_scale=0.05)
+            self.assertEqual(resp.rows_written, sum(n) * len(layers))
+            lengths = [a + b for a, b in zip(lengths, n)]
+            # The default view is compact: request order, no names, no per-layer lengths.
+            self.assertEqual([(q.id, q.pool, q.server_id) for q in resp.sequences], [("", "", "")] * len(seqs))
+            self.assertTrue(all(len(q.layer_lengths) == 0 for q in resp.sequences))
+            stored = [self.client.sequence(s).layer_lengths for s in seqs]
+            self.assertEqual([[x[l] for l in layers] for x in stored], [[e] * len(layers) for e in lengths])
+            # Rows [edges[k], edges[k + 1]) of each layer are sequence k's.
+            edges = np.cumsum([0] + n)
+            for k, s in enumerate(seqs):
+                for i, l in enumerate(layers):
+                    written[s][l].append((ckv[i, edges[k]:edges[k + 1]], kpe[i, edges[k]:edges[k + 1]]))
+        for s in seqs:
+            for l in layers:
+                parts = written[s][l]
+                self.client.append("cref", l, np.concatenate([p[0] for p in parts]),
+                                   np.concatenate([p[1] for p in parts]), start=0, ckv_scale=0.01, kpe_scale=0.05)
+                a, b = self.client.export(s, l), self.client.export("cref", l)
+                for f in ("ckv_packed", "ckv_sf", "kpe"):
+                    np.testing.assert_array_equal(a[f], b[f], err_msg="%s layer %d %s" % (s, l, f))
+                self.client.free("cref")
+        for s in seqs:
+            self.client.free(s)
+
+    def test_decode_step_refusals_write_nothing(self):
+        rng = np.random.default_rng(62)
+        ckv, kpe = (np.stack(x) for x in zip(*[random_rows(rng, 3) for _ in range(2)]))
+        cases = [
+            (dict(sequences=["r-a", "r-b"]), "row_counts sum to 2"),  # 3 rows per layer for 2 sequences
+            (dict(sequences=["r-a", "r-b"], row_counts=[1, 1, 1]), "row_counts must give"),
+            (dict(sequences=["r-a", "r-b", "r-c"], starts=[0, 0]), "2 starts for 3 sequences"),
+            (dict(sequences=["r-a", "r-b", "r-c"], layers=[0]), "1 layer indices for 2 layers"),
+            (dict(sequences=["r-a", "r-b", "r-c"], view="tiny"), "view 'tiny' is not one of"),
+            (dict(sequences=[]), "no sequence given"),
+        ]
+        for kwargs, text in cases:
+            e = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.decode_step, ckv=ckv, kpe=kpe, **kwargs)
+            self.assertIn(text, e.message)
+        e = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.decode_step, ["r-a"], ckv[0], kpe[0])
+        self.assertIn("[layers, rows, 512]", e.message)
+        # Refused by the server (a sequence named twice): nothing of the step is written.
+        e = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.decode_step, ["r-a", "r-b", "r-a"],
+                            ckv, kpe, starts=[0, 0, 0], ckv_scale=0.01, kpe_scale=0.05)
+        self.assertIn("twice", e.message)
+        for s in ("r-a", "r-b", "r-c"):
+            self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.sequence, s)
+
+    def test_views(self):
+        rng = np.random.default_rng(63)
+        rows = random_rows(rng, 70)  # two pages of 64
+        full = self.client.append("v-full", 0, *rows, ckv_scale=0.01, kpe_scale=0.05)
+        self.assertEqual((full.sequence.id, len(full.sequence.layer_lengths)), ("v-full", 61))
+        basic = self.client.append("v-full", 0, *random_rows(rng, 60), view="basic")
+        # basic: only the page this call allocated (the table's entry 1 was already there: 70 + 60 = 130 -> 3 pages).
+        self.assertEqual((basic.sequence.id, len(basic.sequence.layer_lengths)), ("v-full", 0))
+        self.assertEqual((basic.sequence.kv_indices_offset, len(basic.sequence.kv_indices)), (2, 1))
+        compact = self.client.append("v-full", 0, *random_rows(rng, 1), view="COMPACT")
+        self.assertEqual((compact.sequence.id, compact.sequence.pool, compact.sequence.kv_indices_offset,
+                          len(compact.sequence.kv_indices)), ("", "", 3, 0))
+        table = list(self.client.sequence("v-full").kv_indices)
+        self.assertEqual(table[2:3], list(basic.sequence.kv_indices))
+        batch = self.client.append_batch([("v-full", {0: random_rows(rng, 1)}), ("v-new", {0: random_rows(rng, 1)})],
+                                         view="compact")
+        # v-full's step fits its last page (no new page); v-new's allocates its first.
+        self.assertEqual([(q.id, q.length, len(q.kv_indices)) for q in batch.sequences], [("", 0, 0), ("", 0, 1)])
+        with self.client.save("v-saved", view="basic", layerwise_min_tokens=0) as s:
+            s.layer(0, *random_rows(rng, 5))
+        saved = s.wait().sequence
+        self.assertEqual((saved.id, len(saved.layer_lengths), len(saved.kv_indices)), ("v-saved", 0, 1))
+        for call in (lambda: self.client.append("v-full", 0, *random_rows(rng, 1), view=2),
+                     lambda: self.client.append_batch([("v-full", {0: random_rows(rng, 1)})], view="all"),
+                     lambda: self.client.save("v-x", view="none")):
+            e = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, call)
+            self.assertIn("is not one of", e.message)
+        self.assertEqual(self.client.sequence("v-full").layer_lengths[0], 132)  # the refused calls wrote nothing
+        for s in ("v-full", "v-new", "v-saved"):
+            self.client.free(s)
+
     def test_mixed_dtypes_refused_by_client(self):
         rng = np.random.default_rng(8)
         e = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, self.client.append_batch,

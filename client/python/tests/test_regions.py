@@ -180,6 +180,27 @@ class ShmRowsTest(RegionTestCase):
                 self.client.append("ref-" + s, l, *expected[s][l], start=0)
                 self.assert_same_bytes(s, "ref-" + s, l)
 
+    def test_decode_step_by_reference(self):
+        rng = np.random.default_rng(27)
+        seqs = ["cdec-%d" % i for i in range(4)]
+        with self.c.shm_rows(rows=len(seqs), layers=3) as buf:
+            for l in range(3):
+                buf.ckv[l], buf.kpe[l] = random_rows(rng, len(seqs))
+            resp = self.c.decode_step(seqs, buf.ckv, buf.kpe, starts=[0] * len(seqs), **SCALES)
+            self.assertEqual(resp.rows_written, 12)
+            req = self.spy.batches[0]
+            # One reference per layer for all sequences, nothing per sequence, no bytes.
+            self.assertEqual([len(q.layers) for q in req.sequences], [0] * len(seqs))
+            self.assertEqual([(l.layer, l.ckv_ref.region, l.ckv_ref.offset, l.kpe_ref.region, len(l.ckv), len(l.kpe))
+                              for l in req.batch_layers],
+                             [(l, buf.name, l * len(seqs) * 1024, buf.name, 0, 0) for l in range(3)])
+            expected = {s: {l: (buf.ckv[l, i:i + 1].copy(), buf.kpe[l, i:i + 1].copy()) for l in range(3)}
+                        for i, s in enumerate(seqs)}
+        for s in seqs:
+            for l in range(3):
+                self.client.append("ref-" + s, l, *expected[s][l], start=0)
+                self.assert_same_bytes(s, "ref-" + s, l)
+
     def test_copies_and_other_memory_go_as_bytes(self):
         rng = np.random.default_rng(26)
         with self.c.shm_rows(rows=16) as buf:
