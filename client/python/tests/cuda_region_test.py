@@ -116,6 +116,20 @@ class CudaRegionTest(RegionServerTestCase):
         self.assertEqual(self.c.cuda_regions(), [])
         self.assertEqual([r for r in self.client.regions() if r.kind == mlakv.pb.REGION_KIND_CUDA], [])
 
+    def test_decode_step_from_one_tensor_per_layer(self):
+        # AppendBatch's compact form by reference: [layers, sequences, dim]
+        # tensors, one region range per layer, all layers in one launch.
+        sent = WireSpy(self.c).batches
+        ckv, kpe = self.rows(16, lead=(3,))
+        resp = self.c.decode_step(["cd-%d" % i for i in range(16)], ckv, kpe, starts=[0] * 16, **SCALES)
+        self.assertEqual(resp.rows_written, 48)
+        self.assertEqual([(l.ckv, l.kpe, bool(l.ckv_ref.region)) for l in sent[0].batch_layers], [(b"", b"", True)] * 3)
+        for i in (0, 7, 15):
+            for l in range(3):
+                self.client.append("cd-bytes", l, ckv[l, i:i + 1].cpu(), kpe[l, i:i + 1].cpu(), start=0, **SCALES)
+                self.assert_same_bytes("cd-%d" % i, "cd-bytes", l)
+            self.client.free("cd-bytes")
+
     def test_event_mode_writes_still_queued_when_the_call_starts(self):
         t = self.torch
         with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, cuda_sync="event") as c:
