@@ -24,6 +24,8 @@ using format::kKpeBytes;
 using format::kKpeDim;
 
 constexpr size_t kAlign = 256;
+// A staging buffer of at least twice this goes to the device in two parts (Launch).
+constexpr size_t kMinStagingPartBytes = 1 << 20;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 int64_t Entries(const CacheBackend::Geometry& g) { return static_cast<int64_t>(g.num_pages) * g.page_size; }
@@ -410,12 +412,12 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
   return out;
 }
 
-// Copies the rows into pinned staging, waits for the producers' events,
-// copies the staging buffer to the device, gathers device rows, launches one kernel
+// Copies the rows into pinned staging and the staging buffer to the device,
+// waits for the producers' events, gathers device rows, launches one kernel
 // per layer and checks that the kernel's bounds guard skipped nothing.
 //
-// The producers' events are waited for on the host, before anything of the
-// append is enqueued, not with cudaStreamWaitEvent: without MPS the server
+// The producers' events are waited for on the host, before anything that
+// reads their rows is enqueued, not with cudaStreamWaitEvent: without MPS the server
 // and a producer are two contexts that the GPU time-slices, and a stream of
 // the server blocked on another process's event sat in those time slices
 // while the producer computed (a 4k-token layer-wise save cost the loop
@@ -425,14 +427,45 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
 // before: it synchronized on the stream behind the event anyway. An Append
 // stream's held rows usually arrive here with their events complete (the
 // commit waited for them first, Pool::WaitForSourcesHere).
+//
+// A staging buffer of several megabytes (a bytes message) goes to the device
+// in two parts: the first part's DMA runs while the second part is copied
+// into pinned memory, both issued from this thread (copier threads issuing
+// many small DMAs into the one stream were much slower; docs/performance.md
+// "Staged chunks sent to the GPU as they are copied").
 absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
-  copier_->Copy(staged.host_copies);
+  const absl::Status enqueued = Enqueue(staged, total);
+  // Whatever was enqueued completes before the call returns, after an error
+  // too: no DMA is left reading the staging buffer or the producer's rows.
+  const cudaError_t synced = cudaStreamSynchronize(stream_);
+  MLAKV_RETURN_IF_ERROR(enqueued);
+  MLAKV_CUDA_RETURN_IF_ERROR(synced, "cudaStreamSynchronize after quantize-append");
+  const unsigned int skipped = *skipped_host_ - skipped_seen_;  // wraps correctly: unsigned
+  skipped_seen_ = *skipped_host_;
+  if (skipped != 0) {
+    return absl::InternalError(absl::StrCat("cuda backend: the kernel skipped ", skipped,
+                                            " out-of-bounds rows that host validation accepted (a server bug)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Enqueue(const StagedAppend& staged, size_t total) {
+  const size_t parts = staged.host_copies.empty() || total < 2 * kMinStagingPartBytes ? 1 : 2;
+  for (size_t lo = 0, k = 0; k < parts; ++k) {
+    const size_t hi = k + 1 == parts ? total : AlignUp(total * (k + 1) / parts);
+    if (parts == 1) {
+      copier_->Copy(staged.host_copies);
+    } else {
+      copier_->Copy(JobsWritingRange(staged.host_copies, pinned_ + lo, pinned_ + hi));
+    }
+    MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_ + lo, pinned_ + lo, hi - lo, cudaMemcpyHostToDevice, stream_),
+                               absl::StrCat("cudaMemcpyAsync of ", hi - lo, " bytes of staged rows"));
+    lo = hi;
+  }
   for (const void* ev : staged.wait_events) {
     MLAKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(static_cast<cudaEvent_t>(const_cast<void*>(ev))),
                                "cudaEventSynchronize on a region's IPC event");
   }
-  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
-                             absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
   for (const StagedAppend::Gather& g : staged.gathers) {
     const size_t ckv_row = kCkvDim * g.esize, kpe_row = kKpeDim * g.esize;
     const RowSource& rows = g.rows;
@@ -444,21 +477,10 @@ absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
                                absl::StrCat("cudaMemcpy2DAsync of ", g.count, " kpe rows from a CUDA region"));
   }
   // Every layer in one launch (up to kMaxLayersPerLaunch a launch).
-  if (absl::Status s = QuantizeAppendLayers(staged.params.data(), static_cast<int>(staged.params.size()), stream_);
-      !s.ok()) {
-    cudaStreamSynchronize(stream_);  // leave the stream idle whatever happened
-    return s;
-  }
+  MLAKV_RETURN_IF_ERROR(QuantizeAppendLayers(staged.params.data(), static_cast<int>(staged.params.size()), stream_));
   MLAKV_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(skipped_host_, skipped_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream_),
       "cudaMemcpyAsync of the skipped-rows counter");
-  MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after quantize-append");
-  const unsigned int skipped = *skipped_host_ - skipped_seen_;  // wraps correctly: unsigned
-  skipped_seen_ = *skipped_host_;
-  if (skipped != 0) {
-    return absl::InternalError(absl::StrCat("cuda backend: the kernel skipped ", skipped,
-                                            " out-of-bounds rows that host validation accepted (a server bug)"));
-  }
   return absl::OkStatus();
 }
 

@@ -57,6 +57,8 @@ class CudaBackend : public CacheBackend {
   absl::StatusOr<size_t> PlanStaging(std::span<const LayerAppend> layers, std::vector<LayerSlots>* slots) const;
   absl::StatusOr<StagedAppend> Stage(std::span<const LayerAppend> layers, const std::vector<LayerSlots>& slots);
   absl::Status Launch(const StagedAppend& staged, size_t total);
+  // Launch's device work, enqueued on the stream; Launch then waits for it.
+  absl::Status Enqueue(const StagedAppend& staged, size_t total);
   absl::Status EnsureStaging(size_t bytes);
   absl::Status CheckEntries(int32_t layer, std::span<const int64_t> entries) const;
   // Copies runs between the layer's caches and host rows; `to_device` picks the direction.

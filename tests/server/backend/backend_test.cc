@@ -179,6 +179,51 @@ TEST_F(BackendTest, RowsInPiecesStoreWhatTheSameRowsInOneBufferStore) {
   }
 }
 
+// A multi-megabyte append (a 4 MB bytes message, two layers): the CUDA
+// backend sends its staging buffer to the device in two parts, each part's
+// host copies cut out of the message's pieces wherever the cut falls; every
+// row of both layers lands where the placement says, as one buffer would.
+TEST_F(BackendTest, AMultiMegabyteAppendInPiecesStoresEveryRow) {
+  constexpr CacheBackend::Geometry kBig{.num_layers = 2, .num_pages = 640, .page_size = 4};
+  auto big = CreateCacheBackend(device_, kBig);
+  ASSERT_TRUE(big.ok()) << big.status();
+  constexpr int64_t kRows = 2043;  // 2 x 2043 x 1152 bytes = 4.7 MB staged, not a multiple of anything
+  const Rows layer0(kRows, 11), layer1(kRows, 12);
+  // Pieces of uneven sizes, as a message's slices arrive.
+  auto cut = [](const std::vector<uint16_t>& v, uint32_t seed) {
+    BytePieces p;
+    std::mt19937 gen(seed);
+    const char* b = reinterpret_cast<const char*>(v.data());
+    for (size_t at = 0, size = v.size() * 2; at < size;) {
+      const size_t n = std::min<size_t>(size - at, 1 + gen() % (700 << 10));
+      p.Add(std::string_view(b + at, n));
+      at += n;
+    }
+    return p;
+  };
+  const BytePieces ckv0 = cut(layer0.ckv, 1), kpe0 = cut(layer0.kpe, 2), ckv1 = cut(layer1.ckv, 3),
+                   kpe1 = cut(layer1.kpe, 4);
+  // One request owning pages 639, 638, ..., 0 (reversed), rows at positions 5 .. 5 + kRows - 1.
+  std::vector<int32_t> indices(kBig.num_pages);
+  for (int32_t i = 0; i < kBig.num_pages; ++i) indices[i] = kBig.num_pages - 1 - i;
+  const std::vector<int32_t> indptr = {0, kBig.num_pages};
+  const AppendSegment seg0{.rows = {.ckv_pieces = &ckv0, .kpe_pieces = &kpe0}, .count = kRows, .request = 0, .start = 5};
+  const AppendSegment seg1{.rows = {.ckv_pieces = &ckv1, .kpe_pieces = &kpe1}, .count = kRows, .request = 0, .start = 5};
+  const std::vector<LayerAppend> layers = {
+      {.layer = 0, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe, .segments = {&seg0, 1},
+       .rows = std::nullopt, .kv_indptr = indptr, .kv_indices = indices},
+      {.layer = 1, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe, .segments = {&seg1, 1},
+       .rows = std::nullopt, .kv_indptr = indptr, .kv_indices = indices}};
+  ASSERT_TRUE((*big)->Append(layers).ok());
+  std::vector<int64_t> placed;
+  for (int64_t pos = 5; pos < 5 + kRows; ++pos) {
+    placed.push_back(int64_t{indices[pos / kBig.page_size]} * kBig.page_size + pos % kBig.page_size);
+  }
+  std::swap(backend_, *big);  // Read() and ExpectStored() read backend_
+  ExpectStored(0, placed, layer0);
+  ExpectStored(1, placed, layer1);
+}
+
 // Host rows at an odd address (one piece of an Append message's slices can
 // start anywhere): stored as from an aligned buffer (the cpu kernel loads
 // 2-byte elements, so the backend copies such rows first; UBSan checks).
