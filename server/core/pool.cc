@@ -962,8 +962,9 @@ absl::StatusOr<Sequence*> Pool::Resolve(const SequenceRef& ref) const {
 }
 
 PoolSnapshot Pool::Snapshot() const {
-  absl::ReaderMutexLock lock(&mu_);
   PoolSnapshot p;
+  p.worker = worker_->load();  // the executor's own lock, not under the pool's
+  absl::ReaderMutexLock lock(&mu_);
   p.name = name();
   p.device = device_;
   p.num_layers = options_.num_layers;

@@ -179,6 +179,9 @@ struct PoolSnapshot {
   uint32_t sequences_retained = 0;
   uint32_t pages_indexed = 0;
   bool eviction_lru = false;
+  // The pool's worker (its SerialExecutor): busy time since the pool was
+  // created, tasks queued or running now.
+  SerialExecutor::Load worker;
   // Since the pool was created.
   struct Counters {
     uint64_t evictions = 0;

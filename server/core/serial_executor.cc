@@ -32,11 +32,28 @@ void SerialExecutor::RunHere(absl::FunctionRef<void()> task) {
       mu_.Await(absl::Condition(&done));
       return;
     }
-    busy_ = true;
+    SetBusy();
   }
   task();
   absl::MutexLock lock(&mu_);
+  SetIdle();
+}
+
+void SerialExecutor::SetBusy() {
+  busy_ = true;
+  busy_since_ = std::chrono::steady_clock::now();
+}
+
+void SerialExecutor::SetIdle() {
   busy_ = false;
+  busy_total_ += std::chrono::steady_clock::now() - busy_since_;
+}
+
+SerialExecutor::Load SerialExecutor::load() const {
+  absl::MutexLock lock(&mu_);
+  auto total = busy_total_;
+  if (busy_) total += std::chrono::steady_clock::now() - busy_since_;
+  return {.busy_seconds = std::chrono::duration<double>(total).count(), .pending = tasks_.size() + (busy_ ? 1 : 0)};
 }
 
 size_t SerialExecutor::pending() const {
@@ -58,11 +75,11 @@ void SerialExecutor::Loop(absl::AnyInvocable<void() &&> on_start) {
       if (tasks_.empty()) return;  // stopping and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();
-      busy_ = true;
+      SetBusy();
     }
     std::move(task)();
     absl::MutexLock lock(&mu_);
-    busy_ = false;
+    SetIdle();
   }
 }
 

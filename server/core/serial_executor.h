@@ -16,6 +16,7 @@
 // every CUDA call of its tasks starts on the pool's device.
 #pragma once
 
+#include <chrono>
 #include <deque>
 #include <thread>
 
@@ -43,13 +44,26 @@ class SerialExecutor {
   void RunHere(absl::FunctionRef<void()> task);
   // Tasks posted and not yet finished (for tests and metrics).
   size_t pending() const;
+  // How loaded the executor is: the time spent running tasks since it
+  // started (on the worker and RunHere callers), whose rate is its
+  // utilization (1 = saturated), and pending().
+  struct Load {
+    double busy_seconds = 0;
+    size_t pending = 0;
+  };
+  Load load() const;
 
  private:
   void Loop(absl::AnyInvocable<void() &&> on_start);
+  void SetBusy() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetIdle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::deque<absl::AnyInvocable<void() &&>> tasks_ ABSL_GUARDED_BY(mu_);
   bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a task runs (on the worker or a RunHere caller)
+  // Since the start: the finished tasks' run time, and when the running one began.
+  std::chrono::steady_clock::duration busy_total_ ABSL_GUARDED_BY(mu_){};
+  std::chrono::steady_clock::time_point busy_since_ ABSL_GUARDED_BY(mu_){};
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -99,6 +99,12 @@ std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
        [](const PoolSnapshot& p) { return static_cast<double>(p.counters.prefix_queries); }},
       {"mlakv_prefix_hit_pages_total", "Leading pages those lookups found.", true,
        [](const PoolSnapshot& p) { return static_cast<double>(p.counters.prefix_hit_pages); }},
+      {"mlakv_pool_worker_busy_seconds_total",
+       "Time the pool's worker spent on its tasks (appends, reads, restores); its rate is the worker's "
+       "utilization, 1 when every call of the pool waits for it.",
+       true, [](const PoolSnapshot& p) { return p.worker.busy_seconds; }},
+      {"mlakv_pool_worker_tasks", "Tasks queued on or running on the pool's worker.", false,
+       [](const PoolSnapshot& p) { return static_cast<double>(p.worker.pending); }},
   };
   std::vector<prometheus::MetricFamily> cache_families;
   for (const PoolValue& v : kPoolValues) {

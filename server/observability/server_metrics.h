@@ -18,6 +18,8 @@
 //   mlakv_leases_acquired/_released/_expired_total, mlakv_forks_total,
 //   mlakv_fork_shared_pages_total, mlakv_pages_copied_total,
 //   mlakv_prefix_queries_total, mlakv_prefix_hit_pages_total{pool}  counters, read from the pool at scrape time
+//   mlakv_pool_worker_busy_seconds_total{pool}         counter: the pool's worker running tasks, at scrape time
+//   mlakv_pool_worker_tasks{pool}                      gauge: tasks queued on or running on it, at scrape time
 //   mlakv_ipc_regions                                  gauge: regions registered now, read at scrape time
 //   mlakv_auth_failures_total{reason}                  counter: calls refused before the service
 //   mlakv_draining                                     gauge: 1 after SIGTERM

@@ -202,6 +202,10 @@ class MetricsAfterWorkload(unittest.TestCase):
         # The kernel ran for every successful append, and took time.
         self.assertGreaterEqual(d("mlakv_kernel_calls_total", pool="default", device="cpu"), 7)
         self.assertGreater(d("mlakv_kernel_seconds_total", pool="default", device="cpu"), 0)
+        # The backend runs on the pool's worker: its busy time holds all the kernel time, and it is idle now.
+        self.assertGreaterEqual(value(m, "mlakv_pool_worker_busy_seconds_total", pool="default"),
+                                value(m, "mlakv_kernel_seconds_total", pool="default", device="cpu"))
+        self.assertEqual(value(m, "mlakv_pool_worker_tasks", pool="default"), 0)
         # Gauges at scrape time: 2 sequences of 101 tokens (layer 0) = 2 pages each.
         pages = 2 * math.ceil((n + 1) / 64)
         self.assertEqual(value(m, "mlakv_pool_sequences", pool="default"), 2)

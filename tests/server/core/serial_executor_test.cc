@@ -5,6 +5,7 @@
 #include "server/core/serial_executor.h"
 
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
@@ -75,6 +76,36 @@ TEST(SerialExecutorTest, PendingCountsTheRunningTask) {
   started.WaitForNotification();
   EXPECT_EQ(executor.pending(), 1u);
   release.Notify();
+}
+
+// load(): the busy time counts the tasks' run time (posted and RunHere, the
+// running one included) and not the idle time between them.
+TEST(SerialExecutorTest, LoadCountsTheTimeTasksRunAndNotTheIdleTime) {
+  const auto begin = std::chrono::steady_clock::now();
+  SerialExecutor executor;
+  EXPECT_EQ(executor.load().busy_seconds, 0);
+  const auto sleep = [] { std::this_thread::sleep_for(std::chrono::milliseconds(50)); };
+  executor.RunHere(sleep);  // on this thread
+  absl::Notification started, release;
+  executor.Post([&] {
+    sleep();
+    started.Notify();
+    release.WaitForNotification();
+  });
+  started.WaitForNotification();
+  const SerialExecutor::Load running = executor.load();
+  EXPECT_GE(running.busy_seconds, 0.1);  // both sleeps, the second task still running
+  EXPECT_EQ(running.pending, 1u);
+  release.Notify();
+  executor.RunHere([] {});  // behind the posted task: it has finished when this returns
+  const double after = executor.load().busy_seconds;
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // idle
+  const SerialExecutor::Load idle = executor.load();
+  EXPECT_EQ(idle.busy_seconds, after);
+  EXPECT_EQ(idle.pending, 0u);
+  // At most the wall time less the idle 100 ms (and the waits before the sleeps).
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+  EXPECT_LE(idle.busy_seconds, wall - 0.1);
 }
 
 // Posters on several threads hand the worker plain data (no atomics): every

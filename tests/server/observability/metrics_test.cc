@@ -261,6 +261,7 @@ TEST(ServerMetrics, PoolGaugesAreReadAtScrapeTime) {
     p.counters.leases_expired = 12;
     p.counters.prefix_hit_pages = 13;
     p.counters.pages_copied = 14;
+    p.worker = {.busy_seconds = 2.5, .pending = 3};
     return std::vector<PoolSnapshot>{p};
   });
   const std::map<std::string, std::string> pd = {{"pool", "default"}, {"device", "cpu"}};
@@ -279,6 +280,10 @@ TEST(ServerMetrics, PoolGaugesAreReadAtScrapeTime) {
   EXPECT_EQ(Value(text, "mlakv_leases_expired_total", pool), 12);
   EXPECT_EQ(Value(text, "mlakv_prefix_hit_pages_total", pool), 13);
   EXPECT_EQ(Value(text, "mlakv_pages_copied_total", pool), 14);
+  EXPECT_EQ(Value(text, "mlakv_pool_worker_busy_seconds_total", pool), 2.5);
+  EXPECT_EQ(Value(text, "mlakv_pool_worker_tasks", pool), 3);
+  EXPECT_THAT(text, HasSubstr("# TYPE mlakv_pool_worker_busy_seconds_total counter\n"));
+  EXPECT_THAT(text, HasSubstr("# TYPE mlakv_pool_worker_tasks gauge\n"));
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_evictions_total counter\n"));
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_pool_leases gauge\n"));
   used = 9;
