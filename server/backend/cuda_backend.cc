@@ -24,8 +24,6 @@ using format::kKpeBytes;
 using format::kKpeDim;
 
 constexpr size_t kAlign = 256;
-// A staging buffer of at least twice this goes to the device in two parts (Launch).
-constexpr size_t kMinStagingPartBytes = 1 << 20;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 int64_t Entries(const CacheBackend::Geometry& g) { return static_cast<int64_t>(g.num_pages) * g.page_size; }
@@ -428,11 +426,12 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
 // stream's held rows usually arrive here with their events complete (the
 // commit waited for them first, Pool::WaitForSourcesHere).
 //
-// A staging buffer of several megabytes (a bytes message) goes to the device
-// in two parts: the first part's DMA runs while the second part is copied
-// into pinned memory, both issued from this thread (copier threads issuing
-// many small DMAs into the one stream were much slower; docs/performance.md
-// "Staged chunks sent to the GPU as they are copied").
+// One DMA for the whole staging buffer after the whole host copy: sending a
+// 4 MB message's buffer in two halves, the first half's DMA beside the
+// second half's copy, made the call slower (336-348 -> 357-382 us on the H200
+// host), as did many small DMAs from the copier threads (docs/performance.md
+// "Staged chunks sent to the GPU as they are copied", "Ingest: the pool's
+// worker").
 absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
   const absl::Status enqueued = Enqueue(staged, total);
   // Whatever was enqueued completes before the call returns, after an error
@@ -450,18 +449,9 @@ absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
 }
 
 absl::Status CudaBackend::Enqueue(const StagedAppend& staged, size_t total) {
-  const size_t parts = staged.host_copies.empty() || total < 2 * kMinStagingPartBytes ? 1 : 2;
-  for (size_t lo = 0, k = 0; k < parts; ++k) {
-    const size_t hi = k + 1 == parts ? total : AlignUp(total * (k + 1) / parts);
-    if (parts == 1) {
-      copier_->Copy(staged.host_copies);
-    } else {
-      copier_->Copy(JobsWritingRange(staged.host_copies, pinned_ + lo, pinned_ + hi));
-    }
-    MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_ + lo, pinned_ + lo, hi - lo, cudaMemcpyHostToDevice, stream_),
-                               absl::StrCat("cudaMemcpyAsync of ", hi - lo, " bytes of staged rows"));
-    lo = hi;
-  }
+  copier_->Copy(staged.host_copies);
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
+                             absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
   for (const void* ev : staged.wait_events) {
     MLAKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(static_cast<cudaEvent_t>(const_cast<void*>(ev))),
                                "cudaEventSynchronize on a region's IPC event");

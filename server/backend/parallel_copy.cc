@@ -5,21 +5,6 @@
 
 namespace mlakv::server {
 
-std::vector<CopyJob> JobsWritingRange(std::span<const CopyJob> jobs, const void* lo, const void* hi) {
-  const auto* low = static_cast<const char*>(lo);
-  const auto* high = static_cast<const char*>(hi);
-  std::vector<CopyJob> out;
-  for (const CopyJob& j : jobs) {
-    auto* dst = static_cast<char*>(j.dst);
-    const char* begin = std::max<const char*>(dst, low);
-    const char* end = std::min<const char*>(dst + j.bytes, high);
-    if (begin >= end) continue;
-    const size_t skip = static_cast<size_t>(begin - dst);
-    out.push_back({dst + skip, static_cast<const char*>(j.src) + skip, static_cast<size_t>(end - begin)});
-  }
-  return out;
-}
-
 ParallelCopy::ParallelCopy(int helpers) {
   // Counted as finished until the first generation, so a Copy() never waits
   // for a helper that has not started yet.

@@ -29,12 +29,6 @@ struct CopyJob {
   size_t bytes = 0;
 };
 
-// The parts of `jobs` that write the destination bytes [lo, hi), each job
-// cut at those bounds (in the jobs' order; jobs outside the range drop out).
-// The CUDA backend copies its staging buffer in parts this way, so that one
-// part's DMA runs while the next part is copied.
-std::vector<CopyJob> JobsWritingRange(std::span<const CopyJob> jobs, const void* lo, const void* hi);
-
 class ParallelCopy {
  public:
   static constexpr size_t kMinParallelBytes = 1 << 20;

@@ -186,7 +186,7 @@ bool ParseAppendMessage(grpc::ByteBuffer* raw, ReceivedAppend* out) {
   out->Clear();
   if (!raw->Dump(&out->slices).ok()) return false;
   raw->Clear();
-  if (ParseLeavingRows(out->slices, &out->message, &out->rows)) { if (getenv("DBGW")) fprintf(stderr, "fast %zu slices %zu parts\n", out->slices.size(), out->rows.empty() ? 0 : out->rows[0].ckv.parts.size()); return true; }
+  if (ParseLeavingRows(out->slices, &out->message, &out->rows)) return true;
   // Not taken apart: the plain parse decides (and then holds the rows itself).
   out->rows.clear();
   out->message.Clear();
