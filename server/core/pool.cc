@@ -962,9 +962,8 @@ absl::StatusOr<Sequence*> Pool::Resolve(const SequenceRef& ref) const {
 }
 
 PoolSnapshot Pool::Snapshot() const {
-  PoolSnapshot p;
-  p.worker = worker_->load();  // the executor's own lock, not under the pool's
   absl::ReaderMutexLock lock(&mu_);
+  PoolSnapshot p;
   p.name = name();
   p.device = device_;
   p.num_layers = options_.num_layers;

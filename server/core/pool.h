@@ -180,7 +180,9 @@ struct PoolSnapshot {
   uint32_t pages_indexed = 0;
   bool eviction_lru = false;
   // The pool's worker (its SerialExecutor): busy time since the pool was
-  // created, tasks queued or running now.
+  // created, tasks queued or running now. Left empty by Pool::Snapshot (a
+  // GetPool need not take the worker's lock); the metrics' scrape-time
+  // source fills it from worker().load().
   SerialExecutor::Load worker;
   // Since the pool was created.
   struct Counters {

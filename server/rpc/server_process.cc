@@ -122,7 +122,10 @@ absl::Status ServerProcess::StartEventPublisher() {
 void ServerProcess::ConnectPoolGauges() {
   prepared_.metrics->SetPoolSource([s = server_.get()] {
     std::vector<PoolSnapshot> out;
-    for (const auto& pool : s->pools()) out.push_back(pool->Snapshot());
+    for (const auto& pool : s->pools()) {
+      out.push_back(pool->Snapshot());
+      out.back().worker = pool->worker().load();
+    }
     return out;
   });
   prepared_.metrics->SetIpcRegionSource([s = server_.get()] { return static_cast<int64_t>(s->regions().size()); });
