@@ -98,6 +98,9 @@ TEST(SerialExecutorTest, LoadCountsTheTimeTasksRunAndNotTheIdleTime) {
   EXPECT_EQ(running.pending, 1u);
   release.Notify();
   executor.RunHere([] {});  // behind the posted task: it has finished when this returns
+  // The worker marks itself idle just after the task that RunHere waited
+  // for; wait for that before reading the total.
+  while (executor.pending() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   const double after = executor.load().busy_seconds;
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // idle
   const SerialExecutor::Load idle = executor.load();
