@@ -16,11 +16,17 @@ namespace {
 
 // Bytes of one row of ckv + kpe (both dtypes have 2-byte elements).
 constexpr uint64_t kRowBytes = (format::kCkvDim + format::kKpeDim) * 2;
+// A message this large has its slot released off the pool's worker (Process).
+constexpr size_t kOffWorkerBytes = 256 * 1024;
 
 }  // namespace
 
 AppendReactor::AppendReactor(KvCacheService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response)
-    : service_(service), ctx_(ctx), response_(response), started_(absl::Now()) {
+    : service_(service),
+      ctx_(ctx),
+      response_(response),
+      transport_(&service->NextTransport()),
+      started_(absl::Now()) {
   if (service_->draining()) {
     {
       absl::MutexLock lock(&mu_);
@@ -65,6 +71,7 @@ void AppendReactor::OnMessage(int got, int index) {
   // The slot is this read's alone until it is marked busy: parse without mu_.
   Slot& slot = slots_[got];
   const size_t raw_bytes = slot.raw.Length();
+  slot.raw_bytes = raw_bytes;
   const uint32_t max_bytes = service_->options().max_message_bytes;
   const bool too_large = raw_bytes > max_bytes;
   const bool parsed = !too_large && ParseAppendMessage(&slot.raw, &slot.received);
@@ -200,7 +207,28 @@ void AppendReactor::Process(int slot, int index) {
     skip = finishing_ || doomed_;
   }
   const absl::Status status = skip ? absl::OkStatus() : ProcessMessage(slots_[slot].received, index);
-  slots_[slot].received.Clear();  // the rows are staged: the transport's slices go back
+  if (!status.ok()) {
+    // Here, before the next task (a commit) runs on this worker.
+    absl::MutexLock lock(&mu_);
+    if (!finishing_) {
+      finishing_ = true;
+      finish_status_ = status;
+    }
+  }
+  // The rows are staged. Giving the slices back, the next read and a finish
+  // are the transport's: off the worker when another task waits there and
+  // the message brought its rows as bytes (megabytes of slices to free; a
+  // message by reference is a few hundred bytes, not worth a thread hop).
+  // This task stays counted in queued_ until Release has run.
+  if (slots_[slot].raw_bytes >= kOffWorkerBytes) {
+    OffWorker([this, slot] { Release(slot); });
+  } else {
+    Release(slot);
+  }
+}
+
+void AppendReactor::Release(int slot) {
+  slots_[slot].received.Clear();  // the transport's slices go back
   int next_read = -1;
   std::optional<absl::Status> finish;
   {
@@ -208,10 +236,6 @@ void AppendReactor::Process(int slot, int index) {
     slots_[slot].busy = false;
     --queued_;
     last_activity_ = absl::Now();
-    if (!status.ok() && !finishing_) {
-      finishing_ = true;
-      finish_status_ = status;
-    }
     if (!finishing_ && !doomed_ && read_wanted_) {
       read_wanted_ = false;
       next_read = TakeFreeSlotLocked();
@@ -336,7 +360,7 @@ void AppendReactor::Complete(absl::Status waited) {
     }
     finish = TakeFinishLocked();
   }
-  if (finish) Done(*finish);
+  if (finish) FinishOffWorker(*std::move(finish));
 }
 
 absl::Status AppendReactor::CommitStream() {
@@ -392,7 +416,7 @@ void AppendReactor::Fail(const absl::Status& status) {
     }
     finish = TakeFinishLocked();
   }
-  if (finish) Done(*finish);
+  if (finish) FinishOffWorker(*std::move(finish));
 }
 
 // ---- finishing ------------------------------------------------------------------
@@ -401,6 +425,22 @@ std::optional<absl::Status> AppendReactor::TakeFinishLocked() {
   if (!finishing_ || queued_ > 0 || starting_reads_ > 0 || finish_taken_) return std::nullopt;
   finish_taken_ = true;
   return finish_status_;
+}
+
+void AppendReactor::FinishOffWorker(absl::Status status) {
+  // Finish was taken (TakeFinishLocked): nothing else of this reactor runs
+  // now, and OnDone cannot come before this Finish.
+  OffWorker([this, status = std::move(status)] { Done(status); });
+}
+
+void AppendReactor::OffWorker(absl::AnyInvocable<void() &&> step) {
+  // pending() counts the task running now. Alone on the worker, a hop would
+  // only add a thread wake-up to this stream's latency.
+  if (pool_ == nullptr || pool_->worker().pending() <= 1) {
+    std::move(step)();
+  } else {
+    transport_->Post(std::move(step));
+  }
 }
 
 std::string AppendReactor::Detail() const {

@@ -19,7 +19,10 @@
 // Pipelining: two message slots. While the worker processes message k,
 // message k+1 is received into the other slot, and the read of k+2 starts as
 // soon as k's slot is free, so the server holds at most two messages per
-// stream (backpressure) and the network overlaps the worker.
+// stream (backpressure) and the network overlaps the worker. The worker only
+// stages and commits: while other tasks wait there, freeing a slot (its
+// slices), the read that waited for it and Finish run on one of the
+// service's transport executors (KvCacheService::NextTransport).
 //
 // Lifetime: Finish is called exactly once, and only when no task of this
 // reactor is queued on a worker and no StartRead is being made; a read may
@@ -35,6 +38,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -59,6 +63,7 @@ class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
   struct Slot {
     grpc::ByteBuffer raw;      // what the read delivers
     ReceivedAppend received;   // parsed from raw, the rows left in its slices (server/rpc/append_wire.h)
+    size_t raw_bytes = 0;      // the message's size on the wire
     bool busy = false;         // holds a message queued on / being processed by the worker
   };
 
@@ -78,7 +83,11 @@ class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
   void FailLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- worker side ----
+  // Stages the slot's message, then Release (OffWorker).
   void Process(int slot, int index);
+  // Frees the slot (its slices go back), starts the read that waited for
+  // it, finishes when that was the last task.
+  void Release(int slot);
   absl::Status ProcessMessage(const ReceivedAppend& received, int index);
   // The commit on a clean end (`waited`: how the wait for the held rows'
   // events ended, OK when there was none).
@@ -90,11 +99,18 @@ class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
   // this reactor is left on a worker and no StartRead is about to be made.
   std::optional<absl::Status> TakeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Done(const absl::Status& status);
+  // Done, from a worker task: off the worker when it has more to do.
+  void FinishOffWorker(absl::Status status);
+  // Runs `step` (the transport's side of a worker task) on the stream's
+  // transport executor when other tasks wait on the pool's worker, else
+  // here at once.
+  void OffWorker(absl::AnyInvocable<void() &&> step);
   std::string Detail() const;
 
   KvCacheService* const service_;
   grpc::CallbackServerContext* const ctx_;
   grpc::ByteBuffer* const response_;
+  SerialExecutor* const transport_;  // the service's, for this stream's life (KvCacheService::NextTransport)
   const absl::Time started_;
   bool counted_ = false;     // in the service's appends in flight (not when refused while draining)
   bool registered_ = false;  // with the watchdog

@@ -126,6 +126,13 @@ class KvCacheService final : public KvCacheServiceBase {
   StreamWatchdog& watchdog() { return *watchdog_; }
   // Runs the rollback of a stream that timed out before it named a pool.
   SerialExecutor& control() { return *control_; }
+  // The transport's side of an Append stream once a pool's worker has
+  // staged a message: giving the message's slices back, starting the next
+  // read, Finish (which may write the response inline). Kept off the pool's
+  // worker so it goes straight on to the next message's staging
+  // (docs/performance.md "Ingest: the transport's work off the worker").
+  // Round robin over a few threads; a stream keeps the one it got.
+  SerialExecutor& NextTransport();
   void AppendStarted() { appends_in_flight_.fetch_add(1); }
   void AppendEnded(const AppendOutcome& outcome);
 
@@ -189,6 +196,8 @@ class KvCacheService final : public KvCacheServiceBase {
   std::atomic<int> watchers_{0};
   ServerMetrics::RpcChildren* rpc_children_[kRpcMethods] = {};  // resolved once (null without metrics)
   std::unique_ptr<SerialExecutor> control_;
+  std::vector<std::unique_ptr<SerialExecutor>> transport_;
+  std::atomic<size_t> next_transport_{0};
   std::unique_ptr<StreamWatchdog> watchdog_;  // after control_: destroyed first
 };
 

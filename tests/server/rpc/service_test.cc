@@ -1208,5 +1208,77 @@ TEST_F(ServiceTest, ConcurrentClientsKeepInvariants) {
   EXPECT_EQ(GetPool().layers(1).tokens(), total);
 }
 
+// Streams of messages over 256 KiB have their slots freed, their next reads
+// started and their Finish made on the service's transport executors while
+// the pool's worker stages the next message (AppendReactor::Process). Many
+// such streams at once, some failing on the worker, must still store every
+// committed row exactly, roll the failed ones back and leak no page.
+TEST_F(ServiceTest, ConcurrentLargeStreamsCommitExactlyAndLeakNothing) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 2048");
+  MustAppend("warmup", 0, RandomRows(1, 53), {0, 1});  // sets both layers' scales
+  const uint32_t free_before = GetPool().pages_free();
+  constexpr int kClients = 6, kStreams = 4;
+  constexpr int64_t kPerMessage = 120;  // x 2 layers x 1152 B = 276 KB a message
+  std::vector<Rows> rows;
+  for (int c = 0; c < kClients; ++c) rows.push_back(RandomRows(kStreams * 3 * kPerMessage, 7000 + c));
+  std::vector<uint32_t> lengths(kClients, 0);
+  std::atomic<int> unexpected{0};
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      const std::string id = "large" + std::to_string(c);
+      for (int st = 0; st < kStreams; ++st) {
+        Rows part;
+        part.dtype = rows[c].dtype;
+        part.n = 3 * kPerMessage;
+        const int64_t first = static_cast<int64_t>(lengths[c]);
+        part.ckv.assign(rows[c].ckv.begin() + first * 512, rows[c].ckv.begin() + (first + part.n) * 512);
+        part.kpe.assign(rows[c].kpe.begin() + first * 64, rows[c].kpe.begin() + (first + part.n) * 64);
+        // Every other client's second stream starts past the end: refused on
+        // the worker at its first message, and the rows stay where they were.
+        const bool refused = c % 2 == 1 && st == 1;
+        grpc::Status s = AppendRows(id, lengths[c] + (refused ? 5 : 0), part, {0, 1}, 0, 0, kPerMessage);
+        if (refused) {
+          if (s.ok()) ++unexpected;
+          continue;
+        }
+        if (!s.ok()) {
+          ++unexpected;
+          ADD_FAILURE() << id << " stream " << st << ": " << Describe(s);
+          return;
+        }
+        lengths[c] += static_cast<uint32_t>(part.n);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_EQ(unexpected.load(), 0);
+  ASSERT_TRUE(pool().CheckInvariants().ok());
+  for (int c = 0; c < kClients; ++c) {
+    const std::string id = "large" + std::to_string(c);
+    v1::Sequence seq;
+    ASSERT_TRUE(GetSequence(id, &seq).ok());
+    ASSERT_EQ(seq.length(), lengths[c]);
+    // The same rows appended alone, in one stream, store the same bytes.
+    Rows alone = rows[c];
+    alone.n = lengths[c];
+    alone.ckv.resize(alone.n * 512);
+    alone.kpe.resize(alone.n * 64);
+    MustAppend("alone" + std::to_string(c), 0, alone, {0, 1});
+    ExpectSameStored(id, "alone" + std::to_string(c), {0, 1}, lengths[c]);
+  }
+  for (int c = 0; c < kClients; ++c) {
+    for (const std::string& id : {"large" + std::to_string(c), "alone" + std::to_string(c)}) {
+      grpc::ClientContext ctx;
+      v1::FreeSequenceRequest req;
+      req.set_sequence(id);
+      v1::FreeSequenceResponse resp;
+      ASSERT_TRUE(stub().FreeSequence(&ctx, req, &resp).ok()) << id;
+    }
+  }
+  EXPECT_EQ(GetPool().pages_free(), free_before);
+}
+
 }  // namespace
 }  // namespace mlakv::server::testing
