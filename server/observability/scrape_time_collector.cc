@@ -35,15 +35,22 @@ void ScrapeTimeCollector::SetIpcRegionSource(std::function<int64_t()> source) {
   ipc_source_ = std::move(source);
 }
 
+void ScrapeTimeCollector::SetTransportSource(std::function<SerialExecutor::Load()> source) {
+  absl::MutexLock lock(&mu_);
+  transport_source_ = std::move(source);
+}
+
 std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
   std::vector<PoolSnapshot> pools;
   int64_t regions = 0;
+  SerialExecutor::Load transport;
   {
     // Held while the sources run, so that SetPoolSource(nullptr) returns
     // only once no scrape is still inside the old source. Readers share it.
     absl::ReaderMutexLock lock(&mu_);
     if (pool_source_) pools = pool_source_();
     if (ipc_source_) regions = ipc_source_();
+    if (transport_source_) transport = transport_source_();
   }
   prometheus::MetricFamily capacity = GaugeFamily("mlakv_pool_pages_capacity", "Pages in the pool (used + free).");
   prometheus::MetricFamily used = GaugeFamily("mlakv_pool_pages_used", "Pages owned by sequences.");
@@ -125,8 +132,20 @@ std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
   prometheus::MetricFamily ipc =
       GaugeFamily("mlakv_ipc_regions", "Regions (host shared memory and CUDA IPC) registered by producers.");
   AddSample(ipc, {}, static_cast<double>(regions));
+  prometheus::MetricFamily transport_busy = GaugeFamily(
+      "mlakv_transport_busy_seconds_total",
+      "Time the Append streams' transport threads spent freeing staged messages, starting reads and finishing "
+      "streams off the pools' workers; its rate over the number of threads is their utilization.");
+  transport_busy.type = prometheus::MetricType::Counter;
+  prometheus::ClientMetric busy_sample;
+  busy_sample.counter.value = transport.busy_seconds;
+  transport_busy.metric.push_back(std::move(busy_sample));
+  prometheus::MetricFamily transport_tasks =
+      GaugeFamily("mlakv_transport_tasks", "Tasks queued on or running on the transport threads.");
+  AddSample(transport_tasks, {}, static_cast<double>(transport.pending));
   std::vector<prometheus::MetricFamily> out;
-  for (prometheus::MetricFamily* f : {&capacity, &used, &free, &sequences, &cache_bytes, &ipc}) {
+  for (prometheus::MetricFamily* f :
+       {&capacity, &used, &free, &sequences, &cache_bytes, &ipc, &transport_busy, &transport_tasks}) {
     out.push_back(std::move(*f));
   }
   for (prometheus::MetricFamily& f : cache_families) out.push_back(std::move(f));

@@ -30,16 +30,19 @@ class ScrapeTimeCollector : public prometheus::Collectable {
   // have no samples and mlakv_ipc_regions is 0.
   void SetPoolSource(std::function<std::vector<PoolSnapshot>()> source);
   void SetIpcRegionSource(std::function<int64_t()> source);
+  // The Append streams' transport threads, summed (KvCacheService::TransportLoad).
+  void SetTransportSource(std::function<SerialExecutor::Load()> source);
 
   // mlakv_pool_pages_capacity/_used/_free{pool,device},
   // mlakv_pool_sequences{pool}, mlakv_pool_cache_bytes{pool,device},
-  // mlakv_ipc_regions.
+  // mlakv_ipc_regions, mlakv_transport_busy_seconds_total, mlakv_transport_tasks.
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
   mutable absl::Mutex mu_;
   std::function<std::vector<PoolSnapshot>()> pool_source_ ABSL_GUARDED_BY(mu_);
   std::function<int64_t()> ipc_source_ ABSL_GUARDED_BY(mu_);
+  std::function<SerialExecutor::Load()> transport_source_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mlakv::server

@@ -161,6 +161,10 @@ void ServerMetrics::SetIpcRegionSource(std::function<int64_t()> source) {
   scrape_time_->SetIpcRegionSource(std::move(source));
 }
 
+void ServerMetrics::SetTransportSource(std::function<SerialExecutor::Load()> source) {
+  scrape_time_->SetTransportSource(std::move(source));
+}
+
 void ServerMetrics::SetDefaultPool(std::string name) {
   absl::MutexLock lock(&pools_mu_);
   default_pool_ = std::move(name);

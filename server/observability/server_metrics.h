@@ -20,6 +20,8 @@
 //   mlakv_prefix_queries_total, mlakv_prefix_hit_pages_total{pool}  counters, read from the pool at scrape time
 //   mlakv_pool_worker_busy_seconds_total{pool}         counter: the pool's worker running tasks, at scrape time
 //   mlakv_pool_worker_tasks{pool}                      gauge: tasks queued on or running on it, at scrape time
+//   mlakv_transport_busy_seconds_total                 counter: the Append streams' transport threads' busy time
+//   mlakv_transport_tasks                              gauge: tasks queued on or running on them
 //   mlakv_ipc_regions                                  gauge: regions registered now, read at scrape time
 //   mlakv_auth_failures_total{reason}                  counter: calls refused before the service
 //   mlakv_draining                                     gauge: 1 after SIGTERM
@@ -74,6 +76,7 @@ class ServerMetrics {
   // ScrapeTimeCollector).
   void SetPoolSource(std::function<std::vector<PoolSnapshot>()> source);
   void SetIpcRegionSource(std::function<int64_t()> source);
+  void SetTransportSource(std::function<SerialExecutor::Load()> source);
   // The pool an empty `pool` field of a request means.
   void SetDefaultPool(std::string name);
   std::string default_pool() const;

@@ -86,6 +86,16 @@ KvCacheService::~KvCacheService() {
   transport_.clear();  // runs what is still posted (an Append's Finish)
 }
 
+SerialExecutor::Load KvCacheService::TransportLoad() const {
+  SerialExecutor::Load sum;
+  for (const auto& t : transport_) {
+    const SerialExecutor::Load one = t->load();
+    sum.busy_seconds += one.busy_seconds;
+    sum.pending += one.pending;
+  }
+  return sum;
+}
+
 SerialExecutor& KvCacheService::NextTransport() {
   return *transport_[next_transport_.fetch_add(1, std::memory_order_relaxed) % transport_.size()];
 }

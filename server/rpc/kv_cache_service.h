@@ -133,6 +133,8 @@ class KvCacheService final : public KvCacheServiceBase {
   // (docs/performance.md "Ingest: the transport's work off the worker").
   // Round robin over a few threads; a stream keeps the one it got.
   SerialExecutor& NextTransport();
+  // The transport threads' load, summed (for the metrics).
+  SerialExecutor::Load TransportLoad() const;
   void AppendStarted() { appends_in_flight_.fetch_add(1); }
   void AppendEnded(const AppendOutcome& outcome);
 

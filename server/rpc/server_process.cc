@@ -129,6 +129,7 @@ void ServerProcess::ConnectPoolGauges() {
     return out;
   });
   prepared_.metrics->SetIpcRegionSource([s = server_.get()] { return static_cast<int64_t>(s->regions().size()); });
+  prepared_.metrics->SetTransportSource([s = server_.get()] { return s->service().TransportLoad(); });
 }
 
 absl::Status ServerProcess::StartMetricsEndpoint() {

@@ -206,6 +206,9 @@ class MetricsAfterWorkload(unittest.TestCase):
         self.assertGreaterEqual(value(m, "mlakv_pool_worker_busy_seconds_total", pool="default"),
                                 value(m, "mlakv_kernel_seconds_total", pool="default", device="cpu"))
         self.assertEqual(value(m, "mlakv_pool_worker_tasks", pool="default"), 0)
+        # The transport threads (small appends here release on the worker): exposed, nothing left queued.
+        self.assertIn(("mlakv_transport_busy_seconds_total", frozenset()), m)
+        self.assertEqual(value(m, "mlakv_transport_tasks"), 0)
         # Gauges at scrape time: 2 sequences of 101 tokens (layer 0) = 2 pages each.
         pages = 2 * math.ceil((n + 1) / 64)
         self.assertEqual(value(m, "mlakv_pool_sequences", pool="default"), 2)

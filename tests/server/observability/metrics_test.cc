@@ -117,11 +117,16 @@ TEST(ServerMetrics, RendersBuildInfoDrainingAndIpcRegions) {
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_build_info gauge\nmlakv_build_info{version=\"1.2.3\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_draining gauge\nmlakv_draining 0\n"));
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_ipc_regions gauge\nmlakv_ipc_regions 0\n"));
+  EXPECT_EQ(Value(text, "mlakv_transport_busy_seconds_total"), 0);  // no source yet
   m->SetDraining(true);
   m->SetIpcRegionSource([] { return int64_t{3}; });
+  m->SetTransportSource([] { return SerialExecutor::Load{.busy_seconds = 1.25, .pending = 2}; });
   text = m->Render();
   EXPECT_EQ(Value(text, "mlakv_draining"), 1);
   EXPECT_EQ(Value(text, "mlakv_ipc_regions"), 3);
+  EXPECT_EQ(Value(text, "mlakv_transport_busy_seconds_total"), 1.25);
+  EXPECT_EQ(Value(text, "mlakv_transport_tasks"), 2);
+  EXPECT_THAT(text, HasSubstr("# TYPE mlakv_transport_busy_seconds_total counter\n"));
 }
 
 TEST(ServerMetrics, ServedMethodsKeepTheirLabels) {
