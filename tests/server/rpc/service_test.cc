@@ -1211,8 +1211,9 @@ TEST_F(ServiceTest, ConcurrentClientsKeepInvariants) {
 // Streams of messages over 256 KiB have their slots freed, their next reads
 // started and their Finish made on the service's transport executors while
 // the pool's worker stages the next message (AppendReactor::Process). Many
-// such streams at once, some failing on the worker, must still store every
-// committed row exactly, roll the failed ones back and leak no page.
+// such streams at once, some failing on the worker, some cancelled by their
+// client mid-stream, must still store every committed row exactly, roll the
+// others back and leak no page.
 TEST_F(ServiceTest, ConcurrentLargeStreamsCommitExactlyAndLeakNothing) {
   StopServer();
   StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 16 num_pages: 2048");
@@ -1235,10 +1236,34 @@ TEST_F(ServiceTest, ConcurrentLargeStreamsCommitExactlyAndLeakNothing) {
         const int64_t first = static_cast<int64_t>(lengths[c]);
         part.ckv.assign(rows[c].ckv.begin() + first * 512, rows[c].ckv.begin() + (first + part.n) * 512);
         part.kpe.assign(rows[c].kpe.begin() + first * 64, rows[c].kpe.begin() + (first + part.n) * 64);
+        // Every third client's third stream is cancelled by its client after
+        // two of its three messages (while the worker may be staging them,
+        // or the transport thread releasing them): nothing of it commits.
+        if (c % 3 == 2 && st == 2) {
+          grpc::ClientContext ctx;
+          v1::AppendResponse resp;
+          auto writer = stub().Append(&ctx, &resp);
+          bool wrote = writer->Write(AppendMessage(id, lengths[c], part, 0, kPerMessage, {0, 1}));
+          wrote = wrote && writer->Write(AppendMessage("", lengths[c] + kPerMessage, part, kPerMessage, kPerMessage, {0, 1}));
+          ctx.TryCancel();
+          const grpc::Status s = writer->Finish();
+          if (s.error_code() != grpc::StatusCode::CANCELLED) {
+            ++unexpected;
+            ADD_FAILURE() << id << " cancelled stream ended " << Describe(s) << " (writes ok: " << wrote << ")";
+          }
+          continue;
+        }
         // Every other client's second stream starts past the end: refused on
         // the worker at its first message, and the rows stay where they were.
         const bool refused = c % 2 == 1 && st == 1;
-        grpc::Status s = AppendRows(id, lengths[c] + (refused ? 5 : 0), part, {0, 1}, 0, 0, kPerMessage);
+        grpc::Status s;
+        // A cancelled stream's client hears CANCELLED before the server has
+        // rolled it back; until then the next append is ABORTED (retry).
+        for (int tries = 0; tries < 1000; ++tries) {
+          s = AppendRows(id, lengths[c] + (refused ? 5 : 0), part, {0, 1}, 0, 0, kPerMessage);
+          if (s.error_code() != grpc::StatusCode::ABORTED) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
         if (refused) {
           if (s.ok()) ++unexpected;
           continue;
