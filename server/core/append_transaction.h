@@ -79,6 +79,10 @@ class AppendTransaction {
   std::span<uint32_t> committed_;   // [num_layers] lengths before the append
   std::span<uint32_t> staged_end_;  // [num_layers] end of rows written by the append (0: none)
   std::span<uint32_t> touched_;     // [num_layers] 1: the append wrote rows here (counted in staged_users)
+  // The least and the most of committed_: a decode step's rows start where
+  // every layer ends, so Pool::CheckState and PlanPages settle "no hole", "no
+  // rewrite" and expect_length from these two instead of a pass over layers.
+  uint32_t committed_min_ = 0, committed_max_ = 0;
   std::vector<std::vector<bool>> saved_;  // [num_layers][committed_] position's old bytes are in undo_ (empty until a rewrite)
   std::vector<Undo> undo_;
   std::vector<LayerScalesBefore> scales_before_;  // layers whose scales this append set

@@ -384,7 +384,10 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
         protect, ", which ", txn.sequence_->lease_tokens().size(),
         " lease(s) protect; append at or after position ", protect, " or end the leases first (ListLeases)"));
   }
-  if (r.expect_length) {
+  // Every layer holding exactly expect_length tokens (a decode step) passes
+  // without a look at each layer; otherwise each is checked to name the one
+  // that differs.
+  if (r.expect_length && !(txn.committed_min_ == *r.expect_length && txn.committed_max_ == *r.expect_length)) {
     // The layers these rows write, or the sequence as a whole.
     auto mismatch = [&](uint32_t have, const std::string& what) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -392,10 +395,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
           " this append expects (expect_length); nothing was written. An earlier attempt of this append may "
           "have committed: read the sequence before retrying"));
     };
-    if (layers.empty()) {
-      const uint32_t have = *std::min_element(txn.committed_.begin(), txn.committed_.end());
-      if (have != *r.expect_length) return mismatch(have, "");
-    }
+    if (layers.empty() && txn.committed_min_ != *r.expect_length) return mismatch(txn.committed_min_, "");
     for (const LayerRows& lr : layers) {
       const uint32_t have = txn.committed_[lr.layer];
       if (have != *r.expect_length) return mismatch(have, absl::StrCat("layer ", lr.layer));
@@ -409,8 +409,9 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
     if (shared && r.row_count > 0) plan.shared.scales_checked = true;
   }
   // No holes: start at or before what each layer holds (committed, or
-  // staged by this same append).
-  if (r.row_count > 0) {
+  // staged by this same append); a start at or before the shortest layer's
+  // committed length leaves none.
+  if (r.row_count > 0 && r.start > txn.committed_min_) {
     for (const LayerRows& lr : layers) {
       const uint32_t have = std::max(txn.committed_[lr.layer], txn.staged_end_[lr.layer]);
       if (r.start > have) {
@@ -487,9 +488,12 @@ absl::Status Pool::PlanPages(size_t index, const AppendTransaction& txn, const S
       if (allocator_->refs(pages[i]) > 1) plan.cows[index].push_back(static_cast<uint32_t>(i));
     }
     // Pages holding committed positions the rows rewrite: their hashes go.
+    // Rows starting at or past every layer's end rewrite nothing.
     uint64_t rewrite_end = 0;
-    for (const LayerRows& lr : layers) {
-      rewrite_end = std::max<uint64_t>(rewrite_end, std::min<uint64_t>(end, txn.committed_[lr.layer]));
+    if (r.start < txn.committed_max_) {
+      for (const LayerRows& lr : layers) {
+        rewrite_end = std::max<uint64_t>(rewrite_end, std::min<uint64_t>(end, txn.committed_[lr.layer]));
+      }
     }
     if (rewrite_end > r.start) {
       plan.rewritten[index] = {static_cast<uint32_t>(first),
@@ -571,6 +575,7 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
                                 .request = static_cast<int32_t>(i),
                                 .start = static_cast<int32_t>(r.start)};
     if (shared_from) plan.shared_segments.push_back(segment);
+    const bool may_rewrite = r.start < txn.committed_max_;
     for (const LayerRows& lr : r.written_layers()) {
       const int32_t l = static_cast<int32_t>(lr.layer);
       if (!txn.touched_[l]) {
@@ -584,6 +589,7 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
         segments.back().rows = r.shared_layers.empty() ? lr.source : lr.source.From(r.shared_first, esize);
       }
       // Committed positions these rows rewrite whose old bytes are not saved yet.
+      if (!may_rewrite) continue;
       const uint32_t rewrite_end = std::min<uint64_t>(static_cast<uint64_t>(r.start) + r.row_count, txn.committed_[l]);
       if (r.start < rewrite_end) {
         // Before the write: a lease taken meanwhile must not cover it.
@@ -668,10 +674,11 @@ void Pool::RecordStaged(std::span<AppendTransaction* const> txns, std::span<cons
     }
     if (r.pin) txn.pin_ = true;
     if (r.row_count == 0) continue;
-    for (const LayerRows& lr : r.written_layers()) {
+    const std::span<const LayerRows> layers = r.written_layers();
+    for (const LayerRows& lr : layers) {
       txn.staged_end_[lr.layer] = std::max(txn.staged_end_[lr.layer], r.start + r.row_count);
-      txn.rows_written_ += r.row_count;
     }
+    txn.rows_written_ += static_cast<uint64_t>(r.row_count) * layers.size();
   }
 }
 

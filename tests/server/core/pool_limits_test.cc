@@ -203,6 +203,42 @@ TEST(PoolLimits, ExpectLengthWithoutLayersChecksTheSequenceLength) {
   EXPECT_TRUE(AppendOnce(*pool, "s", probe).ok());
 }
 
+// Layers of unequal length: the checks that a decode step settles from the
+// least and most committed length (every layer equal) still look at each
+// layer when they differ, and name the one that fails.
+TEST(PoolLimits, UnequalLayersAreCheckedLayerByLayer) {
+  auto pool = MakePool();  // 2 layers, 4-token pages
+  RowBytes b(8);
+  ASSERT_TRUE(AppendOnce(*pool, "s", Rows(b, 0, 8, {0})).ok());
+  ASSERT_TRUE(AppendOnce(*pool, "s", Rows(RowBytes(4), 0, 4, {1})).ok());  // layer 0: 8, layer 1: 4
+  RowBytes two(2, 7);
+  // expect_length: right for the layer written, wrong for the other.
+  SequenceRowsIn on1 = Rows(two, 4, 2, {1});
+  on1.expect_length = 4;
+  ASSERT_TRUE(AppendOnce(*pool, "s", on1).ok());  // layer 1: 6
+  SequenceRowsIn both = Rows(two, 6, 2, {0, 1});
+  both.expect_length = 6;
+  absl::Status st = AppendOnce(*pool, "s", both);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "layer 0 holds 8 tokens, not the 6")) << st;
+  // No holes: start 7 is inside layer 0 (8) but past layer 1 (6).
+  st = AppendOnce(*pool, "s", Rows(two, 7, 2, {0, 1}));
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "layer 1: start 7 would leave a hole; the layer holds 6")) << st;
+  // A rewrite of layer 0's committed positions 6..8 beside new rows on layer 1.
+  ASSERT_TRUE(AppendOnce(*pool, "s", Rows(two, 6, 2, {0, 1})).ok());
+  absl::StatusOr<SequenceSnapshot> snap = pool->GetSequence("s");
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(snap->length, 8u);
+  EXPECT_EQ(snap->layer_lengths, (std::vector<uint32_t>{8, 8}));
+  // Equal again: a decode-style append (expect_length, start at the end) passes.
+  SequenceRowsIn step = Rows(RowBytes(1), 8, 1, {0, 1});
+  step.expect_length = 8;
+  ASSERT_TRUE(AppendOnce(*pool, "s", step).ok());
+  EXPECT_EQ(pool->GetSequence("s")->length, 9u);
+  ExpectInvariants(*pool);
+}
+
 // ---- the idle reaper reads the use order ----
 
 TEST(PoolLimits, FreeIdleFreesOnlyTheExpiredOldestFirstInBatches) {
