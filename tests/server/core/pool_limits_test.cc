@@ -208,10 +208,9 @@ TEST(PoolLimits, ExpectLengthWithoutLayersChecksTheSequenceLength) {
 // layer when they differ, and name the one that fails.
 TEST(PoolLimits, UnequalLayersAreCheckedLayerByLayer) {
   auto pool = MakePool();  // 2 layers, 4-token pages
-  RowBytes b(8);
+  const RowBytes b(8), four(4), two(2, 7), one(1);  // the rows point into these
   ASSERT_TRUE(AppendOnce(*pool, "s", Rows(b, 0, 8, {0})).ok());
-  ASSERT_TRUE(AppendOnce(*pool, "s", Rows(RowBytes(4), 0, 4, {1})).ok());  // layer 0: 8, layer 1: 4
-  RowBytes two(2, 7);
+  ASSERT_TRUE(AppendOnce(*pool, "s", Rows(four, 0, 4, {1})).ok());  // layer 0: 8, layer 1: 4
   // expect_length: right for the layer written, wrong for the other.
   SequenceRowsIn on1 = Rows(two, 4, 2, {1});
   on1.expect_length = 4;
@@ -232,7 +231,7 @@ TEST(PoolLimits, UnequalLayersAreCheckedLayerByLayer) {
   EXPECT_EQ(snap->length, 8u);
   EXPECT_EQ(snap->layer_lengths, (std::vector<uint32_t>{8, 8}));
   // Equal again: a decode-style append (expect_length, start at the end) passes.
-  SequenceRowsIn step = Rows(RowBytes(1), 8, 1, {0, 1});
+  SequenceRowsIn step = Rows(one, 8, 1, {0, 1});
   step.expect_length = 8;
   ASSERT_TRUE(AppendOnce(*pool, "s", step).ok());
   EXPECT_EQ(pool->GetSequence("s")->length, 9u);
