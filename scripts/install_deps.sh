@@ -18,7 +18,8 @@ cd "$(dirname "$0")/.."
 # prometheus-cpp-dev: the metric families and text format (core) and the
 # /metrics Exposer (pull); libcivetweb-dev: the Exposer's HTTP server
 # (prometheus-cpp-dev depends on it too, with zlib and libcurl for its CMake
-# config).
+# config). libgoogle-perftools-dev: tcmalloc_minimal, mlakv-server's allocator
+# (cmake/allocator.cmake).
 build_packages=(
   cmake ninja-build g++ pkg-config ccache
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libssl-dev
@@ -26,6 +27,7 @@ build_packages=(
   prometheus-cpp-dev libcivetweb-dev
   libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libgoogle-perftools-dev
 )
 # Tools the tests run: the Python client's dependencies, promtool (package
 # prometheus) for the metrics scrape check, openssl for test certificates,

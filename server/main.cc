@@ -139,6 +139,9 @@ int main(int argc, char** argv) {
   // way in (half of an Append's time on a 4 MB message, docs/performance.md).
   // Keep such blocks in the heap: up to 256 MB per allocation, trimmed only
   // past 512 MB free per arena. GLIBC_TUNABLES set by an operator still wins.
+  // This applies where glibc's malloc serves the server (-DMLAKV_ALLOCATOR=system,
+  // sanitizer builds); with tcmalloc linked (the default, cmake/allocator.cmake)
+  // mallopt is tcmalloc's and does nothing: its page heap keeps freed spans.
   // Debian's abseil checks every Mutex acquisition for lock-order cycles
   // through one process-wide lock (35-47 ns per uncontended Lock/Unlock
   // against 11 ns without, docs/performance.md); the server's locks are

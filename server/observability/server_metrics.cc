@@ -16,6 +16,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
+#include "server/observability/malloc_library.h"
 
 namespace mlakv::server {
 namespace {
@@ -77,7 +78,8 @@ struct ServerMetrics::Families {
   }
 
   prometheus::Family<prometheus::Gauge>& build_info =
-      Build(prometheus::BuildGauge(), *registry, "mlakv_build_info", "mlakv-server version (always 1).");
+      Build(prometheus::BuildGauge(), *registry, "mlakv_build_info",
+            "mlakv-server version and the library its malloc comes from (always 1).");
   Counters rpcs{Build(prometheus::BuildCounter(), *registry, "mlakv_rpcs_total",
                       "RPCs finished, by service, method and status code."),
                 {"service", "method", "code"}};
@@ -135,7 +137,7 @@ absl::StatusOr<std::unique_ptr<ServerMetrics>> ServerMetrics::Create(const std::
   // nothing past this point throws for names fixed here.
   try {
     m->families_ = std::make_unique<Families>();
-    m->families_->build_info.Add({{"version", version}}).Set(1);
+    m->families_->build_info.Add({{"version", version}, {"allocator", MallocLibrary()}}).Set(1);
     m->families_->draining.Set(0);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("metrics: prometheus-cpp refused a family: ", e.what()));

@@ -1,6 +1,6 @@
 // ServerMetrics: the metric set of mlakv-server, on prometheus-cpp.
 //
-//   mlakv_build_info{version}                          gauge, 1
+//   mlakv_build_info{version,allocator}                gauge, 1 (allocator: MallocLibrary())
 //   mlakv_rpcs_total{service,method,code}              counter: finished RPCs
 //   mlakv_rpc_errors_total{service,method,code}        counter: finished RPCs with code != OK
 //   mlakv_rpc_latency_seconds{service,method}          histogram: receipt to status

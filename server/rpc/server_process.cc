@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/backend/device.h"
+#include "server/observability/malloc_library.h"
 #include "common/status_macros.h"
 #include "server/rpc/proto_convert.h"
 #include "server/rpc/server_config.h"
@@ -148,7 +149,7 @@ absl::Status ServerProcess::StartHealthProbe() {
 }
 
 void ServerProcess::LogReady() const {
-  spdlog::info("mlakv-server {} (config: {})", prepared_.version, prepared_.config_source);
+  spdlog::info("mlakv-server {} (config: {}, malloc: {})", prepared_.version, prepared_.config_source, MallocLibrary());
   std::string pools;
   uint64_t total_bytes = 0;
   for (const auto& pool : server_->pools()) {

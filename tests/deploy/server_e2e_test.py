@@ -218,7 +218,18 @@ class MetricsAfterWorkload(unittest.TestCase):
         self.assertGreater(value(m, "mlakv_pool_cache_bytes", pool="default", device="cpu"), 0)
         self.assertEqual(value(m, "mlakv_ipc_regions"), 0)
         self.assertEqual(value(m, "mlakv_draining"), 0)
-        self.assertEqual(value(m, "mlakv_build_info", version=re.search(r"mlakv-server (\S+)", srv.ready_line).group(1)), 1)
+        # The version of the ready line, and the allocator the build linked (tcmalloc, cmake/allocator.cmake),
+        # found in the running process: a linker that dropped the library would leave glibc's malloc.
+        build_info = [labels for (name, labels) in m if name == "mlakv_build_info"]
+        self.assertEqual(len(build_info), 1, build_info)
+        labels = dict(build_info[0])
+        self.assertEqual(labels["version"], re.search(r"mlakv-server (\S+)", srv.ready_line).group(1))
+        expected_malloc = os.environ.get("MLAKV_EXPECTED_MALLOC_LIBRARY", "")
+        if expected_malloc and expected_malloc != "system":
+            self.assertEqual(labels["allocator"], expected_malloc)
+        else:  # the system's, or a sanitizer's inside the program
+            self.assertNotIn("tcmalloc", labels["allocator"])
+        self.assertEqual(value(m, "mlakv_build_info", **labels), 1)
         self.assertEqual(value(m, "mlakv_rpcs_in_flight", service=KV, method="Append"), 0)
         # The Exposer's own series come along (they pass promtool too).
         self.assertGreaterEqual(value(m, "exposer_scrapes_total"), 1)

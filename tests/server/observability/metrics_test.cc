@@ -18,12 +18,14 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/text_format.h"
 #include "gtest/gtest.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
 #include "server/rpc/kv_cache_server.h"
+#include "server/observability/malloc_library.h"
 #include "server/observability/rpc_method_set.h"
 #include "spdlog/spdlog.h"
 #include "tests/server/rpc/service_fixture.h"
@@ -114,7 +116,8 @@ TEST(ServerMetrics, RendersBuildInfoDrainingAndIpcRegions) {
   auto m = NewMetrics();
   ASSERT_NE(m, nullptr);
   std::string text = m->Render();
-  EXPECT_THAT(text, HasSubstr("# TYPE mlakv_build_info gauge\nmlakv_build_info{version=\"1.2.3\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("# TYPE mlakv_build_info gauge\nmlakv_build_info{allocator=\"", MallocLibrary(),
+                                           "\",version=\"1.2.3\"} 1\n")));
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_draining gauge\nmlakv_draining 0\n"));
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_ipc_regions gauge\nmlakv_ipc_regions 0\n"));
   EXPECT_EQ(Value(text, "mlakv_transport_busy_seconds_total"), 0);  // no source yet

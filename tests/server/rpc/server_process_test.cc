@@ -13,8 +13,10 @@
 #include <string>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
+#include "server/observability/malloc_library.h"
 #include "server/rpc/server_config.h"
 
 namespace mlakv::server {
@@ -123,7 +125,8 @@ TEST(ServerProcess, ServesGrpcMetricsAndProbeThenDrains) {
 
   // Pool gauges are connected: the scrape reads the pool as it is now.
   const std::string scrape = HttpGet(p.metrics_port(), "/metrics");
-  EXPECT_NE(scrape.find("mlakv_build_info{version=\"test-version\"} 1"), std::string::npos) << scrape.substr(0, 2000);
+  EXPECT_NE(scrape.find(absl::StrCat("mlakv_build_info{allocator=\"", MallocLibrary(), "\",version=\"test-version\"} 1")),
+            std::string::npos) << scrape.substr(0, 2000);
   EXPECT_NE(scrape.find("mlakv_pool_pages_capacity{device=\"cpu\",pool=\"p\"} 8"), std::string::npos) << scrape.substr(0, 2000);
   EXPECT_NE(scrape.find("mlakv_draining 0"), std::string::npos) << scrape.substr(0, 2000);
 
