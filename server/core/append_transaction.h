@@ -79,6 +79,7 @@ class AppendTransaction {
   std::span<uint32_t> committed_;   // [num_layers] lengths before the append
   std::span<uint32_t> staged_end_;  // [num_layers] end of rows written by the append (0: none)
   std::span<uint32_t> touched_;     // [num_layers] 1: the append wrote rows here (counted in staged_users)
+  uint32_t touched_layers_ = 0;     // how many touched_ entries are 1 (all: Commit takes one pass without branches)
   // The least and the most of committed_: a decode step's rows start where
   // every layer ends, so Pool::CheckState and PlanPages settle "no hole", "no
   // rewrite" and expect_length from these two instead of a pass over layers.

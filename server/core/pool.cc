@@ -563,6 +563,7 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
     return from;
   }();
   if (shared_from) plan.shared_segments.reserve(txns.size());
+  int32_t touched_every_layer = 0;  // transactions whose layers were all marked at once
   for (size_t i = 0; i < txns.size(); ++i) {
     AppendTransaction& txn = *txns[i];
     const SequenceRowsIn& r = *rows[i];
@@ -576,10 +577,23 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
                                 .start = static_cast<int32_t>(r.start)};
     if (shared_from) plan.shared_segments.push_back(segment);
     const bool may_rewrite = r.start < txn.committed_max_;
-    for (const LayerRows& lr : r.written_layers()) {
+    const std::span<const LayerRows> written = r.written_layers();
+    // The call's shared rows for every layer (validated distinct, so all of
+    // them), nothing rewritten, and a transaction that touched no layer yet
+    // (a decode step): all its layers are marked at once, and each layer's
+    // staged users counted once for the call below, not once per pair.
+    if (shared_from && !may_rewrite && txn.touched_layers_ == 0 &&
+        written.size() == static_cast<size_t>(options_.num_layers)) {
+      std::fill(txn.touched_.begin(), txn.touched_.end(), 1u);
+      txn.touched_layers_ = static_cast<uint32_t>(options_.num_layers);
+      ++touched_every_layer;
+      continue;
+    }
+    for (const LayerRows& lr : written) {
       const int32_t l = static_cast<int32_t>(lr.layer);
       if (!txn.touched_[l]) {
         txn.touched_[l] = 1;
+        ++txn.touched_layers_;
         ++layers_[l].staged_users;
       }
       if (!shared_from) {
@@ -607,6 +621,9 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
         if (!undo.entries.empty()) txn.undo_.push_back(std::move(undo));
       }
     }
+  }
+  if (touched_every_layer > 0) {
+    for (LayerState& st : layers_) st.staged_users += touched_every_layer;
   }
   // Pointers into undo_ stay valid: nothing else appends to it before the
   // capture, and only this worker touches it.
@@ -675,8 +692,12 @@ void Pool::RecordStaged(std::span<AppendTransaction* const> txns, std::span<cons
     if (r.pin) txn.pin_ = true;
     if (r.row_count == 0) continue;
     const std::span<const LayerRows> layers = r.written_layers();
-    for (const LayerRows& lr : layers) {
-      txn.staged_end_[lr.layer] = std::max(txn.staged_end_[lr.layer], r.start + r.row_count);
+    const uint32_t end = r.start + r.row_count;
+    if (layers.size() == txn.staged_end_.size()) {
+      // Every layer (validated distinct): a pass over the array, vectorized.
+      for (uint32_t& e : txn.staged_end_) e = std::max(e, end);
+    } else {
+      for (const LayerRows& lr : layers) txn.staged_end_[lr.layer] = std::max(txn.staged_end_[lr.layer], end);
     }
     txn.rows_written_ += static_cast<uint64_t>(r.row_count) * layers.size();
   }
@@ -786,28 +807,53 @@ void Pool::DeferredWrites::Hold(StagePlan& plan) {
 
 SequenceSnapshot Pool::Commit(AppendTransaction& txn) {
   const int64_t now = NowNs();
+  LayerTally tally(options_.num_layers);
   absl::MutexLock lock(&mu_);
-  return CommitLocked(txn, now);
+  SequenceSnapshot snapshot = CommitLocked(txn, now, tally);
+  ApplyLocked(tally);
+  return snapshot;
 }
 
 std::vector<SequenceSnapshot> Pool::Commit(std::span<AppendTransaction* const> txns, SnapshotPages pages) {
   std::vector<SequenceSnapshot> out;
   out.reserve(txns.size());
   const int64_t now = NowNs();  // one use time for the call's sequences
+  LayerTally tally(options_.num_layers);
   absl::MutexLock lock(&mu_);
-  for (AppendTransaction* txn : txns) out.push_back(CommitLocked(*txn, now, pages));
+  for (AppendTransaction* txn : txns) out.push_back(CommitLocked(*txn, now, tally, pages));
+  ApplyLocked(tally);
   return out;
 }
 
-SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns, SnapshotPages pages) {
-  Sequence& seq = *txn.sequence_;
+void Pool::ApplyLocked(const LayerTally& tally) {
   for (int32_t l = 0; l < options_.num_layers; ++l) {
-    if (!txn.touched_[l]) continue;
-    const uint32_t before = seq.layer_length(l);
-    const uint32_t after = std::max(before, txn.staged_end_[l]);
-    layers_[l].tokens += after - before;
-    seq.set_layer_length(l, after);
-    --layers_[l].staged_users;
+    layers_[l].tokens += tally.tokens[l];
+    layers_[l].staged_users -= static_cast<int32_t>(tally.users[l] + tally.users_of_every_layer);
+  }
+}
+
+SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns, LayerTally& tally, SnapshotPages pages) {
+  Sequence& seq = *txn.sequence_;
+  const std::span<uint32_t> lengths = seq.mutable_layer_lengths();
+  if (txn.touched_layers_ == static_cast<uint32_t>(options_.num_layers)) {
+    // Every layer written (a decode step): one pass without branches over
+    // contiguous arrays, which the compiler vectorizes.
+    for (size_t l = 0; l < lengths.size(); ++l) {
+      const uint32_t before = lengths[l];
+      const uint32_t after = std::max(before, txn.staged_end_[l]);
+      tally.tokens[l] += after - before;
+      lengths[l] = after;
+    }
+    ++tally.users_of_every_layer;
+  } else {
+    for (int32_t l = 0; l < options_.num_layers; ++l) {
+      if (!txn.touched_[l]) continue;
+      const uint32_t before = lengths[l];
+      const uint32_t after = std::max(before, txn.staged_end_[l]);
+      tally.tokens[l] += after - before;
+      lengths[l] = after;
+      ++tally.users[l];
+    }
   }
   txn.undo_.clear();
   txn.finished_ = true;
@@ -1314,6 +1360,17 @@ absl::Status Pool::CheckInvariants() const {
     if (tokens[l] != layers_[l].tokens) {
       return absl::InternalError(absl::StrCat("layer ", l, " token count ", layers_[l].tokens,
                                               " != sum over sequences ", tokens[l]));
+    }
+  }
+  // Each append in flight holds its own busy sequence (a new one is not yet
+  // committed), so no layer can have more staged users than that; with no
+  // append in flight, none.
+  size_t busy = sequences_.size() - sequences_.committed_count();
+  for (const Sequence* seq : all) busy += seq->busy() ? 1 : 0;
+  for (int32_t l = 0; l < options_.num_layers; ++l) {
+    if (layers_[l].staged_users < 0 || static_cast<size_t>(layers_[l].staged_users) > busy) {
+      return absl::InternalError(absl::StrCat("layer ", l, " has ", layers_[l].staged_users, " staged users but ", busy,
+                                              " sequences have an append in flight"));
     }
   }
   size_t linked = 0;

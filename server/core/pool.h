@@ -496,8 +496,19 @@ class Pool {
   // BeginAppend and Commit of one transaction, under mu_.
   absl::StatusOr<std::unique_ptr<AppendTransaction>> BeginLocked(const std::string& sequence)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  SequenceSnapshot CommitLocked(AppendTransaction& txn, int64_t now_ns, SnapshotPages pages = SnapshotPages::kAll)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a call's commits add to the layers' counters, summed over its
+  // transactions and applied once (ApplyLocked) instead of per (sequence,
+  // layer): tokens gained per layer, staged users leaving per layer, and the
+  // users leaving every layer (transactions that touched all of them).
+  struct LayerTally {
+    explicit LayerTally(int32_t num_layers) : tokens(num_layers, 0), users(num_layers, 0) {}
+    std::vector<uint64_t> tokens;
+    std::vector<uint32_t> users;
+    uint32_t users_of_every_layer = 0;
+  };
+  SequenceSnapshot CommitLocked(AppendTransaction& txn, int64_t now_ns, LayerTally& tally,
+                                SnapshotPages pages = SnapshotPages::kAll) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ApplyLocked(const LayerTally& tally) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- the steps of Stage ----
   // Shape of one sequence's rows; needs no state. The call's shared layers
   // are checked with its first sequence that names them (plan.shared).

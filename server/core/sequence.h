@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,8 @@ class Sequence {
   const std::vector<uint32_t>& layer_lengths() const { return layer_lengths_; }
   uint32_t layer_length(int32_t layer) const { return layer_lengths_[layer]; }
   void set_layer_length(int32_t layer, uint32_t length) { layer_lengths_[layer] = length; }
+  // All layers' lengths at once, for a pass that sets every one (a commit).
+  std::span<uint32_t> mutable_layer_lengths() { return layer_lengths_; }
   // Tokens written in every layer (min over layers) / in the longest layer.
   uint32_t length() const { return *std::min_element(layer_lengths_.begin(), layer_lengths_.end()); }
   uint32_t max_length() const { return *std::max_element(layer_lengths_.begin(), layer_lengths_.end()); }

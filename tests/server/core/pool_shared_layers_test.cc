@@ -277,5 +277,81 @@ TEST(PoolSharedLayersTest, TwoSetsOfSharedLayersInOneCallAreABug) {
   EXPECT_EQ(t.pool->Snapshot().pages_used, 0);
 }
 
+// The decode step's fast path (every layer written, nothing rewritten, a
+// transaction's first rows: all its layers marked at once and each layer's
+// staged users counted once per call) beside the per-layer path in one call,
+// and undone by an abort after staging. CheckInvariants bounds every layer's
+// staged users by the appends in flight, so a count the fast path forgot to
+// take or give back fails it.
+TEST(PoolSharedLayersTest, EveryLayerStepsBesideRewritesAndPartialLayersKeepTheLayersCounts) {
+  TestPool shared = MakePool(), own = MakePool();
+  auto both = [&](const Batch& b, std::vector<SequenceRowsIn> rows, std::vector<SequenceRowsIn> rows_own) {
+    ASSERT_TRUE(Apply(*shared.pool, b.ids, rows).ok());
+    ASSERT_TRUE(Apply(*own.pool, b.ids, rows_own).ok());
+    ASSERT_TRUE(shared.pool->CheckInvariants().ok()) << shared.pool->CheckInvariants();
+  };
+  auto tokens_per_layer = [&] {
+    std::vector<uint64_t> t;
+    for (const LayerSnapshot& l : shared.pool->Snapshot().layers) t.push_back(l.tokens);
+    return t;
+  };
+  const Batch first = MakeBatch({4, 4, 4}, 81);
+  both(first, SharedRows(first, 0), OwnRows(first, 0));
+
+  // One call: s0 and s2 at their end (the fast path), s1 rewriting its last
+  // token (per layer, with undo).
+  const Batch second = MakeBatch({1, 2, 1}, 91);
+  std::vector<SequenceRowsIn> step = SharedRows(second, 0), step_own = OwnRows(second, 0);
+  for (auto* rows : {&step, &step_own}) {
+    (*rows)[0].start = 4;
+    (*rows)[1].start = 3;
+    (*rows)[2].start = 4;
+  }
+  both(second, step, step_own);
+  EXPECT_EQ(tokens_per_layer(), (std::vector<uint64_t>{15, 15, 15}));
+
+  // A step on the fast path, staged, then aborted by the last check: the
+  // counts hold while it is in flight, nothing is committed, all given back.
+  const std::string before = Stored(*shared.pool, "s0", 5);
+  const Batch doomed = MakeBatch({1, 1, 1}, 111);
+  {
+    std::vector<SequenceRowsIn> rows = SharedRows(doomed, 5);
+    AtomicAppend append(shared.pool.get());
+    for (const std::string& id : doomed.ids) ASSERT_TRUE(append.Begin(id).ok());
+    std::vector<const SequenceRowsIn*> ptrs;
+    for (const SequenceRowsIn& r : rows) ptrs.push_back(&r);
+    ASSERT_TRUE(append.Stage(ptrs, DType::kBFloat16).ok());
+    EXPECT_TRUE(shared.pool->CheckInvariants().ok()) << "in flight: " << shared.pool->CheckInvariants();
+    const absl::Status s = append.Commit([] { return absl::CancelledError("the client went away"); }).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  }
+  ASSERT_TRUE(shared.pool->CheckInvariants().ok()) << shared.pool->CheckInvariants();
+  EXPECT_EQ(Stored(*shared.pool, "s0", 5), before);
+  EXPECT_EQ(tokens_per_layer(), (std::vector<uint64_t>{15, 15, 15}));
+
+  // Shared rows for two of the three layers only: per layer, layer 2 untouched.
+  const Batch third = MakeBatch({1, 1, 1}, 101);
+  std::vector<SequenceRowsIn> partial = SharedRows(third, 5), partial_own = OwnRows(third, 5);
+  const std::vector<LayerRows> two_layers(third.shared.begin(), third.shared.begin() + 2);
+  for (size_t i = 0; i < partial.size(); ++i) {
+    partial[i].shared_layers = two_layers;
+    partial_own[i].layers.pop_back();
+  }
+  both(third, partial, partial_own);
+  EXPECT_EQ(tokens_per_layer(), (std::vector<uint64_t>{18, 18, 15}));
+
+  // Every layer from 5: a rewrite of layers 0 and 1 (per layer), then every
+  // layer at its end again (the fast path).
+  const Batch fourth = MakeBatch({1, 1, 1}, 121), fifth = MakeBatch({1, 1, 1}, 131);
+  both(fourth, SharedRows(fourth, 5), OwnRows(fourth, 5));
+  EXPECT_EQ(tokens_per_layer(), (std::vector<uint64_t>{18, 18, 18}));
+  both(fifth, SharedRows(fifth, 6), OwnRows(fifth, 6));
+  EXPECT_EQ(tokens_per_layer(), (std::vector<uint64_t>{21, 21, 21}));
+  for (const std::string& id : first.ids) {
+    ASSERT_EQ(shared.pool->GetSequence(id)->length, 7u) << id;
+    EXPECT_EQ(Stored(*shared.pool, id, 7), Stored(*own.pool, id, 7)) << id;
+  }
+}
+
 }  // namespace
 }  // namespace mlakv::server
