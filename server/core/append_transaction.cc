@@ -16,17 +16,10 @@ AppendTransaction::AppendTransaction(Pool* pool, Sequence* sequence, std::string
   committed_ = std::span<uint32_t>(per_layer_.data(), n);
   staged_end_ = std::span<uint32_t>(per_layer_.data() + n, n);
   touched_ = std::span<uint32_t>(per_layer_.data() + 2 * n, n);
-  // One pass copies the lengths and finds their least and most.
   const std::vector<uint32_t>& lengths = sequence->layer_lengths();
-  uint32_t lo = n > 0 ? UINT32_MAX : 0, hi = 0;
-  for (size_t l = 0; l < n; ++l) {
-    const uint32_t len = lengths[l];
-    committed_[l] = len;
-    lo = std::min(lo, len);
-    hi = std::max(hi, len);
-  }
-  committed_min_ = lo;
-  committed_max_ = hi;
+  std::copy(lengths.begin(), lengths.end(), committed_.begin());
+  committed_min_ = sequence->length();  // kept by the sequence, no pass here
+  committed_max_ = sequence->max_length();
   original_pages_ = sequence->pages().size();
 }
 

@@ -834,25 +834,27 @@ void Pool::ApplyLocked(const LayerTally& tally) {
 
 SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns, LayerTally& tally, SnapshotPages pages) {
   Sequence& seq = *txn.sequence_;
-  const std::span<uint32_t> lengths = seq.mutable_layer_lengths();
-  if (txn.touched_layers_ == static_cast<uint32_t>(options_.num_layers)) {
-    // Every layer written (a decode step): one pass without branches over
-    // contiguous arrays, which the compiler vectorizes.
-    for (size_t l = 0; l < lengths.size(); ++l) {
-      const uint32_t before = lengths[l];
-      const uint32_t after = std::max(before, txn.staged_end_[l]);
-      tally.tokens[l] += after - before;
-      lengths[l] = after;
-    }
-    ++tally.users_of_every_layer;
-  } else {
-    for (int32_t l = 0; l < options_.num_layers; ++l) {
-      if (!txn.touched_[l]) continue;
-      const uint32_t before = lengths[l];
-      const uint32_t after = std::max(before, txn.staged_end_[l]);
-      tally.tokens[l] += after - before;
-      lengths[l] = after;
-      ++tally.users[l];
+  {
+    Sequence::LengthsEdit lengths = seq.EditLayerLengths();  // its end updates seq.length()
+    if (txn.touched_layers_ == static_cast<uint32_t>(options_.num_layers)) {
+      // Every layer written (a decode step): one pass without branches over
+      // contiguous arrays, which the compiler vectorizes.
+      for (size_t l = 0; l < lengths.size(); ++l) {
+        const uint32_t before = lengths[l];
+        const uint32_t after = std::max(before, txn.staged_end_[l]);
+        tally.tokens[l] += after - before;
+        lengths[l] = after;
+      }
+      ++tally.users_of_every_layer;
+    } else {
+      for (int32_t l = 0; l < options_.num_layers; ++l) {
+        if (!txn.touched_[l]) continue;
+        const uint32_t before = lengths[l];
+        const uint32_t after = std::max(before, txn.staged_end_[l]);
+        tally.tokens[l] += after - before;
+        lengths[l] = after;
+        ++tally.users[l];
+      }
     }
   }
   txn.undo_.clear();
@@ -1180,11 +1182,13 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const SequenceRef& ref, 
     if (allocator_->refs(seq->pages()[i]) == 1) prefix_.ErasePage(seq->pages()[i]);
   }
   seq->pending_hashes().erase(seq->pending_hashes().lower_bound(complete), seq->pending_hashes().end());
-  for (int32_t l = 0; l < options_.num_layers; ++l) {
-    const uint32_t before = seq->layer_length(l);
-    if (before > length) {
-      layers_[l].tokens -= before - length;
-      seq->set_layer_length(l, length);
+  {
+    Sequence::LengthsEdit lengths = seq->EditLayerLengths();
+    for (int32_t l = 0; l < options_.num_layers; ++l) {
+      if (lengths[l] > length) {
+        layers_[l].tokens -= lengths[l] - length;
+        lengths[l] = length;
+      }
     }
   }
   ReleasePages(sequences_.DetachTail(seq, static_cast<size_t>(CeilDiv(length, options_.page_size))), "truncate",
@@ -1344,6 +1348,11 @@ absl::Status Pool::CheckInvariants() const {
     if (seq->retained()) return absl::InternalError(absl::StrCat(Who(seq->id()), " is in the table but retained"));
     if (SequenceTable::Reapable(*seq)) ++reapable;
     for (int32_t l = 0; l < options_.num_layers; ++l) tokens[l] += seq->layer_length(l);
+    const auto [lo, hi] = std::minmax_element(seq->layer_lengths().begin(), seq->layer_lengths().end());
+    if (seq->length() != *lo || seq->max_length() != *hi) {
+      return absl::InternalError(absl::StrCat(Who(seq->id()), " keeps length ", seq->length(), " and max_length ",
+                                              seq->max_length(), " but its layers hold ", *lo, " to ", *hi));
+    }
     MLAKV_RETURN_IF_ERROR(check_pages(seq));
   }
   for (const auto& [seq, node] : retained_) {

@@ -176,9 +176,12 @@ LeaseListing Pool::ListLeases(size_t limit, uint64_t after) {
 FreeResult Pool::RetainForLeases(Sequence* seq) {
   const uint32_t protect = seq->protected_tokens();
   const size_t keep = (static_cast<size_t>(protect) + options_.page_size - 1) / options_.page_size;
-  for (int32_t l = 0; l < options_.num_layers; ++l) {
-    layers_[l].tokens -= seq->layer_length(l);
-    seq->set_layer_length(l, std::min(seq->layer_length(l), protect));
+  {
+    Sequence::LengthsEdit lengths = seq->EditLayerLengths();
+    for (int32_t l = 0; l < options_.num_layers; ++l) {
+      layers_[l].tokens -= lengths[l];
+      lengths[l] = std::min(lengths[l], protect);
+    }
   }
   FreeResult result;
   result.pages_freed = ReleasePages(sequences_.DetachTail(seq, keep), "free", seq->id());

@@ -182,9 +182,12 @@ absl::StatusOr<ForkResult> Pool::Fork(const ForkRequest& request) {
     sequences_.Erase(target);
     return copied;
   }
-  for (int32_t l = 0; l < options_.num_layers; ++l) {
-    target->set_layer_length(l, length);
-    layers_[l].tokens += length;
+  {
+    Sequence::LengthsEdit lengths = target->EditLayerLengths();
+    for (int32_t l = 0; l < options_.num_layers; ++l) {
+      lengths[l] = length;
+      layers_[l].tokens += length;
+    }
   }
   sequences_.SetCommitted(target);
   if (request.pin) sequences_.SetPinned(target);

@@ -42,12 +42,27 @@ class Sequence {
   // Tokens written in each layer.
   const std::vector<uint32_t>& layer_lengths() const { return layer_lengths_; }
   uint32_t layer_length(int32_t layer) const { return layer_lengths_[layer]; }
-  void set_layer_length(int32_t layer, uint32_t length) { layer_lengths_[layer] = length; }
-  // All layers' lengths at once, for a pass that sets every one (a commit).
-  std::span<uint32_t> mutable_layer_lengths() { return layer_lengths_; }
-  // Tokens written in every layer (min over layers) / in the longest layer.
-  uint32_t length() const { return *std::min_element(layer_lengths_.begin(), layer_lengths_.end()); }
-  uint32_t max_length() const { return *std::max_element(layer_lengths_.begin(), layer_lengths_.end()); }
+  // Tokens written in every layer (min over layers) / in the longest layer:
+  // kept by every change of the lengths (LengthsEdit), since a commit reads
+  // them four times per sequence (events, prefix index, snapshot, empty()).
+  uint32_t length() const { return min_length_; }
+  uint32_t max_length() const { return max_length_; }
+
+  // The one way to change layers' lengths: write them through the edit; its
+  // end recomputes length() and max_length() in one pass.
+  class LengthsEdit {
+   public:
+    explicit LengthsEdit(Sequence& seq) : seq_(seq) {}
+    LengthsEdit(const LengthsEdit&) = delete;
+    LengthsEdit& operator=(const LengthsEdit&) = delete;
+    ~LengthsEdit() { seq_.RecomputeLengthBounds(); }
+    uint32_t& operator[](size_t layer) { return seq_.layer_lengths_[layer]; }
+    size_t size() const { return seq_.layer_lengths_.size(); }
+
+   private:
+    Sequence& seq_;
+  };
+  LengthsEdit EditLayerLengths() { return LengthsEdit(*this); }
   // Holds no page and no token (then it must not stay in the table).
   bool empty() const { return pages_.empty() && max_length() == 0; }
 
@@ -105,6 +120,15 @@ class Sequence {
 
  private:
   friend class SequenceTable;
+  void RecomputeLengthBounds() {
+    uint32_t lo = layer_lengths_.empty() ? 0 : UINT32_MAX, hi = 0;
+    for (const uint32_t len : layer_lengths_) {
+      lo = std::min(lo, len);
+      hi = std::max(hi, len);
+    }
+    min_length_ = lo;
+    max_length_ = hi;
+  }
 
   std::string id_;
   uint64_t generation_ = 0;
@@ -114,6 +138,7 @@ class Sequence {
   // is O(1).
   std::vector<uint32_t> owner_slot_;
   std::vector<uint32_t> layer_lengths_;  // [num_layers]
+  uint32_t min_length_ = 0, max_length_ = 0;  // of layer_lengths_ (LengthsEdit keeps them)
   bool busy_ = false;
   bool committed_ = false;
   bool pinned_ = false;
