@@ -1,7 +1,7 @@
 // rpc_floor_bench: how far mlakv's unary calls are from gRPC's own floor on
 // this host, measured in one process run (docs/performance.md "The RPC floor").
 //
-//   rpc_floor_bench [--samples 5000] [--rounds 5]
+//   rpc_floor_bench [--samples 5000] [--rounds 5] [--alone sync|callback]
 //
 // Four servers on loopback TCP (127.0.0.1, a port each), one client channel
 // (one connection) each, all in this process:
@@ -14,8 +14,13 @@
 //   mlakv's work (a 61-layer pool's snapshot and response) and nothing else
 // Calls are unary with a deadline, made one at a time; the variants take turns
 // in --rounds rounds of --samples calls so that the machine's drift hits all
-// alike. Printed: p50 / p90 / p99 per variant and the ratio of each p50 to
-// the sync floor's.
+// alike. Before any of that, the minimal sync server is timed alone in the
+// process, then beside an idle callback server: a callback service starts
+// gRPC's nexting threads, which take over polling the process's sockets
+// (docs/performance.md "The callback API's threads"). Printed: p50 / p90 / p99
+// per variant and the ratio of each p50 to the sync floor's beside the other
+// servers and alone. --alone sync|callback times one minimal server of that
+// API with nothing else in the process.
 #include <grpcpp/grpcpp.h>
 
 #include <cstdio>
@@ -39,6 +44,8 @@
 
 ABSL_FLAG(int, samples, 5000, "calls per variant per round");
 ABSL_FLAG(int, rounds, 5, "rounds (the variants take turns)");
+ABSL_FLAG(std::string, alone, "",
+          "\"sync\" or \"callback\": time only that minimal Health/Check server, alone in this process, and exit");
 
 namespace mlakv {
 namespace {
@@ -128,16 +135,69 @@ double TimeOne(Call&& call) {
   return us;
 }
 
+// One minimal Health server of one API, nothing else in the process: gRPC's
+// floor for that API without the other API's threads polling beside it.
+int TimeAlone(grpc::Service* service, const char* name, int calls) {
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = StartMinimal(service, &port);
+  auto stub = Health::NewStub(Channel(port));
+  auto check = [&](grpc::ClientContext& c) {
+    HealthCheckResponse r;
+    return stub->Check(&c, HealthCheckRequest(), &r);
+  };
+  for (int i = 0; i < 200; ++i) TimeOne(check);
+  std::vector<double> us;
+  for (int i = 0; i < calls; ++i) us.push_back(TimeOne(check));
+  const Summary s = Summarize(us);
+  std::printf("rpc_floor_bench --alone %s: %d calls, %u cores\n  %-44s p50 %7.1f us  p90 %7.1f  p99 %7.1f\n", name,
+              calls, std::thread::hardware_concurrency(), "Health/Check, alone in the process", s.p50, s.p90, s.p99);
+  server->Shutdown();
+  return 0;
+}
+
 int Main() {
   auto logger = std::make_shared<spdlog::logger>("bench", std::make_shared<spdlog::sinks::null_sink_mt>());
   spdlog::set_default_logger(logger);
   const int samples = absl::GetFlag(FLAGS_samples), rounds = absl::GetFlag(FLAGS_rounds);
+  const std::string alone = absl::GetFlag(FLAGS_alone);
+  if (alone == "sync") {
+    SyncHealth service;
+    return TimeAlone(&service, "sync", samples * rounds);
+  }
+  if (alone == "callback") {
+    CallbackHealth service;
+    return TimeAlone(&service, "callback", samples * rounds);
+  }
+  if (!alone.empty()) Die("--alone takes \"sync\" or \"callback\"");
 
   SyncHealth sync_service;
   CallbackHealth callback_service;
   int sync_port = 0, callback_port = 0;
   std::unique_ptr<grpc::Server> sync_server = StartMinimal(&sync_service, &sync_port);
+  // The sync floor twice before anything else starts: alone in the process,
+  // then beside an idle callback server. A callback service starts gRPC's
+  // nexting threads, which poll the process's sockets too (one epoll set), so
+  // a sync call's request can be read on one of them and handed over.
+  std::vector<double> alone_us, beside_us;
+  {
+    auto stub = Health::NewStub(Channel(sync_port));
+    auto check = [&](grpc::ClientContext& c) {
+      HealthCheckResponse r;
+      return stub->Check(&c, HealthCheckRequest(), &r);
+    };
+    for (int i = 0; i < 200; ++i) TimeOne(check);
+    for (int i = 0; i < samples * rounds; ++i) alone_us.push_back(TimeOne(check));
+  }
   std::unique_ptr<grpc::Server> callback_server = StartMinimal(&callback_service, &callback_port);
+  {
+    auto stub = Health::NewStub(Channel(sync_port));
+    auto check = [&](grpc::ClientContext& c) {
+      HealthCheckResponse r;
+      return stub->Check(&c, HealthCheckRequest(), &r);
+    };
+    for (int i = 0; i < 200; ++i) TimeOne(check);
+    for (int i = 0; i < samples * rounds; ++i) beside_us.push_back(TimeOne(check));
+  }
 
   server::Pool::Options pool_options;
   pool_options.name = "default";
@@ -257,12 +317,18 @@ int Main() {
   }
   std::printf("rpc_floor_bench: %d x %d unary calls per variant over loopback TCP, %u cores\n", rounds, samples,
               std::thread::hardware_concurrency());
+  // Two floors: the minimal sync server's p50 in the variants' rounds (beside
+  // every other server here, as before), and alone in the process.
   const double floor = Summarize(variants[0].us).p50;
-  for (const Variant& v : variants) {
-    const Summary s = Summarize(v.us);
-    std::printf("  %-44s p50 %7.1f us  p90 %7.1f  p99 %7.1f   p50 / sync floor %.2fx\n", v.name, s.p50, s.p90, s.p99,
-                s.p50 / floor);
-  }
+  const double alone_floor = Summarize(alone_us).p50;
+  auto print = [&](const char* name, const std::vector<double>& us) {
+    const Summary s = Summarize(us);
+    std::printf("  %-52s p50 %7.1f us  p90 %7.1f  p99 %7.1f   p50 / sync floor %.2fx, / alone %.2fx\n", name, s.p50,
+                s.p90, s.p99, s.p50 / floor, s.p50 / alone_floor);
+  };
+  print("sync Health/Check, alone in the process", alone_us);
+  print("sync Health/Check, beside an idle callback server", beside_us);
+  for (const Variant& v : variants) print(v.name, v.us);
   (*mlakv)->Shutdown(absl::Seconds(1));
   (*bare)->Shutdown(absl::Seconds(1));
   sync_server->Shutdown();
