@@ -1,7 +1,5 @@
 #include "server/core/append_transaction.h"
 
-#include <algorithm>
-
 #include "server/core/pool.h"
 #include "spdlog/spdlog.h"
 
@@ -11,15 +9,10 @@ AppendTransaction::AppendTransaction(Pool* pool, Sequence* sequence, std::string
     : pool_(pool),
       sequence_(sequence),
       id_(std::move(id)),
-      per_layer_(3 * static_cast<size_t>(num_layers), 0) {
+      per_layer_(2 * static_cast<size_t>(num_layers), 0) {
   const size_t n = static_cast<size_t>(num_layers);
-  committed_ = std::span<uint32_t>(per_layer_.data(), n);
-  staged_end_ = std::span<uint32_t>(per_layer_.data() + n, n);
-  touched_ = std::span<uint32_t>(per_layer_.data() + 2 * n, n);
-  const std::vector<uint32_t>& lengths = sequence->layer_lengths();
-  std::copy(lengths.begin(), lengths.end(), committed_.begin());
-  committed_min_ = sequence->length();  // kept by the sequence, no pass here
-  committed_max_ = sequence->max_length();
+  staged_end_ = std::span<uint32_t>(per_layer_.data(), n);
+  touched_ = std::span<uint32_t>(per_layer_.data() + n, n);
   original_pages_ = sequence->pages().size();
 }
 

@@ -27,10 +27,11 @@
 #include <string>
 #include <vector>
 
+#include "server/core/sequence.h"
+
 namespace mlakv::server {
 
 class Pool;
-class Sequence;
 
 class AppendTransaction {
  public:
@@ -73,18 +74,24 @@ class AppendTransaction {
   std::string id_;
   bool created_ = false;             // the append created the sequence
   size_t original_pages_ = 0;        // page-table length before the append
+  // The lengths before the append are the sequence's own: it is held busy
+  // for the whole append, and nothing but this append's Commit changes a busy
+  // sequence's lengths (a truncate, free, fork into it or eviction is
+  // refused or skips it). The least and the most of them are kept by the
+  // sequence: a decode step's rows start where every layer ends, so
+  // Pool::CheckState and PlanPages settle "no hole", "no rewrite" and
+  // expect_length from those two instead of a pass over layers.
+  uint32_t committed(int32_t layer) const { return sequence_->layer_length(layer); }
+  uint32_t committed_min() const { return sequence_->length(); }
+  uint32_t committed_max() const { return sequence_->max_length(); }
+
   // Per layer, in one allocation (a decode step begins 256 transactions of
-  // 61 layers): [committed_ | staged_end_ | touched_].
+  // 61 layers): [staged_end_ | touched_].
   std::vector<uint32_t> per_layer_;
-  std::span<uint32_t> committed_;   // [num_layers] lengths before the append
   std::span<uint32_t> staged_end_;  // [num_layers] end of rows written by the append (0: none)
   std::span<uint32_t> touched_;     // [num_layers] 1: the append wrote rows here (counted in staged_users)
   uint32_t touched_layers_ = 0;     // how many touched_ entries are 1 (all: Commit takes one pass without branches)
-  // The least and the most of committed_: a decode step's rows start where
-  // every layer ends, so Pool::CheckState and PlanPages settle "no hole", "no
-  // rewrite" and expect_length from these two instead of a pass over layers.
-  uint32_t committed_min_ = 0, committed_max_ = 0;
-  std::vector<std::vector<bool>> saved_;  // [num_layers][committed_] position's old bytes are in undo_ (empty until a rewrite)
+  std::vector<std::vector<bool>> saved_;  // [num_layers][committed(layer)] position's old bytes are in undo_ (empty until a rewrite)
   std::vector<Undo> undo_;
   std::vector<LayerScalesBefore> scales_before_;  // layers whose scales this append set
   struct CopyOnWrite {

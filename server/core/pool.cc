@@ -387,7 +387,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
   // Every layer holding exactly expect_length tokens (a decode step) passes
   // without a look at each layer; otherwise each is checked to name the one
   // that differs.
-  if (r.expect_length && !(txn.committed_min_ == *r.expect_length && txn.committed_max_ == *r.expect_length)) {
+  if (r.expect_length && !(txn.committed_min() == *r.expect_length && txn.committed_max() == *r.expect_length)) {
     // The layers these rows write, or the sequence as a whole.
     auto mismatch = [&](uint32_t have, const std::string& what) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -395,9 +395,9 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
           " this append expects (expect_length); nothing was written. An earlier attempt of this append may "
           "have committed: read the sequence before retrying"));
     };
-    if (layers.empty() && txn.committed_min_ != *r.expect_length) return mismatch(txn.committed_min_, "");
+    if (layers.empty() && txn.committed_min() != *r.expect_length) return mismatch(txn.committed_min(), "");
     for (const LayerRows& lr : layers) {
-      const uint32_t have = txn.committed_[lr.layer];
+      const uint32_t have = txn.committed(lr.layer);
       if (have != *r.expect_length) return mismatch(have, absl::StrCat("layer ", lr.layer));
     }
   }
@@ -411,9 +411,9 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
   // No holes: start at or before what each layer holds (committed, or
   // staged by this same append); a start at or before the shortest layer's
   // committed length leaves none.
-  if (r.row_count > 0 && r.start > txn.committed_min_) {
+  if (r.row_count > 0 && r.start > txn.committed_min()) {
     for (const LayerRows& lr : layers) {
-      const uint32_t have = std::max(txn.committed_[lr.layer], txn.staged_end_[lr.layer]);
+      const uint32_t have = std::max(txn.committed(lr.layer), txn.staged_end_[lr.layer]);
       if (r.start > have) {
         return absl::OutOfRangeError(absl::StrCat(who(), " layer ", lr.layer, ": start ", r.start,
                                                   " would leave a hole; the layer holds ", have,
@@ -490,9 +490,9 @@ absl::Status Pool::PlanPages(size_t index, const AppendTransaction& txn, const S
     // Pages holding committed positions the rows rewrite: their hashes go.
     // Rows starting at or past every layer's end rewrite nothing.
     uint64_t rewrite_end = 0;
-    if (r.start < txn.committed_max_) {
+    if (r.start < txn.committed_max()) {
       for (const LayerRows& lr : layers) {
-        rewrite_end = std::max<uint64_t>(rewrite_end, std::min<uint64_t>(end, txn.committed_[lr.layer]));
+        rewrite_end = std::max<uint64_t>(rewrite_end, std::min<uint64_t>(end, txn.committed(lr.layer)));
       }
     }
     if (rewrite_end > r.start) {
@@ -576,7 +576,7 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
                                 .request = static_cast<int32_t>(i),
                                 .start = static_cast<int32_t>(r.start)};
     if (shared_from) plan.shared_segments.push_back(segment);
-    const bool may_rewrite = r.start < txn.committed_max_;
+    const bool may_rewrite = r.start < txn.committed_max();
     const std::span<const LayerRows> written = r.written_layers();
     // The call's shared rows for every layer (validated distinct, so all of
     // them), nothing rewritten, and a transaction that touched no layer yet
@@ -604,13 +604,13 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
       }
       // Committed positions these rows rewrite whose old bytes are not saved yet.
       if (!may_rewrite) continue;
-      const uint32_t rewrite_end = std::min<uint64_t>(static_cast<uint64_t>(r.start) + r.row_count, txn.committed_[l]);
+      const uint32_t rewrite_end = std::min<uint64_t>(static_cast<uint64_t>(r.start) + r.row_count, txn.committed(l));
       if (r.start < rewrite_end) {
         // Before the write: a lease taken meanwhile must not cover it.
         txn.sequence_->set_rewrite_floor(std::min(txn.sequence_->rewrite_floor(), r.start));
         if (txn.saved_.empty()) txn.saved_.resize(options_.num_layers);
         std::vector<bool>& saved = txn.saved_[l];
-        if (saved.empty()) saved.assign(txn.committed_[l], false);
+        if (saved.empty()) saved.assign(txn.committed(l), false);
         AppendTransaction::Undo undo;
         undo.layer = l;
         for (uint32_t p = r.start; p < rewrite_end; ++p) {
