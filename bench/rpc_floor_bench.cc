@@ -45,7 +45,9 @@
 ABSL_FLAG(int, samples, 5000, "calls per variant per round");
 ABSL_FLAG(int, rounds, 5, "rounds (the variants take turns)");
 ABSL_FLAG(std::string, alone, "",
-          "\"sync\" or \"callback\": time only that minimal Health/Check server, alone in this process, and exit");
+          "\"sync\", \"callback\" or \"async\": time only that minimal Health/Check server, alone in this process, "
+          "and exit");
+ABSL_FLAG(int, async_threads, 2, "--alone async: threads, each polling a completion queue of its own");
 
 namespace mlakv {
 namespace {
@@ -135,11 +137,74 @@ double TimeOne(Call&& call) {
   return us;
 }
 
+// The same Check on the completion-queue API: --async_threads threads, each
+// with a queue of its own, answering each call on the thread that polled it.
+class AsyncHealth {
+ public:
+  explicit AsyncHealth(int threads) : threads_(threads) {}
+  ~AsyncHealth() { Stop(); }
+
+  std::unique_ptr<grpc::Server> Start(int* port) {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+    b.RegisterService(&service_);
+    for (int i = 0; i < threads_; ++i) cqs_.push_back(b.AddCompletionQueue());
+    std::unique_ptr<grpc::Server> s = b.BuildAndStart();
+    if (s == nullptr || *port == 0) Die("minimal async server did not start");
+    for (auto& cq : cqs_) {
+      workers_.emplace_back([this, q = cq.get()] { Serve(q); });
+    }
+    return s;
+  }
+  // After the server's Shutdown.
+  void Stop() {
+    for (auto& cq : cqs_) cq->Shutdown();
+    for (std::thread& t : workers_) t.join();
+    workers_.clear();
+    cqs_.clear();
+  }
+
+ private:
+  struct Call {
+    grpc::ServerContext ctx;
+    HealthCheckRequest request;
+    HealthCheckResponse response;
+    grpc::ServerAsyncResponseWriter<HealthCheckResponse> writer{&ctx};
+    bool answered = false;
+  };
+  void Expect(grpc::ServerCompletionQueue* cq) {
+    Call* call = new Call;
+    service_.RequestCheck(&call->ctx, &call->request, &call->writer, cq, cq, call);
+  }
+  void Serve(grpc::ServerCompletionQueue* cq) {
+    Expect(cq);
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq->Next(&tag, &ok)) {
+      Call* call = static_cast<Call*>(tag);
+      if (!ok || call->answered) {  // answered, or no call came before the shutdown
+        delete call;
+        continue;
+      }
+      Expect(cq);  // the next call, before answering this one
+      call->response.set_status(HealthCheckResponse::SERVING);
+      call->answered = true;
+      call->writer.Finish(call->response, grpc::Status::OK, call);
+    }
+  }
+
+  const int threads_;
+  Health::AsyncService service_;
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> cqs_;
+  std::vector<std::thread> workers_;
+};
+
 // One minimal Health server of one API, nothing else in the process: gRPC's
 // floor for that API without the other API's threads polling beside it.
 int TimeAlone(grpc::Service* service, const char* name, int calls) {
   int port = 0;
-  std::unique_ptr<grpc::Server> server = StartMinimal(service, &port);
+  AsyncHealth async(absl::GetFlag(FLAGS_async_threads));
+  std::unique_ptr<grpc::Server> server = service != nullptr ? StartMinimal(service, &port) : async.Start(&port);
   auto stub = Health::NewStub(Channel(port));
   auto check = [&](grpc::ClientContext& c) {
     HealthCheckResponse r;
@@ -152,6 +217,7 @@ int TimeAlone(grpc::Service* service, const char* name, int calls) {
   std::printf("rpc_floor_bench --alone %s: %d calls, %u cores\n  %-44s p50 %7.1f us  p90 %7.1f  p99 %7.1f\n", name,
               calls, std::thread::hardware_concurrency(), "Health/Check, alone in the process", s.p50, s.p90, s.p99);
   server->Shutdown();
+  async.Stop();
   return 0;
 }
 
@@ -168,7 +234,8 @@ int Main() {
     CallbackHealth service;
     return TimeAlone(&service, "callback", samples * rounds);
   }
-  if (!alone.empty()) Die("--alone takes \"sync\" or \"callback\"");
+  if (alone == "async") return TimeAlone(nullptr, "async", samples * rounds);
+  if (!alone.empty()) Die("--alone takes \"sync\", \"callback\" or \"async\"");
 
   SyncHealth sync_service;
   CallbackHealth callback_service;
