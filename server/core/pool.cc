@@ -1317,6 +1317,7 @@ absl::Status Pool::CheckInvariants() const {
     return absl::InternalError(absl::StrCat("shared_count ", allocator_->shared_count(), " != ", shared));
   }
   std::vector<uint64_t> tokens(options_.num_layers, 0);
+  if (!sequences_.IndexMatches()) return absl::InternalError("the sequences' hash index differs from the table");
   const std::vector<const Sequence*> all = sequences_.ListAfter("", std::numeric_limits<size_t>::max());
   if (all.size() != sequences_.committed_count()) {
     return absl::InternalError(

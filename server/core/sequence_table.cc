@@ -5,8 +5,8 @@
 namespace mlakv::server {
 
 Sequence* SequenceTable::Find(std::string_view id) const {
-  auto it = by_id_.find(id);
-  return it == by_id_.end() ? nullptr : it->second.get();
+  auto it = index_.find(id);
+  return it == index_.end() ? nullptr : *it;
 }
 
 Sequence* SequenceTable::Add(std::string id, uint64_t generation) {
@@ -14,7 +14,17 @@ Sequence* SequenceTable::Add(std::string id, uint64_t generation) {
   Sequence* raw = seq.get();
   raw->busy_ = true;
   raw->self_ = by_id_.emplace(std::move(id), std::move(seq)).first;
+  index_.insert(raw);
   return raw;
+}
+
+bool SequenceTable::IndexMatches() const {
+  if (index_.size() != by_id_.size()) return false;
+  for (const auto& [id, seq] : by_id_) {
+    auto it = index_.find(std::string_view(id));
+    if (it == index_.end() || *it != seq.get()) return false;
+  }
+  return true;
 }
 
 void SequenceTable::Erase(Sequence* sequence) { Extract(sequence); }
@@ -28,6 +38,7 @@ SequencesById::node_type SequenceTable::Retain(Sequence* sequence) {
   Unlink(sequence);
   if (sequence->committed_) --committed_count_;
   sequence->retained_ = true;
+  index_.erase(sequence);
   return by_id_.extract(sequence->self_);
 }
 

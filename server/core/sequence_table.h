@@ -4,9 +4,11 @@
 // the idle reaper and eviction may take.
 //
 // Bookkeeping is O(1) or O(log n) per operation, never a scan of every
-// sequence: counts are kept as the state changes, and the sequences that
-// may be reaped (committed, no append in flight, no lease, not pinned) are
-// linked in one list from least to most recently used, so the idle reaper
+// sequence: a lookup by id is a hash lookup (a decode step makes 256 of
+// them; in the ordered map each was ~log2(n) string compares), counts are
+// kept as the state changes, and the sequences that may be reaped
+// (committed, no append in flight, no lease, not pinned) are linked in one
+// list from least to most recently used, so the idle reaper
 // and eviction read only the sequences they free (docs/reliability.md
 // "Bounded resources", docs/server.md "Eviction"). Dropping one holder of a
 // page shared by many is O(1) too (Sequence::owner_slot_).
@@ -22,6 +24,8 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/hash/hash.h"
 #include "absl/container/inlined_vector.h"
 #include "server/core/sequence.h"
 
@@ -93,6 +97,9 @@ class SequenceTable {
   size_t committed_count() const { return committed_count_; }
   // Every sequence in the table, committed or not (what a pool's cap counts).
   size_t size() const { return by_id_.size(); }
+  // The hash index names exactly the ordered map's sequences (for
+  // Pool::CheckInvariants).
+  bool IndexMatches() const;
 
  private:
   // `now_ns`, or the most recent use in the list if that is later.
@@ -106,6 +113,18 @@ class SequenceTable {
 
   int32_t num_layers_;
   SequencesById by_id_;
+  // The same sequences for Find: a set of the sequences themselves, hashed
+  // and compared by their ids (8 bytes a slot, not a second copy of the id
+  // or a view of it), so a lookup by id is one hash probe.
+  struct ById {
+    using is_transparent = void;
+    size_t operator()(std::string_view id) const { return absl::HashOf(id); }
+    size_t operator()(const Sequence* s) const { return absl::HashOf(std::string_view(s->id())); }
+    bool operator()(const Sequence* a, const Sequence* b) const { return a->id() == b->id(); }
+    bool operator()(const Sequence* a, std::string_view b) const { return a->id() == b; }
+    bool operator()(std::string_view a, const Sequence* b) const { return a == b->id(); }
+  };
+  absl::flat_hash_set<Sequence*, ById, ById> index_;
   std::vector<Holders> holders_;  // [num_pages]
   size_t committed_count_ = 0;
   Sequence* lru_head_ = nullptr;  // least recently used

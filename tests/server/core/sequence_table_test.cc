@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+#include <string_view>
 #include <vector>
 
 namespace mlakv::server {
@@ -140,6 +142,46 @@ TEST(SequenceTableHolders, OnlyReapableSequencesAreInTheUseOrderList) {
   t.RemoveLease(b, 5, 20);
   EXPECT_EQ(t.LeastRecentlyUsed(), b);
   EXPECT_EQ(b->last_used_ns(), 20) << "the end of a lease is a use";
+}
+
+// Find goes through a hash index beside the ordered map: every way out of
+// the table (erase, extract, retain for leases) takes the id out of the
+// index at once, and an id freed that way finds only its next incarnation.
+TEST(SequenceTable, FindSeesEveryWayInAndOutOfTheTable) {
+  SequenceTable t(1, 8);
+  Sequence* a = Committed(t, "a", 1);
+  Sequence* b = Committed(t, "b", 2);
+  Sequence* c = Committed(t, "c", 3);
+  EXPECT_EQ(t.Find("a"), a);
+  EXPECT_EQ(t.Find(std::string_view("bx", 1)), b);  // the view's own length, not a C string
+  EXPECT_EQ(t.Find("bx"), nullptr);
+  EXPECT_EQ(t.Find(""), nullptr);
+
+  SequencesById::node_type retained = t.Retain(a);  // freed while leased: the node lives on
+  EXPECT_EQ(t.Find("a"), nullptr);
+  Sequence* a2 = t.Add("a", 2);  // the id is free again at once
+  EXPECT_NE(a2, a);
+  EXPECT_EQ(t.Find("a"), a2);
+  EXPECT_EQ(retained.mapped().get(), a);  // the retained one still holds its id, unseen by Find
+  EXPECT_EQ(a->id(), "a");
+
+  SequencesById::node_type extracted = t.Extract(b);
+  EXPECT_EQ(t.Find("b"), nullptr);
+  extracted = {};  // destroyed: nothing in the table points at it any more
+  EXPECT_EQ(t.Find("b"), nullptr);
+  t.Erase(c);
+  EXPECT_EQ(t.Find("c"), nullptr);
+  EXPECT_TRUE(t.IndexMatches());
+
+  // Many ids (the index grows and rehashes), then every other one out.
+  std::vector<Sequence*> many;
+  for (int i = 0; i < 5000; ++i) many.push_back(Committed(t, "s" + std::to_string(i), 10 + i));
+  for (int i = 0; i < 5000; i += 2) t.Erase(many[i]);
+  for (int i = 0; i < 5000; ++i) {
+    EXPECT_EQ(t.Find("s" + std::to_string(i)), i % 2 == 0 ? nullptr : many[i]) << i;
+  }
+  EXPECT_TRUE(t.IndexMatches());
+  EXPECT_EQ(t.size(), 2501u);  // "a" and the 2,500 odd ones
 }
 
 }  // namespace
