@@ -137,6 +137,21 @@ double TimeOne(Call&& call) {
   return us;
 }
 
+// `calls` Health/Checks to the server on `port` over a channel of their own,
+// after 200 to connect and warm up.
+std::vector<double> TimeChecks(int port, int calls) {
+  auto stub = Health::NewStub(Channel(port));
+  auto check = [&](grpc::ClientContext& c) {
+    HealthCheckResponse r;
+    return stub->Check(&c, HealthCheckRequest(), &r);
+  };
+  for (int i = 0; i < 200; ++i) TimeOne(check);
+  std::vector<double> us;
+  us.reserve(calls);
+  for (int i = 0; i < calls; ++i) us.push_back(TimeOne(check));
+  return us;
+}
+
 // The same Check on the completion-queue API: --async_threads threads, each
 // with a queue of its own, answering each call on the thread that polled it.
 class AsyncHealth {
@@ -205,15 +220,7 @@ int TimeAlone(grpc::Service* service, const char* name, int calls) {
   int port = 0;
   AsyncHealth async(absl::GetFlag(FLAGS_async_threads));
   std::unique_ptr<grpc::Server> server = service != nullptr ? StartMinimal(service, &port) : async.Start(&port);
-  auto stub = Health::NewStub(Channel(port));
-  auto check = [&](grpc::ClientContext& c) {
-    HealthCheckResponse r;
-    return stub->Check(&c, HealthCheckRequest(), &r);
-  };
-  for (int i = 0; i < 200; ++i) TimeOne(check);
-  std::vector<double> us;
-  for (int i = 0; i < calls; ++i) us.push_back(TimeOne(check));
-  const Summary s = Summarize(us);
+  const Summary s = Summarize(TimeChecks(port, calls));
   std::printf("rpc_floor_bench --alone %s: %d calls, %u cores\n  %-44s p50 %7.1f us  p90 %7.1f  p99 %7.1f\n", name,
               calls, std::thread::hardware_concurrency(), "Health/Check, alone in the process", s.p50, s.p90, s.p99);
   server->Shutdown();
@@ -245,26 +252,9 @@ int Main() {
   // then beside an idle callback server. A callback service starts gRPC's
   // nexting threads, which poll the process's sockets too (one epoll set), so
   // a sync call's request can be read on one of them and handed over.
-  std::vector<double> alone_us, beside_us;
-  {
-    auto stub = Health::NewStub(Channel(sync_port));
-    auto check = [&](grpc::ClientContext& c) {
-      HealthCheckResponse r;
-      return stub->Check(&c, HealthCheckRequest(), &r);
-    };
-    for (int i = 0; i < 200; ++i) TimeOne(check);
-    for (int i = 0; i < samples * rounds; ++i) alone_us.push_back(TimeOne(check));
-  }
+  const std::vector<double> alone_us = TimeChecks(sync_port, samples * rounds);
   std::unique_ptr<grpc::Server> callback_server = StartMinimal(&callback_service, &callback_port);
-  {
-    auto stub = Health::NewStub(Channel(sync_port));
-    auto check = [&](grpc::ClientContext& c) {
-      HealthCheckResponse r;
-      return stub->Check(&c, HealthCheckRequest(), &r);
-    };
-    for (int i = 0; i < 200; ++i) TimeOne(check);
-    for (int i = 0; i < samples * rounds; ++i) beside_us.push_back(TimeOne(check));
-  }
+  const std::vector<double> beside_us = TimeChecks(sync_port, samples * rounds);
 
   server::Pool::Options pool_options;
   pool_options.name = "default";
