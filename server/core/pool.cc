@@ -834,18 +834,9 @@ void Pool::ApplyLocked(const LayerTally& tally) {
 
 SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns, LayerTally& tally, SnapshotPages pages) {
   Sequence& seq = *txn.sequence_;
-  {
-    // One pass without branches over contiguous arrays, which the compiler
-    // vectorizes: a layer the append did not touch has staged_end_ 0, so it
-    // keeps its length and adds no tokens.
-    Sequence::LengthsEdit lengths = seq.EditLayerLengths();  // its end updates seq.length()
-    for (size_t l = 0; l < lengths.size(); ++l) {
-      const uint32_t before = lengths[l];
-      const uint32_t after = std::max(before, txn.staged_end_[l]);
-      tally.tokens[l] += after - before;
-      lengths[l] = after;
-    }
-  }
+  // A layer the append did not touch has staged_end_ 0, so it keeps its
+  // length and adds no tokens.
+  seq.RaiseLengths(txn.staged_end_, tally.tokens);
   if (txn.touched_layers_ == static_cast<uint32_t>(options_.num_layers)) {
     ++tally.users_of_every_layer;  // every layer written (a decode step)
   } else {
