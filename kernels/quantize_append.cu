@@ -223,8 +223,9 @@ __device__ __forceinline__ void QuantizeAppendRows(const QuantizeAppendParams& p
     int64_t my_entry = -2;
     if (lane < rows) my_entry = CacheEntryOfRowIndex(p, first + lane);
     const unsigned skipped = __ballot_sync(0xFFFFFFFFu, my_entry == -1);
-    if (skipped != 0 && lane == 0 && p.skipped_rows != nullptr) {
-      atomicAdd(p.skipped_rows, static_cast<unsigned>(__popc(skipped)));  // never written (docs/format.md "Bounds are checked")
+    if (skipped != 0 && lane == 0) {  // never written (docs/format.md "Bounds are checked")
+      if (p.skipped_rows != nullptr) atomicAdd(p.skipped_rows, static_cast<unsigned>(__popc(skipped)));
+      if (p.skipped_flag != nullptr) *p.skipped_flag = 1u;
     }
     constexpr int kUnroll = kRowsPerWarp > 8 ? 1 : (kRowsPerWarp + 1) / 2;  // 16 rows unrolled spill
 #pragma unroll kUnroll

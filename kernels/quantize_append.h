@@ -68,6 +68,12 @@ struct QuantizeAppendParams {
   // CUDA only, optional: a device counter incremented once per row that the
   // kernel's bounds guard skipped (it never writes such a row).
   unsigned int* skipped_rows = nullptr;
+  // CUDA only, optional: a word set to 1 (a plain store, never cleared here)
+  // when the bounds guard skipped any row. Given a host-mapped word
+  // (cudaHostAllocMapped), the host sees after the stream's synchronize
+  // whether a launch skipped anything without a device-to-host copy on
+  // every call; the count is then read from `skipped_rows`.
+  unsigned int* skipped_flag = nullptr;
 };
 
 // The cache entry a row lands in, or -1 when the row is out of bounds (docs/format.md

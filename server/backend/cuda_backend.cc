@@ -71,8 +71,11 @@ absl::Status CudaBackend::Init() {
   MLAKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(skipped_, 0, sizeof(unsigned int), stream_),
                              "cudaMemsetAsync of the skipped-rows counter");
   MLAKV_CUDA_RETURN_IF_ERROR(
-      cudaHostAlloc(reinterpret_cast<void**>(&skipped_host_), sizeof(unsigned int), cudaHostAllocDefault),
-      "cudaHostAlloc of the skipped-rows read-back");
+      cudaHostAlloc(reinterpret_cast<void**>(&skipped_flag_), sizeof(unsigned int), cudaHostAllocMapped),
+      "cudaHostAlloc (mapped) of the skipped-rows flag");
+  *skipped_flag_ = 0;
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(reinterpret_cast<void**>(&skipped_flag_dev_), skipped_flag_, 0),
+                             "cudaHostGetDevicePointer of the skipped-rows flag");
   MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after zeroing the caches");
   return absl::OkStatus();
 }
@@ -86,7 +89,7 @@ CudaBackend::~CudaBackend() {
     cudaFree(c.kpe);
   }
   if (skipped_ != nullptr) cudaFree(skipped_);
-  if (skipped_host_ != nullptr) cudaFreeHost(skipped_host_);
+  if (skipped_flag_ != nullptr) cudaFreeHost(skipped_flag_);
   if (scratch_ != nullptr) cudaFree(scratch_);
   if (pinned_ != nullptr) cudaFreeHost(pinned_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -405,6 +408,7 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
     p.kv_indptr = reinterpret_cast<const int32_t*>(scratch_ + s.indptr);
     p.kv_indices = reinterpret_cast<const int32_t*>(scratch_ + s.indices);
     p.skipped_rows = skipped_;
+    p.skipped_flag = skipped_flag_dev_;
     out.params.push_back(p);
   }
   return out;
@@ -437,15 +441,25 @@ absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
   // Whatever was enqueued completes before the call returns, after an error
   // too: no DMA is left reading the staging buffer or the producer's rows.
   const cudaError_t synced = cudaStreamSynchronize(stream_);
+  // Read (and cleared) after a failed enqueue too, so that a skip of this
+  // call is never reported as the next call's.
+  const absl::Status nothing_skipped = synced == cudaSuccess ? CheckNothingSkipped() : absl::OkStatus();
   MLAKV_RETURN_IF_ERROR(enqueued);
   MLAKV_CUDA_RETURN_IF_ERROR(synced, "cudaStreamSynchronize after quantize-append");
-  const unsigned int skipped = *skipped_host_ - skipped_seen_;  // wraps correctly: unsigned
-  skipped_seen_ = *skipped_host_;
-  if (skipped != 0) {
-    return absl::InternalError(absl::StrCat("cuda backend: the kernel skipped ", skipped,
-                                            " out-of-bounds rows that host validation accepted (a server bug)"));
-  }
-  return absl::OkStatus();
+  return nothing_skipped;
+}
+
+absl::Status CudaBackend::CheckNothingSkipped() {
+  // The kernel's store is visible here: the stream was synchronized.
+  if (*static_cast<volatile unsigned int*>(skipped_flag_) == 0) return absl::OkStatus();
+  *skipped_flag_ = 0;  // before the next launch: a later skip sets it again
+  unsigned int total = 0;
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpy(&total, skipped_, sizeof(unsigned int), cudaMemcpyDeviceToHost),
+                             "cudaMemcpy of the skipped-rows counter");
+  const unsigned int skipped = total - skipped_seen_;  // wraps correctly: unsigned
+  skipped_seen_ = total;
+  return absl::InternalError(absl::StrCat("cuda backend: the kernel skipped ", skipped,
+                                          " out-of-bounds rows that host validation accepted (a server bug)"));
 }
 
 absl::Status CudaBackend::Enqueue(const StagedAppend& staged, size_t total) {
@@ -467,11 +481,7 @@ absl::Status CudaBackend::Enqueue(const StagedAppend& staged, size_t total) {
                                absl::StrCat("cudaMemcpy2DAsync of ", g.count, " kpe rows from a CUDA region"));
   }
   // Every layer in one launch (up to kMaxLayersPerLaunch a launch).
-  MLAKV_RETURN_IF_ERROR(QuantizeAppendLayers(staged.params.data(), static_cast<int>(staged.params.size()), stream_));
-  MLAKV_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(skipped_host_, skipped_, sizeof(unsigned int), cudaMemcpyDeviceToHost, stream_),
-      "cudaMemcpyAsync of the skipped-rows counter");
-  return absl::OkStatus();
+  return QuantizeAppendLayers(staged.params.data(), static_cast<int>(staged.params.size()), stream_);
 }
 
 absl::Status CudaBackend::CheckEntries(int32_t layer, std::span<const int64_t> entries) const {

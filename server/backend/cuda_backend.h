@@ -59,6 +59,9 @@ class CudaBackend : public CacheBackend {
   absl::Status Launch(const StagedAppend& staged, size_t total);
   // Launch's device work, enqueued on the stream; Launch then waits for it.
   absl::Status Enqueue(const StagedAppend& staged, size_t total);
+  // After the stream's synchronize: an InternalError naming the count when
+  // the kernel's bounds guard skipped rows since the previous check.
+  absl::Status CheckNothingSkipped();
   absl::Status EnsureStaging(size_t bytes);
   absl::Status CheckEntries(int32_t layer, std::span<const int64_t> entries) const;
   // Copies runs between the layer's caches and host rows; `to_device` picks the direction.
@@ -73,12 +76,17 @@ class CudaBackend : public CacheBackend {
   uint8_t* pinned_ = nullptr;        // host staging (cudaHostAlloc)
   uint8_t* scratch_ = nullptr;       // device copy of the staging buffer
   size_t staging_bytes_ = 0;         // capacity of both
-  // Rows the kernel's bounds guard skipped, counted since the pool started:
-  // never reset, so one 4-byte read-back per call (into pinned memory) says
-  // whether this call skipped any, with no memset on the stream.
-  unsigned int* skipped_ = nullptr;         // device counter
-  unsigned int* skipped_host_ = nullptr;    // pinned read-back slot
-  unsigned int skipped_seen_ = 0;           // counter value after the previous call
+  // Rows the kernel's bounds guard skipped, counted since the pool started
+  // (never reset), and a host-mapped word the kernel sets when it skips any.
+  // A call reads the word after its synchronize, with no copy on the stream;
+  // only when it is set is the counter read back (the count for the error)
+  // and the word cleared. A read-back of the counter on every call cost
+  // ~8 us of a decode step's ~47 us backend call on the H200
+  // (docs/performance.md "The backend's share of a decode step").
+  unsigned int* skipped_ = nullptr;            // device counter
+  unsigned int* skipped_flag_ = nullptr;       // host-mapped (cudaHostAllocMapped)
+  unsigned int* skipped_flag_dev_ = nullptr;   // its device address
+  unsigned int skipped_seen_ = 0;              // counter value after the previous skip
 };
 
 }  // namespace mlakv::server

@@ -48,21 +48,47 @@ class DeviceVector {
   size_t size_;
 };
 
-// Runs the scenario on the device; returns the device caches and the skip count.
+// A host word the device writes through (cudaHostAllocMapped), as the CUDA
+// backend's skipped-rows flag is; poisoned so that a stray store shows.
+class MappedFlag {
+ public:
+  static constexpr unsigned int kUnset = 0xA5A5A5A5u;
+  MappedFlag() {
+    EXPECT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(unsigned int), cudaHostAllocMapped),
+              cudaSuccess);
+    *host_ = kUnset;
+    EXPECT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_), host_, 0), cudaSuccess);
+  }
+  ~MappedFlag() { cudaFreeHost(host_); }
+  unsigned int* device() const { return device_; }
+  unsigned int value() const { return *static_cast<volatile unsigned int*>(host_); }
+
+ private:
+  unsigned int* host_ = nullptr;
+  unsigned int* device_ = nullptr;
+};
+
+// Runs the scenario on the device; returns the device caches, the skip count
+// and, where the run passed a skipped-rows flag, the flag's value.
 struct CudaRun {
   std::vector<uint8_t> ckv_cache, ckv_sf_cache, kpe_cache;
   unsigned int skipped = 0;
+  unsigned int flag = MappedFlag::kUnset;
   absl::Status status;
 
-  // Waits for the device, then copies its caches and skip count here.
+  // Waits for the device, then copies its caches, skip count and flag here.
   void ReadBack(const DeviceVector<uint8_t>& cc, const DeviceVector<uint8_t>& sf, const DeviceVector<uint8_t>& kc,
-                const DeviceVector<unsigned int>& skip_count) {
+                const DeviceVector<unsigned int>& skip_count, const MappedFlag* skip_flag = nullptr) {
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ckv_cache = cc.ToHost();
     ckv_sf_cache = sf.ToHost();
     kpe_cache = kc.ToHost();
     skipped = skip_count.ToHost()[0];
+    if (skip_flag != nullptr) flag = skip_flag->value();
   }
+  // The flag says what the count says: set to 1 when rows were skipped,
+  // untouched otherwise.
+  bool FlagAgreesWithCount() const { return flag == (skipped != 0 ? 1u : MappedFlag::kUnset); }
 };
 
 // With `config`, launches through QuantizeAppendWithConfig instead of the
@@ -73,6 +99,7 @@ CudaRun RunCuda(PagedScenario& s, const QuantizeAppendConfig* config = nullptr) 
       last(s.kv_last_page_len);
   DeviceVector<uint8_t> cc(s.ckv_cache), sf(s.ckv_sf_cache), kc(s.kpe_cache);
   DeviceVector<unsigned int> skipped(std::vector<unsigned int>{0});
+  MappedFlag flag;
   const int P = s.num_pages, S = s.options.page_size;
   auto i32 = [](DeviceVector<int32_t>& v, size_t n) {
     return TensorView::Contiguous(v.get(), DType::kInt32, {static_cast<int64_t>(n)});
@@ -95,10 +122,11 @@ CudaRun RunCuda(PagedScenario& s, const QuantizeAppendConfig* config = nullptr) 
     run.status = params.status();
     if (params.ok()) {
       params->skipped_rows = skipped.get();
+      params->skipped_flag = flag.device();
       run.status = QuantizeAppendWithConfig(*params, *config, nullptr);
     }
   }
-  run.ReadBack(cc, sf, kc, skipped);
+  run.ReadBack(cc, sf, kc, skipped, config != nullptr ? &flag : nullptr);
   return run;
 }
 
@@ -194,6 +222,7 @@ TEST(CudaConfigs, EveryLaunchConfigurationWritesTheCpuBytes) {
       const std::string where = "rows_per_warp " + std::to_string(config.rows_per_warp) + " warps " +
                                 std::to_string(config.warps_per_block) + (config.block_ranges ? " ranges" : "");
       EXPECT_EQ(gpu.skipped, 0u) << where;
+      EXPECT_TRUE(gpu.FlagAgreesWithCount()) << where << ": flag " << gpu.flag;
       EXPECT_EQ(gpu.ckv_cache, cpu.ckv_cache) << where;
       EXPECT_EQ(gpu.ckv_sf_cache, cpu.ckv_sf_cache) << where;
       EXPECT_EQ(gpu.kpe_cache, cpu.kpe_cache) << where;
@@ -242,6 +271,13 @@ TEST(CudaBounds, OutOfRangeRowsAreSkippedAndCounted) {
   CudaRun gpu = RunCuda(bad);
   ASSERT_TRUE(gpu.status.ok()) << gpu.status;
   EXPECT_EQ(gpu.skipped, 4u);
+  // The same launch given a host-mapped flag too: set, as the count says.
+  const QuantizeAppendConfig config{8, 8, 8};
+  CudaRun flagged = RunCuda(bad, &config);
+  ASSERT_TRUE(flagged.status.ok()) << flagged.status;
+  EXPECT_EQ(flagged.skipped, 4u);
+  EXPECT_EQ(flagged.flag, 1u);
+  EXPECT_EQ(flagged.ckv_cache, gpu.ckv_cache);
   // Expected: the good scenario with rows 0..3 removed, on the CPU.
   good.batch_indices.erase(good.batch_indices.begin(), good.batch_indices.begin() + 4);
   good.positions.erase(good.positions.begin(), good.positions.begin() + 4);
@@ -275,9 +311,11 @@ CudaRun RunCudaBySegment(PagedScenario& s) {
   p.ckv_sf_cache = sf.get();
   p.kpe_cache = kc.get();
   p.skipped_rows = skipped.get();
+  MappedFlag flag;
+  p.skipped_flag = flag.device();
   CudaRun run;
   run.status = QuantizeAppend(p, nullptr);
-  run.ReadBack(cc, sf, kc, skipped);
+  run.ReadBack(cc, sf, kc, skipped, &flag);
   return run;
 }
 
@@ -307,6 +345,7 @@ TEST_P(CudaSegmentTest, SameBytesAsTheCpuWithPerRowPlacement) {
   CudaRun gpu = RunCudaBySegment(gpu_case);
   ASSERT_TRUE(gpu.status.ok()) << gpu.status;
   EXPECT_EQ(gpu.skipped, 0u);
+  EXPECT_TRUE(gpu.FlagAgreesWithCount()) << "flag " << gpu.flag;
   ASSERT_TRUE(cpu.RunCpu().ok());
   EXPECT_EQ(gpu.ckv_cache, cpu.ckv_cache);
   EXPECT_EQ(gpu.ckv_sf_cache, cpu.ckv_sf_cache);
@@ -347,6 +386,7 @@ TEST(CudaSegmentBounds, BadSegmentIsSkippedAndCounted) {
   CudaRun gpu = RunCudaBySegment(gpu_case);
   ASSERT_TRUE(gpu.status.ok()) << gpu.status;
   EXPECT_EQ(gpu.skipped, static_cast<unsigned>(bad_rows));
+  EXPECT_EQ(gpu.flag, 1u);
   QuantizeAppendHost(cpu.SegmentHostParams(), 1);  // unvalidated: skips the same rows
   EXPECT_EQ(gpu.ckv_cache, cpu.ckv_cache);
   EXPECT_EQ(gpu.ckv_sf_cache, cpu.ckv_sf_cache);
