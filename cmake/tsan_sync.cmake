@@ -52,8 +52,9 @@ foreach(entry IN LISTS mlakv_tsan_absl_functions)
   list(GET parts 1 suffix)
   list(APPEND mlakv_tsan_absl_symbols "_Z${prefix}4absl${mlakv_absl_ns_mangled}${suffix}")
 endforeach()
-# common/tsan_grpc_calls.cc: two functions of gRPC's C core.
-set(mlakv_tsan_grpc_symbols grpc_call_start_batch grpc_call_unref)
+# common/tsan_grpc_calls.cc: functions of gRPC's C core.
+set(mlakv_tsan_grpc_symbols grpc_call_start_batch grpc_call_unref grpc_server_request_call
+    grpc_server_request_registered_call grpc_completion_queue_next)
 
 # Each must be defined by the installed library: a name that is not there
 # would interpose nothing, silently.
@@ -96,4 +97,4 @@ endforeach()
 add_link_options("$<$<LINK_LANGUAGE:C,CXX>:${mlakv_tsan_link_flags}>")
 link_libraries(mlakv_tsan_sync)
 message(STATUS "mlakv: TSan build interposes abseil's Mutex/CondVar/Notification (inline namespace "
-               "${mlakv_absl_ns}) and gRPC's grpc_call_start_batch/grpc_call_unref")
+               "${mlakv_absl_ns}) and gRPC's batch start, call unref, server call requests and completion-queue next")

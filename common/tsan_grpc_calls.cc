@@ -31,13 +31,26 @@
 //    each other may then go unreported). Races between RPCs, with the pool's
 //    worker, and with anything not started through gRPC stay visible.
 //
+//  * grpc_server_request_call / grpc_server_request_registered_call(...,
+//    tag_new): the completion-queue API's requests for a call (cq/calls.h);
+//    they release on `tag_new`, grpcpp's request object, which the request
+//    wrote (its payload buffer, context) before asking;
+//  * grpc_completion_queue_next: what the completion-queue API's threads
+//    take their completions from (cq/queue_threads.h); it acquires on the
+//    event's tag, before grpcpp's FinalizeResult reads the request object or
+//    the batch's results and before the program's own step runs. With the
+//    releases above, a request's or a batch's start happens-before whatever
+//    its completion runs on the queue's thread, as gRPC guarantees.
+//
 // Not covered: OnDone, which grpcpp schedules from whichever thread dropped
 // the last of its callback references, some in libgrpc++ (an uninstrumented
 // atomic): tests/sanitize/tsan.supp, race:*::CallOnDone.
 //
-// The tag check reads the first word of `tag`: every tag this project's
-// programs pass is an object (a CallOpSet or a callback tag); none uses the
-// completion-queue API with arbitrary tags.
+// The tag check reads the first word of `tag`: every tag passed to
+// grpc_call_start_batch here is an object (a CallOpSet, grpcpp's done
+// notification or a callback tag), never an arbitrary pointer: the
+// completion-queue API's programs give their own tags to grpcpp, which
+// passes its own objects to the core.
 
 #include <dlfcn.h>
 #include <grpc/grpc.h>
@@ -97,4 +110,34 @@ extern "C" void grpc_call_unref(grpc_call* call) {
   static auto* const next = Next<decltype(grpc_call_unref)>("grpc_call_unref");
   __tsan_acquire(call);
   next(call);
+}
+
+extern "C" grpc_call_error grpc_server_request_call(grpc_server* server, grpc_call** call, grpc_call_details* details,
+                                                    grpc_metadata_array* request_metadata,
+                                                    grpc_completion_queue* cq_bound_to_call,
+                                                    grpc_completion_queue* cq_for_notification, void* tag_new) {
+  static auto* const next = Next<decltype(grpc_server_request_call)>("grpc_server_request_call");
+  __tsan_release(tag_new);
+  return next(server, call, details, request_metadata, cq_bound_to_call, cq_for_notification, tag_new);
+}
+
+extern "C" grpc_call_error grpc_server_request_registered_call(grpc_server* server, void* registered_method,
+                                                               grpc_call** call, gpr_timespec* deadline,
+                                                               grpc_metadata_array* request_metadata,
+                                                               grpc_byte_buffer** optional_payload,
+                                                               grpc_completion_queue* cq_bound_to_call,
+                                                               grpc_completion_queue* cq_for_notification,
+                                                               void* tag_new) {
+  static auto* const next =
+      Next<decltype(grpc_server_request_registered_call)>("grpc_server_request_registered_call");
+  __tsan_release(tag_new);
+  return next(server, registered_method, call, deadline, request_metadata, optional_payload, cq_bound_to_call,
+              cq_for_notification, tag_new);
+}
+
+extern "C" grpc_event grpc_completion_queue_next(grpc_completion_queue* cq, gpr_timespec deadline, void* reserved) {
+  static auto* const next = Next<decltype(grpc_completion_queue_next)>("grpc_completion_queue_next");
+  const grpc_event event = next(cq, deadline, reserved);
+  if (event.type == GRPC_OP_COMPLETE && event.tag != nullptr) __tsan_acquire(event.tag);
+  return event;
 }

@@ -13,6 +13,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/security/openssl_exit.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/rpc/server_process.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -53,6 +54,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: mutual TLS, every client must present a certificate signed by it");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding a bearer token required on every RPC except grpc.health.v1.Health (needs TLS)");
+ABSL_FLAG(int32_t, rpc_threads, 0,
+          "threads serving the gRPC completion queue, every call of the main port (0: one per four cores, 2 to 8; "
+          "docs/server.md \"Threads\")");
 ABSL_FLAG(std::string, health_listen, "",
           "host:port of a plaintext server with only grpc.health.v1.Health, for kubelet probes when the main port "
           "requires TLS; empty: none");
@@ -84,6 +88,7 @@ ServerFlags FlagsFromCommandLine() {
           .listen = absl::GetFlag(FLAGS_listen),
           .device = absl::GetFlag(FLAGS_device),
           .allow_ipc = absl::GetFlag(FLAGS_allow_ipc),
+          .rpc_threads = absl::GetFlag(FLAGS_rpc_threads),
           .server_id = absl::GetFlag(FLAGS_server_id),
           .metrics_listen = absl::GetFlag(FLAGS_metrics_listen),
           .health_listen = absl::GetFlag(FLAGS_health_listen),
@@ -133,6 +138,9 @@ int RunServer() {
 }  // namespace mlakv::server
 
 int main(int argc, char** argv) {
+  // Before anything touches OpenSSL: gRPC's threads outlive main
+  // (common/openssl_exit.h).
+  mlakv::KeepOpenSslStateAtExit();
   // Rows arrive as multi-megabyte protobuf strings and gRPC slices. glibc
   // serves blocks that large with fresh mmaps and trims freed heap back to the
   // kernel, so every 4 MB message paid ~1000 zero-filled page faults on the

@@ -39,6 +39,20 @@ void SerialExecutor::RunHere(absl::FunctionRef<void()> task) {
   SetIdle();
 }
 
+void SerialExecutor::RunOrPost(absl::AnyInvocable<void() &&> task) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (busy_ || !tasks_.empty()) {
+      tasks_.push_back(std::move(task));
+      return;
+    }
+    SetBusy();
+  }
+  std::move(task)();
+  absl::MutexLock lock(&mu_);
+  SetIdle();
+}
+
 void SerialExecutor::SetBusy() {
   busy_ = true;
   busy_since_ = std::chrono::steady_clock::now();

@@ -3,12 +3,12 @@
 //
 // Each Pool owns one. Everything that touches a pool's cache memory (appends,
 // reads, restores) is one of its tasks, so cache accesses of a pool never
-// overlap. gRPC reactions (callback API) never wait for quantization or a
-// CUDA synchronization: they Post the work and return. A blocking caller (a
-// synchronous-API handler) uses RunHere instead: when no task is running or
-// queued, its task runs at once on its own thread -- no wake-up of the worker
-// and back, ~20-30 us a call on the GPU host (docs/performance.md) -- and
-// otherwise it is queued like a posted one and the caller waits for it.
+// overlap. gRPC's threads never wait for quantization or a CUDA
+// synchronization: they Post the work and return, or RunOrPost it: when no
+// task is running or queued, the task runs at once on the caller's thread --
+// no wake-up of the worker and back, ~20-30 us a call on the GPU host
+// (docs/performance.md) -- and otherwise it is queued like a posted one. A
+// caller that may block uses RunHere, which waits for a queued task.
 // Either way tasks never overlap, and a caller's tasks run in its order.
 //
 // An optional start hook runs once on the worker thread before any task; a
@@ -42,6 +42,12 @@ class SerialExecutor {
   // the tasks queued before it. The on_start hook does not run on the
   // calling thread (CUDA backends set their device per call).
   void RunHere(absl::FunctionRef<void()> task);
+  // Runs `task` as one of the executor's tasks without waiting for the
+  // others: on the calling thread at once when the executor is idle (the
+  // same hand-over saved as RunHere), else posted behind the tasks queued
+  // before it. For callers that must not block (a completion-queue thread),
+  // whose task finishes its call itself.
+  void RunOrPost(absl::AnyInvocable<void() &&> task);
   // Tasks posted and not yet finished (for tests and metrics).
   size_t pending() const;
   // How loaded the executor is: the time spent running tasks since it

@@ -21,12 +21,14 @@ constexpr size_t kOffWorkerBytes = 256 * 1024;
 
 }  // namespace
 
-AppendReactor::AppendReactor(KvCacheService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response)
-    : service_(service),
-      ctx_(ctx),
-      response_(response),
-      transport_(&service->NextTransport()),
-      started_(absl::Now()) {
+void AppendReactor::Request(void* tag) {
+  grpc::ServerCompletionQueue* queue = queue_->queue();
+  service_->async()->RequestAppend(&ctx_, reader(), queue, queue, tag);
+}
+
+void AppendReactor::OnStart() {
+  transport_ = &service_->NextTransport();
+  started_ = absl::Now();
   if (service_->draining()) {
     {
       absl::MutexLock lock(&mu_);
@@ -122,7 +124,7 @@ void AppendReactor::OnStreamEnd() {
   // Not a clean half-close when the call broke: a failed read (client
   // cancel, message over the size limit, transport error, deadline) marks
   // the call cancelled before OnReadDone(false) runs.
-  const absl::Status alive = CheckCallAlive(ctx_, "the whole append was rolled back");
+  const absl::Status alive = CheckCallAlive(&ctx_, "the whole append was rolled back");
   std::optional<absl::Status> finish;
   {
     absl::MutexLock lock(&mu_);
@@ -328,7 +330,7 @@ void AppendReactor::Complete(absl::Status waited) {
     // A client that cancels (or a server shutdown that cancels the call once
     // its grace is over) ends the wait at once: rolled back below.
     WaitLimits limits{.deadline = absl::Now() + service_->options().append_idle_timeout,
-                      .abandoned = [ctx = ctx_] { return ctx->IsCancelled(); }};
+                      .abandoned = [ctx = &ctx_] { return ctx->cancelled(); }};
     absl::StatusOr<bool> here = pool_->WaitForSourcesHere(events, limits);
     if (!here.ok()) {
       waited = here.status();
@@ -371,7 +373,7 @@ absl::Status AppendReactor::CommitStream() {
   const uint32_t max_bytes = service_->options().max_message_bytes;
   auto last_check = [&]() -> absl::Status {
     MLAKV_RETURN_IF_ERROR(regions_held_.CheckNoFaults(absl::StrCat("sequence ", Quote(sequence_))));
-    MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx_, "the whole append was rolled back"));
+    MLAKV_RETURN_IF_ERROR(CheckCallAlive(&ctx_, "the whole append was rolled back"));
     {
       absl::MutexLock lock(&mu_);
       if (doomed_) return absl::AbortedError("the Append stream failed before its commit");
@@ -397,7 +399,7 @@ absl::Status AppendReactor::CommitStream() {
   response.set_rows_written(rows);
   response.set_pages_allocated(allocated);
   bool own = false;
-  if (grpc::Status s = grpc::SerializationTraits<v1::AppendResponse>::Serialize(response, response_, &own); !s.ok()) {
+  if (grpc::Status s = grpc::SerializationTraits<v1::AppendResponse>::Serialize(response, this->response(), &own); !s.ok()) {
     // Committed already; cannot happen for a message this small.
     spdlog::error("Append {}: serializing the response failed: {}", Detail(), s.error_message());
   }

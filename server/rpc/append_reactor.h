@@ -1,4 +1,6 @@
-// AppendReactor: one Append stream (a raw method: ByteBuffer messages).
+// AppendReactor: one Append stream (a raw method: ByteBuffer messages), a
+// client-streaming call on the server's completion queue (cq/calls.h, which
+// drives it the way gRPC's reactors are driven).
 //
 // The stream is one atomic append (AtomicAppend on the pool's worker). It
 // commits only on a clean half-close after messages that all parsed and
@@ -9,12 +11,12 @@
 // (docs/reliability.md "Atomic streams").
 //
 // Why raw: gRPC's typed reader reports a message that fails to parse the
-// same way as the end of the stream (OnReadDone(false) without an error on
-// the call), so a truncated or non-UTF-8 second message would commit the
+// same way as the end of the stream (a read that is not ok without an error
+// on the call), so a truncated or non-UTF-8 second message would commit the
 // first. Parsing here tells the two apart. A read that fails because the
 // call broke (cancel, oversized message, lost connection, deadline) marks
 // the call cancelled before OnReadDone(false) (gRPC's
-// grpc_call_failed_before_recv_message), which IsCancelled() then reports.
+// grpc_call_failed_before_recv_message), which ctx_.cancelled() then reports.
 //
 // Pipelining: two message slots. While the worker processes message k,
 // message k+1 is received into the other slot, and the read of k+2 starts as
@@ -24,10 +26,11 @@
 // slices), the read that waited for it and Finish run on one of the
 // service's transport executors (KvCacheService::NextTransport).
 //
-// Lifetime: Finish is called exactly once, and only when no task of this
-// reactor is queued on a worker and no StartRead is being made; a read may
-// still be in flight then (gRPC completes it with ok=false). OnDone removes
-// the reactor from the watchdog and deletes it.
+// Lifetime: the object waits for its method's next request from the moment
+// it is armed (OnStart when one came). Finish is called exactly once, and
+// only when no task of this reactor is queued on a worker and no StartRead
+// is being made; a read may still be in flight then (gRPC completes it with
+// ok=false). OnDone removes the reactor from the watchdog and deletes it.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -44,6 +47,7 @@
 #include "absl/time/time.h"
 #include "mlakv/v1/kv_cache.pb.h"
 #include "server/core/atomic_append.h"
+#include "server/cq/calls.h"
 #include "server/rpc/append_wire.h"
 #include "server/rpc/kv_cache_service.h"
 #include "server/regions/region_registry.h"
@@ -51,15 +55,23 @@
 
 namespace mlakv::server {
 
-class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, public StreamWatchdog::Watched {
+class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBuffer>,
+                            public StreamWatchdog::Watched {
  public:
-  AppendReactor(KvCacheService* service, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* response);
+  // Serves Append on `queue` from now on.
+  static void Serve(KvCacheService* service, cq::QueueThreads* queue) { Arm(new AppendReactor(service, queue)); }
 
-  void OnReadDone(bool ok) override;
-  void OnDone() override;
   void OnWatchdogTick(absl::Time now) override;
 
  private:
+  AppendReactor(KvCacheService* service, cq::QueueThreads* queue) : ReaderCall(queue), service_(service) {}
+
+  void Request(void* tag) override;
+  Call* NextCall() override { return new AppendReactor(service_, queue_); }
+  void OnStart() override;
+  void OnReadDone(bool ok) override;
+  void OnDone() override;
+
   struct Slot {
     grpc::ByteBuffer raw;      // what the read delivers
     ReceivedAppend received;   // parsed from raw, the rows left in its slices (server/rpc/append_wire.h)
@@ -108,10 +120,9 @@ class AppendReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, pu
   std::string Detail() const;
 
   KvCacheService* const service_;
-  grpc::CallbackServerContext* const ctx_;
-  grpc::ByteBuffer* const response_;
-  SerialExecutor* const transport_;  // the service's, for this stream's life (KvCacheService::NextTransport)
-  const absl::Time started_;
+  // Set by OnStart.
+  SerialExecutor* transport_ = nullptr;  // the service's, for this stream's life (KvCacheService::NextTransport)
+  absl::Time started_;
   bool counted_ = false;     // in the service's appends in flight (not when refused while draining)
   bool registered_ = false;  // with the watchdog
 

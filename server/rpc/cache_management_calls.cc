@@ -19,7 +19,7 @@ std::string LeaseDetail(const std::string& pool, uint64_t lease_id) {
 
 }  // namespace
 
-grpc::Status KvCacheService::AcquireLease(grpc::ServerContext* ctx,
+grpc::Status KvCacheService::AcquireLease(cq::CallContext* ctx,
                                           const v1::AcquireLeaseRequest* req, v1::Lease* resp) {
   RpcScope scope = StartRpc(kRpcAcquireLease);
   const absl::Status status = [&]() -> absl::Status {
@@ -38,7 +38,7 @@ grpc::Status KvCacheService::AcquireLease(grpc::ServerContext* ctx,
   return scope.Done(FinishCall("AcquireLease", detail, status));
 }
 
-grpc::Status KvCacheService::RenewLease(grpc::ServerContext* ctx, const v1::RenewLeaseRequest* req, v1::Lease* resp) {
+grpc::Status KvCacheService::RenewLease(cq::CallContext* ctx, const v1::RenewLeaseRequest* req, v1::Lease* resp) {
   RpcScope scope = StartRpc(kRpcRenewLease);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -51,7 +51,7 @@ grpc::Status KvCacheService::RenewLease(grpc::ServerContext* ctx, const v1::Rene
   return scope.Done(FinishCall("RenewLease", [&] { return LeaseDetail(req->pool(), req->lease_id()); }, status));
 }
 
-grpc::Status KvCacheService::ReleaseLease(grpc::ServerContext* ctx,
+grpc::Status KvCacheService::ReleaseLease(cq::CallContext* ctx,
                                           const v1::ReleaseLeaseRequest* req,
                                           v1::ReleaseLeaseResponse* resp) {
   RpcScope scope = StartRpc(kRpcReleaseLease);
@@ -65,7 +65,7 @@ grpc::Status KvCacheService::ReleaseLease(grpc::ServerContext* ctx,
   return scope.Done(FinishCall("ReleaseLease", [&] { return LeaseDetail(req->pool(), req->lease_id()); }, status));
 }
 
-grpc::Status KvCacheService::ListLeases(grpc::ServerContext*,
+grpc::Status KvCacheService::ListLeases(cq::CallContext*,
                                         const v1::ListLeasesRequest* req, v1::ListLeasesResponse* resp) {
   RpcScope scope = StartRpc(kRpcListLeases);
   const absl::Status status = [&]() -> absl::Status {
@@ -86,7 +86,7 @@ grpc::Status KvCacheService::ListLeases(grpc::ServerContext*,
   return scope.Done(FinishCall("ListLeases", [&] { return absl::StrCat("pool=", Quote(req->pool())); }, status));
 }
 
-grpc::Status KvCacheService::MatchPrefix(grpc::ServerContext* ctx,
+grpc::Status KvCacheService::MatchPrefix(cq::CallContext* ctx,
                                          const v1::MatchPrefixRequest* req,
                                          v1::MatchPrefixResponse* resp) {
   RpcScope scope = StartRpc(kRpcMatchPrefix);
@@ -110,11 +110,10 @@ grpc::Status KvCacheService::MatchPrefix(grpc::ServerContext* ctx,
   return scope.Done(FinishCall("MatchPrefix", detail, status));
 }
 
-grpc::Status KvCacheService::ForkSequence(grpc::ServerContext* ctx,
-                                          const v1::ForkSequenceRequest* req,
-                                          v1::ForkSequenceResponse* resp) {
+void KvCacheService::ForkSequence(ForkSequenceCall* call) {
   RpcScope scope = StartRpc(kRpcForkSequence);
-  auto detail = [&] {
+  const v1::ForkSequenceRequest* req = &call->request();
+  auto detail = [req] {
     return absl::StrCat("pool=", Quote(req->pool()), " source=", Quote(req->source()), " target=",
                         Quote(req->target()), " length=", req->length(), " hashes=", req->block_hashes_size());
   };
@@ -124,13 +123,18 @@ grpc::Status KvCacheService::ForkSequence(grpc::ServerContext* ctx,
     MLAKV_RETURN_IF_ERROR(CheckFieldLength("target", req->target(), kMaxSequenceIdBytes));
     return p;
   }();
-  if (!pool.ok()) return scope.Done(FinishCall("ForkSequence", detail, pool.status()));
+  if (!pool.ok()) {
+    call->Finish(scope.Done(FinishCall("ForkSequence", detail, pool.status())));
+    return;
+  }
   Pool* p = *pool;
-  absl::Status status;
   // A worker task (the partial last page is copied there, in order with
-  // appends), on this thread when the worker is idle.
-  p->worker().RunHere([&] {
-    status = [&]() -> absl::Status {
+  // appends): on this thread at once when the worker is idle, else queued
+  // there and finished from the worker.
+  p->worker().RunOrPost([this, call, req, p, scope, detail]() mutable {
+    cq::CallContext* ctx = call->context();
+    v1::ForkSequenceResponse* resp = call->response();
+    const absl::Status status = [&]() -> absl::Status {
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was forked"));
       ForkRequest fork;
       fork.target = req->target();
@@ -163,8 +167,8 @@ grpc::Status KvCacheService::ForkSequence(grpc::ServerContext* ctx,
       resp->set_pages_copied(result.pages_copied);
       return absl::OkStatus();
     }();
+    call->Finish(scope.Done(FinishCall("ForkSequence", detail, status)));
   });
-  return scope.Done(FinishCall("ForkSequence", detail, status));
 }
 
 }  // namespace mlakv::server

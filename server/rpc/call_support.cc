@@ -19,14 +19,14 @@ absl::Status CheckFieldLength(absl::string_view field, absl::string_view value, 
                                                  max_bytes, " are accepted"));
 }
 
-absl::Status CheckCallAlive(grpc::ServerContextBase* ctx, absl::string_view what) {
+absl::Status CheckCallAlive(const cq::CallContext* ctx, absl::string_view what) {
   // The deadline first: gRPC cancels a call whose deadline passed, so a
   // cancelled call past its deadline is reported (logged, counted) as what
   // it is.
   if (ctx->deadline() <= std::chrono::system_clock::now()) {
     return absl::DeadlineExceededError(absl::StrCat("the call's deadline passed before it committed; ", what));
   }
-  if (ctx->IsCancelled()) {
+  if (ctx->cancelled()) {
     return absl::CancelledError(
         absl::StrCat("the call was cancelled (by the client, or its connection broke) before it committed; ", what));
   }
@@ -47,14 +47,6 @@ grpc::Status FinishCall(absl::string_view method, absl::FunctionRef<std::string(
   const spdlog::level::level_enum level = status.ok() ? spdlog::level::debug : spdlog::level::warn;
   if (spdlog::should_log(level)) LogCall(method, detail(), status);
   return ToGrpcStatus(status);
-}
-
-grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* ctx, absl::string_view method,
-                                      absl::string_view detail, const absl::Status& status) {
-  LogCall(method, detail, status);
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
 }
 
 }  // namespace mlakv::server

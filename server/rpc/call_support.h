@@ -6,6 +6,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "server/cq/calls.h"
+
 #include <string>
 #include "absl/functional/function_ref.h"
 #include "absl/strings/string_view.h"
@@ -32,7 +34,7 @@ absl::Status CheckFieldLength(absl::string_view field, absl::string_view value, 
 // DEADLINE_EXCEEDED when its deadline has passed; `what` says what is then
 // not done ("nothing was written"). Called right before a mutation is
 // applied, so that a call that failed is never applied.
-absl::Status CheckCallAlive(grpc::ServerContextBase* ctx, absl::string_view what);
+absl::Status CheckCallAlive(const cq::CallContext* ctx, absl::string_view what);
 
 // One line per call at debug, one per failed call at warn (detail quotes
 // client-chosen strings with Quote()).
@@ -43,8 +45,5 @@ void LogCall(absl::string_view method, absl::string_view detail, const absl::Sta
 // level builds no string.
 grpc::Status FinishCall(absl::string_view method, absl::FunctionRef<std::string()> detail,
                         const absl::Status& status);
-// The same for a callback-API unary call, finished through its default reactor.
-grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* ctx, absl::string_view method,
-                                      absl::string_view detail, const absl::Status& status);
 
 }  // namespace mlakv::server

@@ -1,29 +1,21 @@
 #include "server/rpc/kv_cache_server.h"
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
-
 #include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "grpc/health/v1/health.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1/reflection.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "server/observability/instrumented_backend.h"
 #include "server/observability/metrics_interceptor.h"
-#include "server/observability/reflection_option.h"
 #include "server/regions/mapping_fault_guard.h"
 #include "server/rpc/server_config.h"
 #include "spdlog/spdlog.h"
 
 namespace mlakv::server {
 namespace {
-
-void EnableHealthAndReflection(grpc::ServerBuilder& builder) {
-  static_cast<void>(grpc::health::v1::HealthCheckRequest::descriptor());
-  grpc::EnableDefaultHealthCheckService(true);
-  builder.SetOption(std::make_unique<ReflectionOption>(/*serve=*/true));
-}
 
 // "host:port" with the port replaced by `port`.
 std::string WithPort(const std::string& listen, int port) {
@@ -89,9 +81,20 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   // knew an earlier process under the same id.
   server->events_->Record(KvEvent{.kind = KvEvent::Kind::kCleared});
   server->service_ = std::make_unique<KvCacheService>(service_options);
+  // grpc.health.v1 ("" and the KvCache service) and server reflection, on the
+  // same queue as the service: gRPC's default health service is a callback
+  // service and its reflection a synchronous one, either of which would
+  // bring threads of its own polling beside the queue's (kv_cache_service.h).
+  const std::string kv_cache_name = v1::KvCache::service_full_name();
+  server->health_ = std::make_unique<cq::HealthService>(std::vector<std::string>{kv_cache_name});
+  server->reflection_ = std::make_unique<cq::ReflectionService>(std::vector<std::string>{
+      kv_cache_name, grpc::health::v1::Health::service_full_name(),
+      grpc::reflection::v1::ServerReflection::service_full_name(),
+      grpc::reflection::v1alpha::ServerReflection::service_full_name()});
+  server->unknown_ = std::make_unique<cq::UnknownMethods>(
+      absl::StrCat(kv_cache_name, ", ", grpc::health::v1::Health::service_full_name(), " and server reflection"));
 
   grpc::ServerBuilder builder;
-  EnableHealthAndReflection(builder);
   // No receive limit in gRPC itself: the service enforces max_message_bytes
   // on every append message it is handed. gRPC's own limit would end an
   // Append stream whose next message is too large the same way as a clean
@@ -101,7 +104,12 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   // (docs/reliability.md "Atomic streams").
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint32_t>(max_message, INT32_MAX)));
-  builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->service_->grpc_service());
+  builder.RegisterService(server->health_->service());
+  builder.RegisterService(server->reflection_->v1_service());
+  builder.RegisterService(server->reflection_->v1alpha_service());
+  builder.RegisterAsyncGenericService(server->unknown_->service());  // cq/unknown_methods.h
+  std::unique_ptr<grpc::ServerCompletionQueue> queue = builder.AddCompletionQueue();
   // ---- operations: per-RPC metrics, TLS / token credentials ----
   if (options.metrics != nullptr) {
     options.metrics->SetDefaultPool(service_options.default_pool);
@@ -126,18 +134,24 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
                              options.credentials ? options.credentials : grpc::InsecureServerCredentials(), &port);
   }
   server->server_ = builder.BuildAndStart();
+  server->queue_ = std::make_unique<cq::QueueThreads>(
+      std::move(queue), options.rpc_threads > 0 ? options.rpc_threads : cq::QueueThreads::DefaultThreads(), "rpc");
   if (server->server_ == nullptr || (!options.listen.empty() && port == 0)) {
     return absl::UnavailableError(absl::StrCat("cannot listen on '", options.listen,
                                                "' (address in use, or not host:port?)"));
   }
+  server->queue_->Start();
+  server->service_->Serve(server->queue_.get());
+  server->health_->Serve(server->queue_.get());
+  server->reflection_->Serve(server->queue_.get());
+  server->unknown_->Serve(server->queue_.get());
   if (!options.listen.empty()) {
     server->bound_port_ = port;
     server->bound_address_ = WithPort(options.listen, port);
   }
   // SERVING for the whole server ("") and for the KvCache service by name;
   // Shutdown turns both NOT_SERVING.
-  server->server_->GetHealthCheckService()->SetServingStatus(v1::KvCache::service_full_name(), true);
-  server->server_->GetHealthCheckService()->SetServingStatus(true);
+  server->health_->SetServing(true);
   // The upkeep thread (Pool::Maintain: expired leases, the idle TTL, eviction
   // above the high watermark): every quarter of the shortest TTL, between
   // 0.1 s and 1 s (leases expire on every call that consults them as well).
@@ -160,8 +174,14 @@ KvCacheServer::~KvCacheServer() {
   if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();
   // In this order: no call can reach the service once the grpc::Server is
-  // gone, and no reactor is left to post work to a pool once the service is.
+  // shut down and the queue's calls have all ended, and no reactor is left
+  // to post work to a pool once the service is.
+  if (queue_ != nullptr) queue_->Shutdown();
   server_.reset();
+  queue_.reset();
+  unknown_.reset();
+  reflection_.reset();
+  health_.reset();
   service_.reset();
   regions_.reset();  // unmaps / closes every region (CUDA handles before the pools' contexts go)
   pools_.clear();  // each pool drains its worker, then frees its caches
@@ -179,7 +199,7 @@ void KvCacheServer::Shutdown(absl::Duration grace) {
   shut_down_ = true;
   spdlog::info("shutting down: health NOT_SERVING, refusing new calls, draining calls in flight (grace {} s)",
                absl::ToDoubleSeconds(grace));
-  server_->GetHealthCheckService()->SetServingStatus(false);
+  health_->Shutdown();
   service_->StartDraining();
   events_->Close();  // WatchEvents streams end now (UNAVAILABLE), not at the grace's end
   // Appends in flight get the grace period to finish while the server keeps
@@ -190,6 +210,7 @@ void KvCacheServer::Shutdown(absl::Duration grace) {
   server_->Shutdown(std::chrono::system_clock::now() +
                     absl::ToChronoMilliseconds(std::max(deadline - absl::Now(), absl::ZeroDuration())));
   server_->Wait();
+  queue_->Shutdown();  // every call of the queue ended; then its threads
   spdlog::info("all calls finished");
 }
 

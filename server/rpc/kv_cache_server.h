@@ -1,10 +1,8 @@
 // KvCacheServer: the whole process minus flags and signals — pools built
 // from a ServerConfig, the KvCache service, the health service and server
-// reflection on one grpc::Server.
-//
-// Health and reflection of the main port are switched on by
-// EnableHealthAndReflection() in kv_cache_server.cc; the --health_listen
-// port's server (observability/health_probe_server.h) has health only.
+// reflection on one grpc::Server, all served by the threads of its one
+// completion queue (cq/queue_threads.h). The --health_listen port's server
+// (observability/health_probe_server.h) has health only.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -18,6 +16,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "mlakv/v1/config.pb.h"
+#include "server/cq/health_service.h"
+#include "server/cq/queue_threads.h"
+#include "server/cq/reflection_service.h"
+#include "server/cq/unknown_methods.h"
 #include "server/rpc/kv_cache_service.h"
 #include "server/core/pool.h"
 #include "server/regions/region_registry.h"
@@ -38,6 +40,9 @@ class KvCacheServer {
     std::shared_ptr<grpc::ServerCredentials> credentials;
     // Per-RPC metrics (interceptor) and backend timing; null: none. Not owned.
     ServerMetrics* metrics = nullptr;
+    // Threads serving the completion queue (--rpc_threads); 0: the default
+    // (cq::QueueThreads::DefaultThreads()).
+    int rpc_threads = 0;
     // ---- end operations ----
   };
 
@@ -48,6 +53,7 @@ class KvCacheServer {
   // "host:port" actually bound (the port resolved when 0 was asked); empty when in-process only.
   const std::string& bound_address() const { return bound_address_; }
   int bound_port() const { return bound_port_; }
+  int rpc_threads() const { return queue_->threads(); }
   // A channel to this server that bypasses the network (tests).
   std::shared_ptr<grpc::Channel> InProcessChannel();
   const std::vector<std::unique_ptr<Pool>>& pools() const { return pools_; }
@@ -69,7 +75,13 @@ class KvCacheServer {
   std::vector<std::unique_ptr<Pool>> pools_;
   std::unique_ptr<RegionRegistry> regions_;  // released after the service, before the pools
   std::unique_ptr<KvCacheService> service_;
+  std::unique_ptr<cq::HealthService> health_;
+  std::unique_ptr<cq::ReflectionService> reflection_;
+  std::unique_ptr<cq::UnknownMethods> unknown_;
   std::unique_ptr<grpc::Server> server_;
+  // After the server (its queue comes from the builder); shut down after the
+  // server's Shutdown and before the services its calls use go.
+  std::unique_ptr<cq::QueueThreads> queue_;
   std::string bound_address_;
   int bound_port_ = 0;
   bool shut_down_ = false;

@@ -12,13 +12,10 @@
 #include "common/quote.h"
 #include "common/status_macros.h"
 #include "kernels/nvfp4_format.h"
-#include "server/rpc/append_reactor.h"
 #include "server/core/atomic_append.h"
 #include "server/rpc/call_support.h"
 #include "server/rpc/grpc_status.h"
 #include "server/rpc/proto_convert.h"
-#include "server/rpc/read_reactor.h"
-#include "server/rpc/watch_events_reactor.h"
 
 namespace mlakv::server {
 namespace {
@@ -123,7 +120,7 @@ void KvCacheService::AppendEnded(const AppendOutcome& outcome) {
 
 // ---- unary queries -------------------------------------------------------------
 
-grpc::Status KvCacheService::ListPools(grpc::ServerContext*, const v1::ListPoolsRequest*, v1::ListPoolsResponse* resp) {
+grpc::Status KvCacheService::ListPools(cq::CallContext*, const v1::ListPoolsRequest*, v1::ListPoolsResponse* resp) {
   RpcScope scope = StartRpc(kRpcListPools);
   if (draining()) return scope.Done(FinishCall("ListPools", [&] { return std::string(""); }, DrainingError()));
   std::vector<Pool*> pools = options_.pools;
@@ -136,7 +133,7 @@ grpc::Status KvCacheService::ListPools(grpc::ServerContext*, const v1::ListPools
   return scope.Done(FinishCall("ListPools", [&] { return std::string(""); }, absl::OkStatus()));
 }
 
-grpc::Status KvCacheService::GetPool(grpc::ServerContext*, const v1::GetPoolRequest* req, v1::Pool* resp) {
+grpc::Status KvCacheService::GetPool(cq::CallContext*, const v1::GetPoolRequest* req, v1::Pool* resp) {
   RpcScope scope = StartRpc(kRpcGetPool);
   absl::StatusOr<Pool*> pool = Prelude(req->pool());
   if (pool.ok()) {
@@ -146,7 +143,7 @@ grpc::Status KvCacheService::GetPool(grpc::ServerContext*, const v1::GetPoolRequ
   return scope.Done(FinishCall("GetPool", [&] { return PoolDetail(req->pool()); }, pool.status()));
 }
 
-grpc::Status KvCacheService::GetSequence(grpc::ServerContext* ctx,
+grpc::Status KvCacheService::GetSequence(cq::CallContext* ctx,
                                          const v1::GetSequenceRequest* req, v1::Sequence* resp) {
   RpcScope scope = StartRpc(kRpcGetSequence);
   const absl::Status status = [&]() -> absl::Status {
@@ -165,7 +162,7 @@ grpc::Status KvCacheService::GetSequence(grpc::ServerContext* ctx,
   return scope.Done(FinishCall("GetSequence", [&] { return SequenceDetail(req->pool(), req->sequence()); }, status));
 }
 
-grpc::Status KvCacheService::ListSequences(grpc::ServerContext*,
+grpc::Status KvCacheService::ListSequences(cq::CallContext*,
                                            const v1::ListSequencesRequest* req,
                                            v1::ListSequencesResponse* resp) {
   RpcScope scope = StartRpc(kRpcListSequences);
@@ -190,7 +187,7 @@ grpc::Status KvCacheService::ListSequences(grpc::ServerContext*,
   return scope.Done(FinishCall("ListSequences", detail, status));
 }
 
-grpc::Status KvCacheService::GetPage(grpc::ServerContext*, const v1::GetPageRequest* req, v1::Page* resp) {
+grpc::Status KvCacheService::GetPage(cq::CallContext*, const v1::GetPageRequest* req, v1::Page* resp) {
   RpcScope scope = StartRpc(kRpcGetPage);
   const absl::Status status = [&]() -> absl::Status {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
@@ -214,7 +211,7 @@ grpc::Status KvCacheService::GetPage(grpc::ServerContext*, const v1::GetPageRequ
   return scope.Done(FinishCall("GetPage", detail, status));
 }
 
-grpc::Status KvCacheService::FreeSequence(grpc::ServerContext* ctx,
+grpc::Status KvCacheService::FreeSequence(cq::CallContext* ctx,
                                           const v1::FreeSequenceRequest* req,
                                           v1::FreeSequenceResponse* resp) {
   RpcScope scope = StartRpc(kRpcFreeSequence);
@@ -231,7 +228,7 @@ grpc::Status KvCacheService::FreeSequence(grpc::ServerContext* ctx,
   return scope.Done(FinishCall("FreeSequence", [&] { return SequenceDetail(req->pool(), req->sequence()); }, status));
 }
 
-grpc::Status KvCacheService::TruncateSequence(grpc::ServerContext* ctx,
+grpc::Status KvCacheService::TruncateSequence(cq::CallContext* ctx,
                                               const v1::TruncateSequenceRequest* req,
                                               v1::Sequence* resp) {
   RpcScope scope = StartRpc(kRpcTruncateSequence);
@@ -252,12 +249,12 @@ grpc::Status KvCacheService::TruncateSequence(grpc::ServerContext* ctx,
 
 // ---- AppendBatch ------------------------------------------------------------------
 
-grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
-                                         const v1::AppendBatchRequest* req,
-                                         v1::AppendBatchResponse* resp) {
+void KvCacheService::AppendBatch(AppendBatchCall* call) {
   RpcScope scope = StartRpc(kRpcAppendBatch);
-  const std::chrono::steady_clock::time_point t_entered = std::chrono::steady_clock::now();
-  auto detail = [&] { return absl::StrCat(PoolDetail(req->pool()), " sequences=", req->sequences_size()); };
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t_entered = Clock::now();
+  const v1::AppendBatchRequest* req = &call->request();
+  auto detail = [req] { return absl::StrCat(PoolDetail(req->pool()), " sequences=", req->sequences_size()); };
   // Shape checks that need no pool state, before the call is queued.
   struct Checked {
     Pool* pool;
@@ -279,21 +276,26 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
     }
     return Checked{pool, dtype, view};
   }();
-  if (!checked.ok()) return scope.Done(FinishCall("AppendBatch", detail, checked.status()));
-  Pool* p = checked->pool;
-  const Checked& c = *checked;
+  if (!checked.ok()) {
+    call->Finish(scope.Done(FinishCall("AppendBatch", detail, checked.status())));
+    return;
+  }
   AppendStarted();
-  uint64_t row_bytes = 0;
-  absl::Status status;
-  // Where the call's time went (logged with the call at debug level): the
-  // shape checks, waiting for the pool, rows resolved and sequences begun,
-  // staged (the backend's write included), committed, response filled.
-  using Clock = std::chrono::steady_clock;
-  Clock::time_point t_queued = Clock::now(), t_started, t_prepared, t_staged, t_committed, t_done;
-  // One of the pool's worker tasks, on this thread when the worker is idle.
-  p->worker().RunHere([&] {
+  // One of the pool's worker tasks: on this thread at once when the worker
+  // is idle, else queued there and finished from the worker.
+  Pool* p = checked->pool;
+  p->worker().RunOrPost([this, call, scope, c = *checked, t_entered, t_queued = Clock::now(), detail]() mutable {
+    v1::AppendBatchResponse* resp = call->response();
+    const v1::AppendBatchRequest* req = &call->request();
+    cq::CallContext* ctx = call->context();
+    Pool* p = c.pool;
+    uint64_t row_bytes = 0;
+    // Where the call's time went (logged with the call at debug level): the
+    // shape checks, waiting for the pool, rows resolved and sequences begun,
+    // staged (the backend's write included), committed, response filled.
+    Clock::time_point t_started, t_prepared, t_staged, t_committed, t_done;
     t_started = t_prepared = t_staged = t_committed = Clock::now();
-    status = [&]() -> absl::Status {
+    const absl::Status status = [&]() -> absl::Status {
       // Queued behind other work: a call whose client gave up meanwhile is not started.
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was written"));
       AtomicAppend append(p);
@@ -366,113 +368,93 @@ grpc::Status KvCacheService::AppendBatch(grpc::ServerContext* ctx,
       return absl::OkStatus();
     }();
     t_done = Clock::now();
+    if (!status.ok()) resp->Clear();
+    AppendEnded({.method = "AppendBatch",
+                 .pool = p->name(),
+                 .ok = status.ok(),
+                 .rows = resp->rows_written(),
+                 .bytes = status.ok() ? row_bytes : 0,
+                 .seconds = std::chrono::duration<double>(Clock::now() - t_entered).count()});
+    call->Finish(scope.Done(FinishCall(
+        "AppendBatch",
+        [&] {
+          // A phase the call did not reach (it failed before) reads 0.
+          auto us = [](Clock::time_point a, Clock::time_point b) {
+            return std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::microseconds>(b - a).count());
+          };
+          return absl::StrCat(detail(), " rows=", resp->rows_written(), " us: checks=", us(t_entered, t_queued),
+                              " wait=", us(t_queued, t_started), " prepare=", us(t_started, t_prepared),
+                              " stage=", us(t_prepared, t_staged), " commit=", us(t_staged, t_committed),
+                              " respond=", us(t_committed, t_done));
+        },
+        status)));
   });
-  if (!status.ok()) resp->Clear();
-  AppendEnded({.method = "AppendBatch",
-               .pool = p->name(),
-               .ok = status.ok(),
-               .rows = resp->rows_written(),
-               .bytes = status.ok() ? row_bytes : 0,
-               .seconds = std::chrono::duration<double>(Clock::now() - t_entered).count()});
-  return scope.Done(FinishCall(
-      "AppendBatch",
-      [&] {
-        // A phase the call did not reach (it failed before) reads 0.
-        auto us = [](Clock::time_point a, Clock::time_point b) {
-          return std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::microseconds>(b - a).count());
-        };
-        return absl::StrCat(detail(), " rows=", resp->rows_written(), " us: checks=", us(t_entered, t_queued),
-                            " wait=", us(t_queued, t_started),
-                            " prepare=", us(t_started, t_prepared), " stage=", us(t_prepared, t_staged),
-                            " commit=", us(t_staged, t_committed), " respond=", us(t_committed, t_done));
-      },
-      status));
 }
 
-// ---- streams ---------------------------------------------------------------------
+// ---- streams (their call objects: append_reactor.cc, read_reactor.cc, watch_events_reactor.cc) ----
 
-grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::Append(grpc::CallbackServerContext* ctx,
-                                                                  grpc::ByteBuffer* resp) {
-  return new AppendReactor(this, ctx, resp);
-}
-
-grpc::ServerWriteReactor<v1::WatchEventsResponse>* KvCacheService::WatchEvents(grpc::CallbackServerContext*,
-                                                                               const v1::WatchEventsRequest* req) {
-  absl::Status refused;
-  if (draining()) {
-    refused = DrainingError();
-  } else if (options_.events == nullptr) {
-    refused = absl::UnimplementedError("this server records no KV events");
-  } else if (watchers_.load() >= options_.max_watchers) {
-    refused = absl::ResourceExhaustedError(absl::StrCat(options_.max_watchers,
-                                                        " WatchEvents streams are open, this server's limit; close one "
-                                                        "(routers need one stream per server)"));
-  }
+absl::Status KvCacheService::WatcherStarted() {
   watchers_.fetch_add(1);
-  return new WatchEventsReactor(req, options_.events, options_.server_id, &watchers_, refused);
-}
-
-grpc::ServerWriteReactor<v1::ReadSequenceResponse>* KvCacheService::ReadSequence(
-    grpc::CallbackServerContext* ctx, const v1::ReadSequenceRequest* req) {
-  return new ReadReactor(this, ctx, req);
+  if (draining()) return DrainingError();
+  if (options_.events == nullptr) return absl::UnimplementedError("this server records no KV events");
+  if (watchers_.load() > options_.max_watchers) {
+    return absl::ResourceExhaustedError(absl::StrCat(options_.max_watchers,
+                                                     " WatchEvents streams are open, this server's limit; close one "
+                                                     "(routers need one stream per server)"));
+  }
+  return absl::OkStatus();
 }
 
 // ---- regions (docs/server.md "Regions") ---------------------------------------------
 
-grpc::ServerUnaryReactor* KvCacheService::RegisterShmRegion(grpc::CallbackServerContext* ctx,
-                                                            const v1::RegisterShmRegionRequest* req,
-                                                            v1::Region* resp) {
-  const std::string detail = absl::StrCat("name=", Quote(req->name()), " shm_name=", Quote(req->shm_name()),
-                                          " offset=", req->offset(), " byte_size=", req->byte_size());
-  if (draining()) return FinishUnary(ctx, "RegisterShmRegion", detail, DrainingError());
-  if (absl::Status s = options_.regions->CheckAllowed("RegisterShmRegion"); !s.ok()) {
-    return FinishUnary(ctx, "RegisterShmRegion", detail, s);
+void KvCacheService::RegisterShmRegion(RegisterShmRegionCall* call) {
+  const v1::RegisterShmRegionRequest* req = &call->request();
+  std::string detail = absl::StrCat("name=", Quote(req->name()), " shm_name=", Quote(req->shm_name()),
+                                    " offset=", req->offset(), " byte_size=", req->byte_size());
+  absl::Status refused = draining() ? DrainingError() : options_.regions->CheckAllowed("RegisterShmRegion");
+  if (!refused.ok()) {
+    call->Finish(FinishCall("RegisterShmRegion", [&] { return detail; }, refused));
+    return;
   }
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   RegionRegistry* regions = options_.regions;
-  // Opening and mapping run on the registry's worker, never on a gRPC thread.
-  regions->worker().Post([ctx, req, resp, reactor, regions, detail] {
-    absl::Status status = CheckCallAlive(ctx, "nothing was registered");
+  // Opening and mapping run on the registry's worker, never on a queue thread.
+  regions->worker().Post([call, req, regions, detail = std::move(detail)] {
+    absl::Status status = CheckCallAlive(call->context(), "nothing was registered");
     if (status.ok()) {
       absl::StatusOr<RegionInfo> region = regions->RegisterShm(
           req->name(), {.shm_name = req->shm_name(), .offset = req->offset(), .byte_size = req->byte_size()});
-      if (region.ok()) *resp = ToProto(*region);
+      if (region.ok()) *call->response() = ToProto(*region);
       status = region.status();
     }
-    LogCall("RegisterShmRegion", detail, status);
-    reactor->Finish(ToGrpcStatus(status));
+    call->Finish(FinishCall("RegisterShmRegion", [&] { return detail; }, status));
   });
-  return reactor;
 }
 
-grpc::ServerUnaryReactor* KvCacheService::RegisterCudaRegion(grpc::CallbackServerContext* ctx,
-                                                             const v1::RegisterCudaRegionRequest* req,
-                                                             v1::Region* resp) {
-  const std::string detail = absl::StrCat("name=", Quote(req->name()), " device_id=", req->device_id(),
-                                          " byte_size=", req->byte_size());
-  if (draining()) return FinishUnary(ctx, "RegisterCudaRegion", detail, DrainingError());
-  if (absl::Status s = options_.regions->CheckAllowed("RegisterCudaRegion"); !s.ok()) {
-    return FinishUnary(ctx, "RegisterCudaRegion", detail, s);
+void KvCacheService::RegisterCudaRegion(RegisterCudaRegionCall* call) {
+  const v1::RegisterCudaRegionRequest* req = &call->request();
+  std::string detail = absl::StrCat("name=", Quote(req->name()), " device_id=", req->device_id(),
+                                    " byte_size=", req->byte_size());
+  absl::Status refused = draining() ? DrainingError() : options_.regions->CheckAllowed("RegisterCudaRegion");
+  if (!refused.ok()) {
+    call->Finish(FinishCall("RegisterCudaRegion", [&] { return detail; }, refused));
+    return;
   }
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   RegionRegistry* regions = options_.regions;
-  regions->worker().Post([ctx, req, resp, reactor, regions, detail] {
-    absl::Status status = CheckCallAlive(ctx, "nothing was registered");
+  regions->worker().Post([call, req, regions, detail = std::move(detail)] {
+    absl::Status status = CheckCallAlive(call->context(), "nothing was registered");
     if (status.ok()) {
       absl::StatusOr<RegionInfo> region = regions->RegisterCuda(req->name(), {.raw_handle = req->raw_handle(),
                                                                               .device_id = req->device_id(),
                                                                               .byte_size = req->byte_size(),
                                                                               .raw_event_handle = req->raw_event_handle()});
-      if (region.ok()) *resp = ToProto(*region);
+      if (region.ok()) *call->response() = ToProto(*region);
       status = region.status();
     }
-    LogCall("RegisterCudaRegion", detail, status);
-    reactor->Finish(ToGrpcStatus(status));
+    call->Finish(FinishCall("RegisterCudaRegion", [&] { return detail; }, status));
   });
-  return reactor;
 }
 
-grpc::Status KvCacheService::UnregisterRegion(grpc::ServerContext*,
+grpc::Status KvCacheService::UnregisterRegion(cq::CallContext*,
                                               const v1::UnregisterRegionRequest* req,
                                               v1::UnregisterRegionResponse* resp) {
   RpcScope scope = StartRpc(kRpcUnregisterRegion);
@@ -483,7 +465,7 @@ grpc::Status KvCacheService::UnregisterRegion(grpc::ServerContext*,
   return scope.Done(FinishCall("UnregisterRegion", [&] { return std::string(detail); }, holders.status()));
 }
 
-grpc::Status KvCacheService::ListRegions(grpc::ServerContext*,
+grpc::Status KvCacheService::ListRegions(cq::CallContext*,
                                          const v1::ListRegionsRequest*, v1::ListRegionsResponse* resp) {
   RpcScope scope = StartRpc(kRpcListRegions);
   if (draining()) return scope.Done(FinishCall("ListRegions", [&] { return std::string(""); }, DrainingError()));
@@ -494,7 +476,7 @@ grpc::Status KvCacheService::ListRegions(grpc::ServerContext*,
   return scope.Done(FinishCall("ListRegions", [&] { return std::string(""); }, regions.status()));
 }
 
-grpc::Status KvCacheService::ExportPool(grpc::ServerContext*,
+grpc::Status KvCacheService::ExportPool(cq::CallContext*,
                                         const v1::ExportPoolRequest* req, v1::ExportPoolResponse* resp) {
   RpcScope scope = StartRpc(kRpcExportPool);
   const absl::Status status = [&]() -> absl::Status {

@@ -1,18 +1,22 @@
-// KvCacheService: the RPC surface of mlakv.v1.KvCache.
+// KvCacheService: the RPC surface of mlakv.v1.KvCache, every method on the
+// server's one completion queue (server/cq/; docs/server.md "Threads").
 //
-// Two gRPC APIs in one service, each where it is faster or needed
-// (docs/performance.md "The RPC floor"):
-//  * Unary calls use the synchronous API: gRPC's polling thread that reads
-//    the request runs the handler and writes the response, with no hop to
-//    another thread (the callback API's executor costs ~40 us a call on the
-//    GPU host). Queries touch metadata under a pool's mutex for a moment.
-//    Calls that touch cache memory (AppendBatch, ForkSequence) run as one
-//    of the pool's worker tasks on the calling thread when the worker is
-//    idle (SerialExecutor::RunHere), else queued behind the running task.
-//  * Streams (Append: AppendReactor, ReadSequence: ReadReactor) and region
-//    registrations (on the region registry's worker: shm_open + mmap,
-//    cudaIpcOpenMemHandle) use the callback API, so no reaction waits on
-//    quantization, a CUDA synchronization or an IPC open.
+// Why the completion-queue API alone: gRPC 1.51 on Linux polls every socket
+// of the process through one epoll set, and a callback-API service (or a
+// synchronous one) brings threads that poll it beside the server's own; a
+// request read on one of them is handed over to the thread that serves it,
+// ~50 us a call on the GPU host (docs/performance.md "The callback API's
+// threads"). Here the thread that reads a request runs its handler:
+//  * Unary queries run inline on that thread and touch metadata under a
+//    pool's mutex for a moment.
+//  * Calls that touch cache memory (AppendBatch, ForkSequence) run as one of
+//    the pool's worker tasks: on the calling thread at once when the worker
+//    is idle (SerialExecutor::RunOrPost), else queued behind the running
+//    task and finished from the worker; no queue thread waits for a pool.
+//  * Streams (Append: AppendReactor, ReadSequence: ReadReactor,
+//    WatchEvents: WatchEventsReactor) are call objects driven like gRPC's
+//    reactors (cq/calls.h); region registrations open and map on the
+//    registry's worker and finish from there.
 //
 // Append is a raw method (ByteBuffer in and out): the reactor parses each
 // message itself, so that a message that does not parse fails the stream
@@ -32,6 +36,8 @@
 #include "absl/time/time.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
 #include "server/core/kv_events.h"
+#include "server/cq/calls.h"
+#include "server/cq/queue_threads.h"
 #include "server/observability/server_metrics.h"
 #include "server/core/pool.h"
 #include "server/regions/region_registry.h"
@@ -50,19 +56,22 @@ struct AppendOutcome {
   double seconds = 0;        // from the call's start to its status
 };
 
-// Synchronous unary methods; the streams and the region registrations
-// callback methods.
-using KvCacheServiceBase = v1::KvCache::WithRawCallbackMethod_Append<v1::KvCache::WithCallbackMethod_ReadSequence<
-    v1::KvCache::WithCallbackMethod_RegisterShmRegion<v1::KvCache::WithCallbackMethod_RegisterCudaRegion<
-        v1::KvCache::WithCallbackMethod_WatchEvents<v1::KvCache::Service>>>>>;
+// Every method on the completion-queue API; Append raw.
+using KvCacheAsyncService = v1::KvCache::WithRawMethod_Append<v1::KvCache::AsyncService>;
 
-class KvCacheService final : public KvCacheServiceBase {
+// The unary calls whose handlers finish them later, from a worker.
+using AppendBatchCall = cq::UnaryCall<v1::AppendBatchRequest, v1::AppendBatchResponse>;
+using ForkSequenceCall = cq::UnaryCall<v1::ForkSequenceRequest, v1::ForkSequenceResponse>;
+using RegisterShmRegionCall = cq::UnaryCall<v1::RegisterShmRegionRequest, v1::Region>;
+using RegisterCudaRegionCall = cq::UnaryCall<v1::RegisterCudaRegionRequest, v1::Region>;
+
+class KvCacheService final {
  public:
-  // The synchronous methods, whose per-RPC metrics the service records
-  // itself (RpcScope) instead of gRPC's interceptor: the interceptor
-  // machinery cost ~15-20 us a call on the GPU host (docs/performance.md
-  // "Issue 16"), a tenth of a GetPool. The streams and region registrations
-  // keep the interceptor.
+  // The unary methods, whose per-RPC metrics the service records itself
+  // (RpcScope) instead of gRPC's interceptor: the interceptor machinery cost
+  // ~15-20 us a call on the GPU host (docs/performance.md "Issue 16"), a
+  // tenth of a GetPool. The streams and region registrations keep the
+  // interceptor.
   enum RpcMethod {
     kRpcListPools, kRpcGetPool, kRpcAppendBatch, kRpcGetSequence, kRpcListSequences, kRpcGetPage,
     kRpcFreeSequence, kRpcTruncateSequence, kRpcUnregisterRegion, kRpcListRegions, kRpcExportPool,
@@ -106,7 +115,14 @@ class KvCacheService final : public KvCacheServiceBase {
   };
 
   explicit KvCacheService(Options options);
-  ~KvCacheService() override;
+  ~KvCacheService();
+
+  // What the ServerBuilder registers.
+  grpc::Service* grpc_service() { return &async_; }
+  // Serves every method on `queue` (the server's; it outlives every call)
+  // from now on (kv_cache_methods.cc). After the server started.
+  void Serve(cq::QueueThreads* queue);
+  KvCacheAsyncService* async() { return &async_; }
 
   // From now on every new call is refused with UNAVAILABLE; calls in flight
   // (an open Append stream included) run to their end.
@@ -137,54 +153,48 @@ class KvCacheService final : public KvCacheServiceBase {
   SerialExecutor::Load TransportLoad() const;
   void AppendStarted() { appends_in_flight_.fetch_add(1); }
   void AppendEnded(const AppendOutcome& outcome);
+  // A WatchEvents stream opens: counted in watchers() until WatcherEnded,
+  // refused or not. Not OK: why it is refused (draining, no event log, the
+  // server's limit of streams).
+  absl::Status WatcherStarted();
+  void WatcherEnded() { watchers_.fetch_sub(1); }
 
-  grpc::Status ListPools(grpc::ServerContext* ctx, const v1::ListPoolsRequest* req,
-                         v1::ListPoolsResponse* resp) override;
-  grpc::Status GetPool(grpc::ServerContext* ctx, const v1::GetPoolRequest* req, v1::Pool* resp) override;
-  grpc::ServerReadReactor<grpc::ByteBuffer>* Append(grpc::CallbackServerContext* ctx,
-                                                    grpc::ByteBuffer* resp) override;
-  grpc::Status AppendBatch(grpc::ServerContext* ctx, const v1::AppendBatchRequest* req,
-                           v1::AppendBatchResponse* resp) override;
-  grpc::Status GetSequence(grpc::ServerContext* ctx, const v1::GetSequenceRequest* req, v1::Sequence* resp) override;
-  grpc::Status ListSequences(grpc::ServerContext* ctx, const v1::ListSequencesRequest* req,
-                             v1::ListSequencesResponse* resp) override;
-  grpc::Status GetPage(grpc::ServerContext* ctx, const v1::GetPageRequest* req, v1::Page* resp) override;
-  grpc::ServerWriteReactor<v1::ReadSequenceResponse>* ReadSequence(grpc::CallbackServerContext* ctx,
-                                                                   const v1::ReadSequenceRequest* req) override;
-  // KV events: one thread per open stream follows the event log
-  // (WatchEventsReactor).
-  grpc::ServerWriteReactor<v1::WatchEventsResponse>* WatchEvents(grpc::CallbackServerContext* ctx,
-                                                                 const v1::WatchEventsRequest* req) override;
+  // ---- the handlers (kv_cache_methods.cc binds each to its method) ----
+  grpc::Status ListPools(cq::CallContext* ctx, const v1::ListPoolsRequest* req, v1::ListPoolsResponse* resp);
+  grpc::Status GetPool(cq::CallContext* ctx, const v1::GetPoolRequest* req, v1::Pool* resp);
+  // A decode step or prefill batch: on the pool's worker (RunOrPost).
+  void AppendBatch(AppendBatchCall* call);
+  grpc::Status GetSequence(cq::CallContext* ctx, const v1::GetSequenceRequest* req, v1::Sequence* resp);
+  grpc::Status ListSequences(cq::CallContext* ctx, const v1::ListSequencesRequest* req,
+                             v1::ListSequencesResponse* resp);
+  grpc::Status GetPage(cq::CallContext* ctx, const v1::GetPageRequest* req, v1::Page* resp);
   int watchers() const { return watchers_.load(); }
-  grpc::Status FreeSequence(grpc::ServerContext* ctx, const v1::FreeSequenceRequest* req,
-                            v1::FreeSequenceResponse* resp) override;
-  grpc::Status TruncateSequence(grpc::ServerContext* ctx,
-                                const v1::TruncateSequenceRequest* req, v1::Sequence* resp) override;
-  // Regions: opened and closed on the registry's worker (shm_open + mmap,
+  grpc::Status FreeSequence(cq::CallContext* ctx, const v1::FreeSequenceRequest* req,
+                            v1::FreeSequenceResponse* resp);
+  grpc::Status TruncateSequence(cq::CallContext* ctx,
+                                const v1::TruncateSequenceRequest* req, v1::Sequence* resp);
+  // Regions: opened and mapped on the registry's worker (shm_open + mmap,
   // cudaIpcOpenMemHandle), finished from there.
-  grpc::ServerUnaryReactor* RegisterShmRegion(grpc::CallbackServerContext* ctx, const v1::RegisterShmRegionRequest* req,
-                                              v1::Region* resp) override;
-  grpc::ServerUnaryReactor* RegisterCudaRegion(grpc::CallbackServerContext* ctx,
-                                               const v1::RegisterCudaRegionRequest* req, v1::Region* resp) override;
-  grpc::Status UnregisterRegion(grpc::ServerContext* ctx, const v1::UnregisterRegionRequest* req,
-                                v1::UnregisterRegionResponse* resp) override;
-  grpc::Status ListRegions(grpc::ServerContext* ctx, const v1::ListRegionsRequest* req,
-                           v1::ListRegionsResponse* resp) override;
-  grpc::Status ExportPool(grpc::ServerContext* ctx, const v1::ExportPoolRequest* req,
-                          v1::ExportPoolResponse* resp) override;
+  void RegisterShmRegion(RegisterShmRegionCall* call);
+  void RegisterCudaRegion(RegisterCudaRegionCall* call);
+  grpc::Status UnregisterRegion(cq::CallContext* ctx, const v1::UnregisterRegionRequest* req,
+                                v1::UnregisterRegionResponse* resp);
+  grpc::Status ListRegions(cq::CallContext* ctx, const v1::ListRegionsRequest* req,
+                           v1::ListRegionsResponse* resp);
+  grpc::Status ExportPool(cq::CallContext* ctx, const v1::ExportPoolRequest* req,
+                          v1::ExportPoolResponse* resp);
   // Cache management (cache_management_calls.cc): leases and MatchPrefix
   // under the pool's mutex, inline; ForkSequence on the pool's worker (it
   // may copy a partial page).
-  grpc::Status AcquireLease(grpc::ServerContext* ctx, const v1::AcquireLeaseRequest* req, v1::Lease* resp) override;
-  grpc::Status RenewLease(grpc::ServerContext* ctx, const v1::RenewLeaseRequest* req, v1::Lease* resp) override;
-  grpc::Status ReleaseLease(grpc::ServerContext* ctx, const v1::ReleaseLeaseRequest* req,
-                            v1::ReleaseLeaseResponse* resp) override;
-  grpc::Status ListLeases(grpc::ServerContext* ctx, const v1::ListLeasesRequest* req,
-                          v1::ListLeasesResponse* resp) override;
-  grpc::Status ForkSequence(grpc::ServerContext* ctx, const v1::ForkSequenceRequest* req,
-                            v1::ForkSequenceResponse* resp) override;
-  grpc::Status MatchPrefix(grpc::ServerContext* ctx, const v1::MatchPrefixRequest* req,
-                           v1::MatchPrefixResponse* resp) override;
+  grpc::Status AcquireLease(cq::CallContext* ctx, const v1::AcquireLeaseRequest* req, v1::Lease* resp);
+  grpc::Status RenewLease(cq::CallContext* ctx, const v1::RenewLeaseRequest* req, v1::Lease* resp);
+  grpc::Status ReleaseLease(cq::CallContext* ctx, const v1::ReleaseLeaseRequest* req,
+                            v1::ReleaseLeaseResponse* resp);
+  grpc::Status ListLeases(cq::CallContext* ctx, const v1::ListLeasesRequest* req,
+                          v1::ListLeasesResponse* resp);
+  void ForkSequence(ForkSequenceCall* call);
+  grpc::Status MatchPrefix(cq::CallContext* ctx, const v1::MatchPrefixRequest* req,
+                           v1::MatchPrefixResponse* resp);
 
  private:
   // The unary prelude: UNAVAILABLE while draining, INVALID_ARGUMENT for an
@@ -193,6 +203,10 @@ class KvCacheService final : public KvCacheServiceBase {
   RpcScope StartRpc(RpcMethod method) { return RpcScope(options_.metrics, rpc_children_[method]); }
 
   const Options options_;
+  KvCacheAsyncService async_;
+  // The unary methods' bindings (kv_cache_methods.cc), alive as long as the
+  // calls that point to them: the queue is shut down before the service goes.
+  std::vector<std::shared_ptr<void>> methods_;
   std::atomic<bool> draining_{false};
   std::atomic<int> appends_in_flight_{0};
   std::atomic<int> watchers_{0};

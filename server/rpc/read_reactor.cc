@@ -23,12 +23,16 @@ constexpr uint64_t kTargetReadMessageBytes = 4 << 20;
 
 }  // namespace
 
-ReadReactor::ReadReactor(KvCacheService* service, grpc::CallbackServerContext* ctx,
-                         const v1::ReadSequenceRequest* req)
-    : sequence_(req->sequence()),
-      detail_(absl::StrCat("pool=", Quote(req->pool()), " sequence=", Quote(req->sequence()))) {
-  (void)ctx;
-  const absl::Status status = Plan(service, req);
+void ReadReactor::Request(void* tag) {
+  grpc::ServerCompletionQueue* queue = queue_->queue();
+  service_->async()->RequestReadSequence(&ctx_, request(), writer(), queue, queue, tag);
+}
+
+void ReadReactor::OnStart() {
+  const v1::ReadSequenceRequest* req = request();
+  sequence_ = SequenceRef(req->sequence());
+  detail_ = absl::StrCat("pool=", Quote(req->pool()), " sequence=", Quote(req->sequence()));
+  const absl::Status status = Plan(service_, req);
   if (!status.ok() || count_ == 0 || layers_.empty()) {
     Done(status);
     return;

@@ -1,4 +1,5 @@
-// ReadReactor: one ReadSequence stream. Chunks are produced one at a time
+// ReadReactor: one ReadSequence stream, a server-streaming call on the
+// server's completion queue (cq/calls.h). Chunks are produced one at a time
 // on the pool's worker (copy out of the cache, dequantize if asked) and
 // written from there; the next chunk is produced when the previous write has
 // completed, so a client that stops reading holds one chunk and nothing
@@ -16,17 +17,23 @@
 #include "mlakv/v1/kv_cache.pb.h"
 #include "server/rpc/kv_cache_service.h"
 #include "server/core/pool.h"
+#include "server/cq/calls.h"
 
 namespace mlakv::server {
 
-class ReadReactor final : public grpc::ServerWriteReactor<v1::ReadSequenceResponse> {
+class ReadReactor final : public cq::WriterCall<v1::ReadSequenceRequest, v1::ReadSequenceResponse> {
  public:
-  ReadReactor(KvCacheService* service, grpc::CallbackServerContext* ctx, const v1::ReadSequenceRequest* req);
-
-  void OnWriteDone(bool ok) override;
-  void OnDone() override { delete this; }
+  // Serves ReadSequence on `queue` from now on.
+  static void Serve(KvCacheService* service, cq::QueueThreads* queue) { Arm(new ReadReactor(service, queue)); }
 
  private:
+  ReadReactor(KvCacheService* service, cq::QueueThreads* queue) : WriterCall(queue), service_(service) {}
+
+  void Request(void* tag) override;
+  Call* NextCall() override { return new ReadReactor(service_, queue_); }
+  void OnStart() override;
+  void OnWriteDone(bool ok) override;
+
   struct Chunk {
     int32_t layer;
     uint32_t start;
@@ -42,6 +49,7 @@ class ReadReactor final : public grpc::ServerWriteReactor<v1::ReadSequenceRespon
   absl::Status Produce(const Chunk& c);
   void Done(const absl::Status& status);
 
+  KvCacheService* const service_;
   SequenceRef sequence_;  // the id, its expected generation, or the lease to read through
   std::string detail_;
   Pool* pool_ = nullptr;

@@ -42,6 +42,11 @@ absl::StatusOr<PreparedServer> PrepareServer(const ServerFlags& flags) {
   }
   p.device = flags.device;
   p.allow_ipc = flags.allow_ipc;
+  if (flags.rpc_threads < 0 || flags.rpc_threads > kMaxRpcThreads) {
+    return absl::InvalidArgumentError(absl::StrCat("--rpc_threads ", flags.rpc_threads, " is outside 0..",
+                                                   kMaxRpcThreads, " (0: one per four cores, 2 to 8)"));
+  }
+  p.rpc_threads = flags.rpc_threads;
   p.server_id = flags.server_id;
   if (p.server_id.size() > kMaxServerIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("--server_id is ", p.server_id.size(), " bytes; at most ",
@@ -102,7 +107,8 @@ absl::Status ServerProcess::StartKvCacheServer() {
                              .allow_ipc = prepared_.allow_ipc,
                              .server_id = prepared_.server_id,
                              .credentials = prepared_.credentials,
-                             .metrics = prepared_.metrics.get()});
+                             .metrics = prepared_.metrics.get(),
+                             .rpc_threads = prepared_.rpc_threads});
   if (!server.ok()) return WithPrefix("cannot start: ", server.status());
   server_ = std::move(*server);
   return absl::OkStatus();
@@ -164,9 +170,12 @@ void ServerProcess::LogReady() const {
                     p.page_size, "x", p.num_layers, "L ", HumanBytes(p.cache_bytes));
     total_bytes += p.cache_bytes;
   }
+  // This line's form is an interface (docs/server.md): nothing after the port.
   spdlog::info("listening on {}", server_->bound_address());
-  spdlog::info("mlakv-server {} ready: grpc {} ({}), metrics {}, health probe {}, pools [{}], cache {} ({} bytes)",
+  spdlog::info("mlakv-server {} ready: grpc {} ({}, {} rpc threads), metrics {}, health probe {}, pools [{}], cache {} "
+               "({} bytes)",
                prepared_.version, server_->bound_address(), DescribeSecurity(prepared_.security),
+               server_->rpc_threads(),
                metrics_endpoint_ ? absl::StrCat("port ", metrics_endpoint_->port()) : std::string("off"),
                health_probe_ ? absl::StrCat("port ", health_probe_->port()) : std::string("off"), pools,
                HumanBytes(total_bytes), total_bytes);

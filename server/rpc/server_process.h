@@ -27,12 +27,16 @@
 
 namespace mlakv::server {
 
+// Most threads --rpc_threads may ask for.
+inline constexpr int kMaxRpcThreads = 256;
+
 // The command line, as main.cc parsed it (flag help: server/main.cc).
 struct ServerFlags {
   std::string config_path{};  // empty: the embedded default
   std::string listen{};       // empty: the config's listen, else kDefaultListen
   std::string device = "auto";
   bool allow_ipc = false;
+  int rpc_threads = 0;           // threads of the completion queue; 0: the default
   std::string server_id{};       // empty: the host name
   std::string metrics_listen{};  // empty: no /metrics endpoint
   std::string health_listen{};   // empty: no probe port
@@ -50,6 +54,7 @@ struct PreparedServer {
   std::string listen;
   std::string device;
   bool allow_ipc = false;
+  int rpc_threads = 0;
   std::string server_id;
   std::string metrics_listen, health_listen;
   std::string kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic;

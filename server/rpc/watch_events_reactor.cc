@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/rpc/call_support.h"
 #include "server/rpc/grpc_status.h"
+#include "server/rpc/kv_cache_service.h"
 
 namespace mlakv::server {
 namespace {
@@ -44,9 +45,15 @@ void WatchEventsReactor::ToProto(const KvEvent& e, v1::KvEvent* out) {
   }
 }
 
-WatchEventsReactor::WatchEventsReactor(const v1::WatchEventsRequest* req, EventLog* log, std::string server_id,
-                                       std::atomic<int>* watchers, absl::Status refused)
-    : log_(log), server_id_(std::move(server_id)), watchers_(watchers) {
+void WatchEventsReactor::Request(void* tag) {
+  grpc::ServerCompletionQueue* queue = queue_->queue();
+  service_->async()->RequestWatchEvents(&ctx_, request(), writer(), queue, queue, tag);
+}
+
+void WatchEventsReactor::OnStart() {
+  const v1::WatchEventsRequest* req = request();
+  const absl::Status refused = service_->WatcherStarted();
+  log_ = service_->options().events;
   if (!refused.ok()) {
     LogCall("WatchEvents", absl::StrCat("from=", req->from()), refused);
     Finish(ToGrpcStatus(refused));
@@ -99,7 +106,7 @@ void WatchEventsReactor::Run(uint64_t from, uint32_t max_batch) {
     started = true;
     if (events.empty()) continue;
     response_.Clear();
-    response_.set_server_id(server_id_);
+    response_.set_server_id(service_->options().server_id);
     for (const KvEvent& e : events) ToProto(e, response_.add_events());
     cursor = events.back().number + 1;
     {
@@ -128,7 +135,7 @@ void WatchEventsReactor::OnCancel() {
 }
 
 void WatchEventsReactor::OnDone() {
-  watchers_->fetch_sub(1);
+  service_->WatcherEnded();
   delete this;
 }
 

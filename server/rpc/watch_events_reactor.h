@@ -1,4 +1,5 @@
-// WatchEventsReactor: one WatchEvents stream (docs/events.md).
+// WatchEventsReactor: one WatchEvents stream (docs/events.md), a
+// server-streaming call on the server's completion queue (cq/calls.h).
 //
 // Each watcher has its own thread that follows the EventLog by number:
 // read what is there (waiting up to 200 ms for more), write it as one
@@ -21,25 +22,34 @@
 #include "absl/synchronization/mutex.h"
 #include "mlakv/v1/kv_cache.pb.h"
 #include "server/core/kv_events.h"
+#include "server/cq/calls.h"
 
 namespace mlakv::server {
 
-class WatchEventsReactor : public grpc::ServerWriteReactor<v1::WatchEventsResponse> {
- public:
-  // `watchers` counts open streams (the caller incremented it; OnDone
-  // decrements it); `log` and `watchers` outlive every stream (the service
-  // drains them first). A `refused` status finishes the stream at once.
-  WatchEventsReactor(const v1::WatchEventsRequest* req, EventLog* log, std::string server_id,
-                     std::atomic<int>* watchers, absl::Status refused);
+class KvCacheService;
 
-  void OnWriteDone(bool ok) override;
-  void OnCancel() override;
-  void OnDone() override;
+class WatchEventsReactor final : public cq::WriterCall<v1::WatchEventsRequest, v1::WatchEventsResponse> {
+ public:
+  // Serves WatchEvents on `queue` from now on. Each stream is counted in
+  // the service's watchers() from its start to its end; the service and its
+  // event log outlive every stream (the server drains them first).
+  static void Serve(KvCacheService* service, cq::QueueThreads* queue) {
+    Arm(new WatchEventsReactor(service, queue));
+  }
 
   // KvEvent as the wire has it.
   static void ToProto(const KvEvent& e, v1::KvEvent* out);
 
  private:
+  WatchEventsReactor(KvCacheService* service, cq::QueueThreads* queue) : WriterCall(queue), service_(service) {}
+
+  void Request(void* tag) override;
+  Call* NextCall() override { return new WatchEventsReactor(service_, queue_); }
+  void OnStart() override;
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+
   struct State {
     absl::Mutex mu;
     bool writing ABSL_GUARDED_BY(mu) = false;
@@ -48,9 +58,8 @@ class WatchEventsReactor : public grpc::ServerWriteReactor<v1::WatchEventsRespon
   };
   void Run(uint64_t from, uint32_t max_batch);
 
-  EventLog* const log_;
-  const std::string server_id_;
-  std::atomic<int>* const watchers_;
+  KvCacheService* const service_;
+  EventLog* log_ = nullptr;  // the service's (set by OnStart)
   std::shared_ptr<State> state_ = std::make_shared<State>();
   v1::WatchEventsResponse response_;  // the write in flight (the thread's until OnWriteDone)
 };

@@ -36,12 +36,14 @@ ALLOWED = {
     "mlakv_core": {"mlakv_backend", "mlakv_common"},
     "mlakv_regions": {"mlakv_core", "mlakv_backend", "mlakv_kernels", "mlakv_common"},
     "mlakv_security": {"mlakv_common"},
+    # Calls on gRPC's completion-queue API, and health / reflection on it.
+    "mlakv_cq": {"mlakv_proto", "mlakv_common"},
     # The proto only for the service's method names (bounded metric labels).
-    "mlakv_observability": {"mlakv_core", "mlakv_backend", "mlakv_proto", "mlakv_common"},
+    "mlakv_observability": {"mlakv_core", "mlakv_backend", "mlakv_cq", "mlakv_proto", "mlakv_common"},
     # KV events on ZeroMQ in vLLM's format: the core's event log only.
     "mlakv_events": {"mlakv_core", "mlakv_backend", "mlakv_common"},
     "mlakv_rpc": {"mlakv_core", "mlakv_backend", "mlakv_regions", "mlakv_observability", "mlakv_security",
-                  "mlakv_events", "mlakv_proto", "mlakv_kernels", "mlakv_common"},
+                  "mlakv_events", "mlakv_cq", "mlakv_proto", "mlakv_kernels", "mlakv_common"},
     # The client speaks only the proto.
     "mlakv_client": {"mlakv_proto", "mlakv_common"},
     "mlakv_load_generator": {"mlakv_client"},
@@ -54,7 +56,7 @@ TESTING = re.compile(r"^mlakv_.*(testing|_support)$")
 
 # Room folder -> include prefixes its sources must not use.
 SERVER_ROOMS = ["server/core", "server/backend", "server/regions", "server/rpc", "server/observability",
-                "server/security", "server/events"]
+                "server/security", "server/events", "server/cq"]
 GRPC_AND_PROTO = ["grpc/", "grpcpp/", "grpc++/", "google/protobuf/", "mlakv/v1/"]
 CUDA_RUNTIME = ["cuda_runtime", "cuda.h", "cuda_runtime_api.h"]
 FORBIDDEN_INCLUDES = {
@@ -65,6 +67,8 @@ FORBIDDEN_INCLUDES = {
     "server/regions": GRPC_AND_PROTO + ["server/rpc", "server/observability", "server/security"],
     "server/security": ["server/core", "server/backend", "server/regions", "server/rpc", "server/observability"],
     "server/observability": ["server/rpc", "server/regions", "server/security"],
+    # gRPC's API and the standard services' protos, nothing of the cache.
+    "server/cq": ["mlakv/v1/", "kernels/"] + [r for r in SERVER_ROOMS if r != "server/cq"],
     "server/events": GRPC_AND_PROTO + ["server/rpc", "server/regions", "server/security", "server/observability"],
 }
 # The client library's own files (client/cli and the row-file helpers use kernels).
@@ -162,6 +166,7 @@ class IncludePaths(unittest.TestCase):
         ("server/backend/cpu_backend.cc", "kernels/quantize_append.h", "server/core/pool.h"),
         ("server/regions/shm_region.cc", "server/core/pool.h", "server/observability/server_metrics.h"),
         ("server/security/bearer_token_auth.cc", "common/quote.h", "server/core/pool.h"),
+        ("server/cq/calls.cc", "common/tsan_annotations.h", "server/rpc/kv_cache_service.h"),
         ("server/observability/server_metrics.cc", "server/core/pool.h", "server/rpc/grpc_status.h"),
         ("client/kv_cache_client.cc", "mlakv/v1/kv_cache.pb.h", "kernels/quantize_append.h"),
         ("kernels/quantize_append_cpu.cc", "common/status_macros.h", "server/backend/device.h"),

@@ -215,4 +215,77 @@ TEST(SerialExecutorTest, RunHereAndPostNeverOverlap) {
   }
 }
 
+// RunOrPost on an idle executor runs the task on the calling thread before
+// it returns; on a busy one it queues the task behind the others and returns
+// at once (a completion-queue thread must never wait for a pool), the task
+// then running on the worker in its turn.
+TEST(SerialExecutorTest, RunOrPostRunsHereWhenIdleAndNeverWaitsWhenBusy) {
+  SerialExecutor executor;
+  std::thread::id ran_on;
+  executor.RunOrPost([&] { ran_on = std::this_thread::get_id(); });
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(executor.pending(), 0u);
+
+  absl::Notification started, release;
+  std::vector<int> order;  // touched by tasks only, which never overlap
+  std::thread::id worker_id, posted_on;
+  executor.Post([&] {
+    worker_id = std::this_thread::get_id();
+    started.Notify();
+    release.WaitForNotification();
+    order.push_back(0);
+  });
+  started.WaitForNotification();
+  absl::Notification ran;
+  executor.RunOrPost([&] {
+    posted_on = std::this_thread::get_id();
+    order.push_back(1);
+    ran.Notify();
+  });
+  // Returned while the first task still holds the executor: queued, not run.
+  EXPECT_FALSE(ran.HasBeenNotified());
+  EXPECT_EQ(executor.pending(), 2u);
+  release.Notify();
+  ran.WaitForNotification();
+  EXPECT_EQ(order, (std::vector<int>{0, 1}));
+  EXPECT_EQ(posted_on, worker_id);
+}
+
+// RunOrPost from many threads beside Post and RunHere: no two tasks ever
+// overlap, every task runs once, and each caller's tasks run in its order.
+TEST(SerialExecutorTest, RunOrPostBesidePostAndRunHereNeverOverlaps) {
+  SerialExecutor executor;
+  std::atomic<int> inside{0}, overlaps{0}, ran{0};
+  constexpr int kThreads = 6, kTasks = 300;
+  std::vector<std::vector<int>> seen(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kTasks; ++i) {
+        auto task = [&, t, i] {
+          if (inside.fetch_add(1) != 0) overlaps.fetch_add(1);
+          for (volatile int spin = 0; spin < 200; ++spin) {
+          }
+          inside.fetch_sub(1);
+          ran.fetch_add(1);
+          seen[t].push_back(i);
+        };
+        switch (t % 3) {
+          case 0: executor.RunOrPost(task); break;
+          case 1: executor.Post(task); break;
+          default: executor.RunHere(task); break;
+        }
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  while (executor.pending() != 0) std::this_thread::yield();
+  EXPECT_EQ(overlaps.load(), 0);
+  EXPECT_EQ(ran.load(), kThreads * kTasks);
+  for (int t = 0; t < kThreads; ++t) {
+    ASSERT_EQ(seen[t].size(), static_cast<size_t>(kTasks)) << t;
+    for (int i = 0; i < kTasks; ++i) EXPECT_EQ(seen[t][i], i) << t;
+  }
+}
+
 }  // namespace mlakv::server

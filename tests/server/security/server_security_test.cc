@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "server/security/openssl_exit.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
 #include "server/security/bearer_token_auth.h"
 #include "server/security/server_credentials.h"
@@ -26,6 +27,10 @@
 
 namespace mlakv::server {
 namespace {
+
+// Before main, so before gRPC or OpenSSL start: the TLS servers' threads
+// outlive the test's main (common/openssl_exit.h).
+[[maybe_unused]] const bool kOpenSslKept = KeepOpenSslStateAtExit();
 
 using ::testing::HasSubstr;
 
