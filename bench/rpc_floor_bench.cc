@@ -2,6 +2,8 @@
 // this host, measured in one process run (docs/performance.md "The RPC floor").
 //
 //   rpc_floor_bench [--samples 5000] [--rounds 5] [--alone sync|callback|async]
+//                   [--external NAME=HOST:PORT,...] [--in_turn_only] [--rpc_threads N]
+//   rpc_floor_bench --serve sync --port P
 //
 // Four servers on loopback TCP (127.0.0.1, a port each), one client channel
 // (one connection) each, all in this process:
@@ -24,7 +26,10 @@
 // turn (TimeEachAloneInTurn): the comparison the RPC aim is stated in, since
 // mlakv-server serves every method on its own completion queue.
 // --alone sync|callback|async times one minimal server of that API with
-// nothing else in the process.
+// nothing else in the process. --external NAME=ADDR,... adds servers running
+// in processes of their own (mlakv-server builds, and `rpc_floor_bench
+// --serve sync --port P`: the minimal sync server in its own process) to the
+// rounds in turn; --in_turn_only stops after those rounds.
 #include <grpcpp/grpcpp.h>
 
 #include <cstdio>
@@ -32,6 +37,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -52,6 +58,14 @@ ABSL_FLAG(int, rounds, 5, "rounds (the variants take turns)");
 ABSL_FLAG(std::string, alone, "",
           "\"sync\", \"callback\" or \"async\": time only that minimal Health/Check server, alone in this process, "
           "and exit");
+ABSL_FLAG(std::vector<std::string>, external, {},
+          "NAME=HOST:PORT,...: mlakv-servers running in processes of their own, timed (Health/Check and GetPool) in "
+          "turn with the servers of this process");
+ABSL_FLAG(std::string, serve, "",
+          "\"sync\": serve a minimal sync Health/Check + GetPool's work server on 127.0.0.1:--port until killed "
+          "(a floor in a process of its own, for --external)");
+ABSL_FLAG(int, port, 0, "--serve: the port");
+ABSL_FLAG(bool, in_turn_only, false, "time the servers alone in turn, then stop (skip the mixed rounds)");
 ABSL_FLAG(int, rpc_threads, 0, "mlakv-server's completion-queue threads (0: its default, KvCacheServer::Options)");
 ABSL_FLAG(int, async_threads, 2, "--alone async: threads polling the completion queues");
 ABSL_FLAG(int, async_queues, 0,
@@ -171,7 +185,7 @@ class AsyncHealth {
 
   std::unique_ptr<grpc::Server> Start(int* port) {
     grpc::ServerBuilder b;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+    b.AddListeningPort("127.0.0.1:" + std::to_string(*port), grpc::InsecureServerCredentials(), port);
     b.RegisterService(&service_);
     for (int i = 0; i < queues_; ++i) cqs_.push_back(b.AddCompletionQueue());
     std::unique_ptr<grpc::Server> s = b.BuildAndStart();
@@ -258,6 +272,20 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
                              {"minimal async server (1 thread), Health/Check"},
                              {"mlakv-server, Health/Check"},
                              {"mlakv-server, GetPool"}};
+  // name=address of each --external server; its two rows follow the others.
+  std::vector<std::pair<std::string, std::string>> externals;
+  std::vector<std::string> names;  // the rows' names live here (Alone keeps a pointer)
+  for (const std::string& e : absl::GetFlag(FLAGS_external)) {
+    const size_t eq = e.find('=');
+    if (eq == std::string::npos) Die("--external takes NAME=HOST:PORT, got " + e);
+    externals.emplace_back(e.substr(0, eq), e.substr(eq + 1));
+  }
+  names.reserve(2 * externals.size());
+  for (const auto& [name, address] : externals) {
+    names.push_back(name + " (own process), Health/Check");
+    names.push_back(name + " (own process), GetPool");
+  }
+  for (const std::string& n : names) rows.push_back({n.c_str()});
   auto time_calls = [&](auto&& call, std::vector<double>* out) {
     for (int i = 0; i < 200; ++i) TimeOne(call);  // connect and warm up
     for (int i = 0; i < samples; ++i) out->push_back(TimeOne(call));
@@ -312,6 +340,15 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
       time_calls(get_pool_on(stub.get()), &rows[4].us);
       (*mlakv)->Shutdown(absl::Seconds(1));
     }
+    for (size_t e = 0; e < externals.size(); ++e) {
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+      auto channel = grpc::CreateCustomChannel(externals[e].second, grpc::InsecureChannelCredentials(), args);
+      auto health = Health::NewStub(channel);
+      auto stub = v1::KvCache::NewStub(channel);
+      time_calls(check_on(health.get()), &rows[5 + 2 * e].us);
+      time_calls(get_pool_on(stub.get()), &rows[6 + 2 * e].us);
+    }
   }
   const double floor = Summarize(rows[0].us).p50;
   std::printf("rpc_floor_bench: each server alone in the process, in turn (%d rounds x %d calls), %u cores, "
@@ -322,6 +359,38 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
     std::printf("  %-52s p50 %7.1f us  p90 %7.1f  p99 %7.1f   p50 / sync floor %.2fx\n", row.name, s.p50, s.p90,
                 s.p99, s.p50 / floor);
   }
+}
+
+// --serve sync: a minimal synchronous server in a process of its own, the
+// floor that an mlakv-server in its own process is compared with
+// (--external). It answers Health/Check and GetPool (a 61-layer pool's snapshot, as
+// SyncGetPool).
+int Serve(const std::string& api, int port) {
+  server::Pool::Options pool_options;
+  pool_options.name = "default";
+  pool_options.num_layers = 61;
+  pool_options.page_size = 64;
+  pool_options.num_pages = 256;
+  absl::StatusOr<std::unique_ptr<server::Pool>> pool = server::Pool::Create(pool_options);
+  if (!pool.ok()) Die(std::string(pool.status().message()));
+  SyncHealth health;
+  SyncGetPool get_pool(pool->get());
+  std::unique_ptr<grpc::Server> s;
+  int bound = 0;
+  if (api == "sync") {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:" + std::to_string(port), grpc::InsecureServerCredentials(), &bound);
+    b.RegisterService(&health);
+    b.RegisterService(&get_pool);
+    s = b.BuildAndStart();
+  } else {
+    Die("--serve takes \"sync\"");
+  }
+  if (s == nullptr || bound == 0) Die("--serve: cannot listen");
+  std::printf("rpc_floor_bench --serve %s: listening on 127.0.0.1:%d\n", api.c_str(), bound);
+  std::fflush(stdout);
+  s->Wait();
+  return 0;
 }
 
 int Main() {
@@ -344,6 +413,7 @@ int Main() {
     return TimeAlone(nullptr, name.c_str(), samples * rounds);
   }
   if (!alone.empty()) Die("--alone takes \"sync\", \"callback\" or \"async\"");
+  if (!absl::GetFlag(FLAGS_serve).empty()) return Serve(absl::GetFlag(FLAGS_serve), absl::GetFlag(FLAGS_port));
 
   server::Pool::Options pool_options;
   pool_options.name = "default";
@@ -365,6 +435,7 @@ int Main() {
   pool->set_page_size(64);
   pool->set_num_pages(256);
   TimeEachAloneInTurn(bench_pool->get(), options, samples, rounds);
+  if (absl::GetFlag(FLAGS_in_turn_only)) return 0;
 
   SyncHealth sync_service;
   CallbackHealth callback_service;

@@ -37,15 +37,46 @@ void QueueThreads::Start() {
   }
 }
 
+thread_local QueueThreads* QueueThreads::turn_holder_ = nullptr;
+
 void QueueThreads::Serve() {
   void* tag = nullptr;
   bool ok = false;
-  while (queue_->Next(&tag, &ok)) {
-    // The operation's start (on any thread) happens before this: gRPC's
-    // contract, made through its lock-free queue (common/tsan_annotations.h).
-    MLAKV_TSAN_HAPPENS_AFTER(tag);
-    static_cast<Tag*>(tag)->Proceed(ok);
+  for (;;) {
+    TakeTurn();
+    // Poll, run, poll again, for as long as this thread keeps the turn.
+    do {
+      if (!queue_->Next(&tag, &ok)) {
+        // Shut down and drained: the next thread's Next() says so too.
+        ReleaseTurn();
+        return;
+      }
+      // The operation's start (on any thread) happens before this: gRPC's
+      // contract, made through its lock-free queue (common/tsan_annotations.h).
+      MLAKV_TSAN_HAPPENS_AFTER(tag);
+      static_cast<Tag*>(tag)->Proceed(ok);
+    } while (turn_holder_ == this);
   }
+}
+
+void QueueThreads::TakeTurn() {
+  absl::MutexLock lock(&turn_mu_);
+  turn_mu_.Await(absl::Condition(
+      +[](bool* taken) { return !*taken; }, &turn_taken_));
+  turn_taken_ = true;
+  turn_holder_ = this;
+}
+
+void QueueThreads::ReleaseTurn() {
+  turn_holder_ = nullptr;
+  absl::MutexLock lock(&turn_mu_);
+  turn_taken_ = false;  // the unlock wakes a thread waiting in TakeTurn
+}
+
+void QueueThreads::LetAnotherPoll() {
+  static const bool off = getenv("MLAKV_NO_HANDOFF") != nullptr;  // EXPERIMENT
+  if (off) return;
+  if (turn_holder_ != nullptr) turn_holder_->ReleaseTurn();
 }
 
 void QueueThreads::ServePolled() {

@@ -1,16 +1,29 @@
 // QueueThreads: the threads that serve a grpc::Server's calls on the
 // completion-queue API.
 //
-// Why one queue and several threads (docs/server.md "Threads"): gRPC 1.51 on
-// Linux polls every socket of the process through one epoll set, and the
-// thread that polls reads the request off the socket. A completion for a
-// queue whose own thread is the one polling is taken by that thread at once;
-// one for another queue (or for the callback API's threads, or the
-// synchronous API's) is handed over with a condition-variable wake-up,
-// ~20-50 us a call on the GPU host (docs/performance.md "The callback API's
-// threads"). With every thread on one queue, whichever thread reads a
-// request also runs its handler: no hand-over, and the others stay free to
-// poll while it works.
+// Why one queue, and one thread polling it at a time (docs/server.md
+// "Threads"): gRPC 1.51 on Linux polls every socket of the process through
+// one epoll set, and the thread that polls reads the request off the socket.
+// A completion for a queue whose own thread is the one polling is taken by
+// that thread at once; one for another queue (or for the callback API's
+// threads, or the synchronous API's) is handed over with a condition-variable
+// wake-up, ~20-50 us a call on the GPU host (docs/performance.md "The
+// callback API's threads"). And when several threads wait in the same
+// queue's Next(), epoll1 passes the polling to the next waiting thread each
+// time the poller wakes up -- a signal per event, and a second wake-up when
+// the completion lands -- before the first thread runs what it read: on the
+// development VM a unary call took 66 us with one thread in Next() and 115
+// us with two.
+//
+// So the threads take turns: one holds the polling turn and waits in
+// Next(); it runs what it takes and goes straight back to Next(), with no
+// other thread woken. The others wait for the turn on a mutex of ours, not
+// in gRPC. A step that will keep its thread busy for long (a pool's task run
+// inline, the parse of a large Append message) calls LetAnotherPoll() first:
+// the turn passes to a waiting thread, which polls while this one works;
+// when the work is done the thread waits for the turn again. What is short
+// (a query, a read's bookkeeping) costs no wake-up at all; what is long
+// costs one, which is small beside the work.
 //
 // Every call object of the queue (cq/calls.h) counts itself here from the
 // moment it waits for a request until it is deleted. Shutdown() waits for
@@ -67,11 +80,17 @@ class QueueThreads {
   QueueThreads(const QueueThreads&) = delete;
   QueueThreads& operator=(const QueueThreads&) = delete;
 
-  // The default for a server: one thread per four cores, 2 to 8. One thread
-  // answers a lone client fastest; more keep calls flowing while some run
-  // long handlers inline (an AppendBatch of a decode step, ~0.3 ms) and
-  // share the socket reads of many connections.
+  // The default for a server: one thread per four cores, 2 to 8. One polls
+  // at a time; the others take over the polling while a thread runs long
+  // work (an AppendBatch of a decode step, ~0.3 ms; parsing a large Append
+  // message), so that many connections' calls keep flowing.
   static int DefaultThreads();
+
+  // Called on a thread of a QueueThreads (blocking mode) before work that
+  // keeps it for long: passes its polling turn to a waiting thread. Does
+  // nothing on any other thread (a pool's worker, a test's thread) or when
+  // the turn was already passed.
+  static void LetAnotherPoll();
 
   void Start();
   // After grpc::Server::Shutdown returned (every call cancelled or ended):
@@ -92,12 +111,19 @@ class QueueThreads {
  private:
   void Serve();
   void ServePolled();
+  void TakeTurn();
+  void ReleaseTurn();
+
+  // The QueueThreads whose polling turn this thread holds, if any.
+  static thread_local QueueThreads* turn_holder_;
 
   const std::unique_ptr<grpc::ServerCompletionQueue> queue_;
   const int threads_;
   const std::string name_;
   const absl::Duration poll_period_;
   std::vector<std::thread> workers_;
+  absl::Mutex turn_mu_;
+  bool turn_taken_ ABSL_GUARDED_BY(turn_mu_) = false;
   mutable absl::Mutex mu_;
   int alive_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<bool> shut_down_{false};

@@ -74,6 +74,9 @@ void AppendReactor::OnMessage(int got, int index) {
   Slot& slot = slots_[got];
   const size_t raw_bytes = slot.raw.Length();
   slot.raw_bytes = raw_bytes;
+  // Parsing a large message keeps this queue thread for a while (~0.1 ms a
+  // MB): another thread polls meanwhile, reading the other streams' bytes.
+  if (raw_bytes >= kOffWorkerBytes) cq::QueueThreads::LetAnotherPoll();
   const uint32_t max_bytes = service_->options().max_message_bytes;
   const bool too_large = raw_bytes > max_bytes;
   const bool parsed = !too_large && ParseAppendMessage(&slot.raw, &slot.received);

@@ -132,6 +132,7 @@ void KvCacheService::ForkSequence(ForkSequenceCall* call) {
   // appends): on this thread at once when the worker is idle, else queued
   // there and finished from the worker.
   p->worker().RunOrPost([this, call, req, p, scope, detail]() mutable {
+    cq::QueueThreads::LetAnotherPoll();  // inline, a page copy may take a while
     cq::CallContext* ctx = call->context();
     v1::ForkSequenceResponse* resp = call->response();
     const absl::Status status = [&]() -> absl::Status {
