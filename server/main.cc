@@ -55,7 +55,7 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_token_file, "",
           "file holding a bearer token required on every RPC except grpc.health.v1.Health (needs TLS)");
 ABSL_FLAG(int32_t, rpc_threads, 0,
-          "threads serving the gRPC completion queue, every call of the main port (0: one per four cores, 2 to 8; "
+          "threads serving the gRPC completion queue, every call of the main port (0: half the cores, 2 to 16; "
           "docs/server.md \"Threads\")");
 ABSL_FLAG(std::string, health_listen, "",
           "host:port of a plaintext server with only grpc.health.v1.Health, for kubelet probes when the main port "

@@ -2,9 +2,14 @@
 
 namespace mlakv::server::cq {
 
-Call::Call(QueueThreads* queue) : queue_(queue) { queue_->CallCreated(); }
+Call::Call(QueueThreads* queue, bool counts_as_load) : queue_(queue), counts_as_load_(counts_as_load) {
+  queue_->CallCreated();
+}
 
-Call::~Call() { queue_->CallDeleted(); }
+Call::~Call() {
+  if (counted_) queue_->CallIdle();
+  queue_->CallDeleted();
+}
 
 void Call::Arm(Call* call) {
   // The done notification is asked for before the request: gRPC returns it
@@ -24,6 +29,10 @@ void Call::OnRequest(bool ok) {
   // The next request of this method is armed before this one is handled, so
   // that calls keep being accepted while it runs (on another queue thread).
   Arm(NextCall());
+  if (counts_as_load_) {
+    counted_ = true;
+    queue_->CallBusy();
+  }
   OnStart();
   if (start_state_.fetch_or(kStartReturned, std::memory_order_acq_rel) & kCancelSeen) OnCancel();
   OperationEnded();  // OnStart's own count (operations_ starts at 2)

@@ -70,7 +70,12 @@ class Call {
   CallContext* context() { return &ctx_; }
 
  protected:
-  explicit Call(QueueThreads* queue);
+  // `counts_as_load`: from its request to its deletion the call counts
+  // toward the queue's calls in progress (QueueThreads::CallBusy), which
+  // decide how many threads poll. Server streams say no: a WatchEvents or
+  // Read stream spends its life waiting, and what it moves goes out as
+  // writes, not as reads off a socket.
+  explicit Call(QueueThreads* queue, bool counts_as_load = true);
   virtual ~Call();
 
   // The generated RequestXxx of the call's method, with `tag`.
@@ -102,6 +107,8 @@ class Call {
 
   StepTag<Call, &Call::OnRequest> request_tag_{this};
   StepTag<Call, &Call::OnDoneTag> done_tag_{this};
+  const bool counts_as_load_;
+  bool counted_ = false;  // CallBusy was called (on the request's match)
   // Operations in flight, plus kFinishing once Finish was started. A call
   // that matched a request owes two from the start: its done notification,
   // and OnStart itself -- so that neither a cancellation nor a Finish from
@@ -202,7 +209,7 @@ class ReaderCall : public Call {
 template <class Req, class Resp>
 class WriterCall : public Call {
  protected:
-  explicit WriterCall(QueueThreads* queue) : Call(queue) {}
+  explicit WriterCall(QueueThreads* queue) : Call(queue, /*counts_as_load=*/false) {}
 
   virtual void OnWriteDone(bool /*ok*/) {}
   void StartWrite(const Resp* message) {

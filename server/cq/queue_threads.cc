@@ -19,7 +19,7 @@ QueueThreads::QueueThreads(std::unique_ptr<grpc::ServerCompletionQueue> queue, i
 QueueThreads::~QueueThreads() { Shutdown(); }
 
 int QueueThreads::DefaultThreads() {
-  return std::clamp(static_cast<int>(std::thread::hardware_concurrency() / 4), 2, 8);
+  return std::clamp(static_cast<int>(std::thread::hardware_concurrency() / 2), 2, 16);
 }
 
 void QueueThreads::Start() {
@@ -55,29 +55,46 @@ void QueueThreads::Serve() {
       // contract, made through its lock-free queue (common/tsan_annotations.h).
       MLAKV_TSAN_HAPPENS_AFTER(tag);
       static_cast<Tag*>(tag)->Proceed(ok);
-    } while (turn_holder_ == this);
+      // The turn was passed on (LetAnotherPoll), or the server went quiet
+      // and other threads poll: wait for a turn.
+    } while (turn_holder_ == this && !TooManyPollers());
+    if (turn_holder_ == this) ReleaseTurn();
   }
 }
+
+int QueueThreads::pollers_allowed() const {
+  return busy_calls_.load(std::memory_order_relaxed) >= kBusyCalls ? threads_ : 1;
+}
+
+bool QueueThreads::TooManyPollers() const { return pollers_.load(std::memory_order_relaxed) > pollers_allowed(); }
 
 void QueueThreads::TakeTurn() {
   absl::MutexLock lock(&turn_mu_);
   turn_mu_.Await(absl::Condition(
-      +[](bool* taken) { return !*taken; }, &turn_taken_));
-  turn_taken_ = true;
+      +[](QueueThreads* q) { return q->pollers_.load(std::memory_order_relaxed) < q->pollers_allowed(); }, this));
+  pollers_.fetch_add(1, std::memory_order_relaxed);
   turn_holder_ = this;
 }
 
 void QueueThreads::ReleaseTurn() {
   turn_holder_ = nullptr;
   absl::MutexLock lock(&turn_mu_);
-  turn_taken_ = false;  // the unlock wakes a thread waiting in TakeTurn
+  pollers_.fetch_sub(1, std::memory_order_relaxed);  // the unlock wakes a thread waiting in TakeTurn
 }
 
 void QueueThreads::LetAnotherPoll() {
-  static const bool off = getenv("MLAKV_NO_HANDOFF") != nullptr;  // EXPERIMENT
-  if (off) return;
   if (turn_holder_ != nullptr) turn_holder_->ReleaseTurn();
 }
+
+void QueueThreads::CallBusy() {
+  // Only the step to kBusyCalls lets waiting threads poll; taking the lock
+  // for it is what wakes them (absl re-checks Await conditions on unlock).
+  if (busy_calls_.fetch_add(1, std::memory_order_relaxed) + 1 == kBusyCalls) {
+    absl::MutexLock lock(&turn_mu_);
+  }
+}
+
+void QueueThreads::CallIdle() { busy_calls_.fetch_sub(1, std::memory_order_relaxed); }
 
 void QueueThreads::ServePolled() {
   void* tag = nullptr;

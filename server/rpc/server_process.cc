@@ -44,7 +44,7 @@ absl::StatusOr<PreparedServer> PrepareServer(const ServerFlags& flags) {
   p.allow_ipc = flags.allow_ipc;
   if (flags.rpc_threads < 0 || flags.rpc_threads > kMaxRpcThreads) {
     return absl::InvalidArgumentError(absl::StrCat("--rpc_threads ", flags.rpc_threads, " is outside 0..",
-                                                   kMaxRpcThreads, " (0: one per four cores, 2 to 8)"));
+                                                   kMaxRpcThreads, " (0: half the cores, 2 to 16)"));
   }
   p.rpc_threads = flags.rpc_threads;
   p.server_id = flags.server_id;
