@@ -419,7 +419,13 @@ QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
   // From ~64k rows, 16: at 65k rows every warp of one wave then has exactly
   // one group (H200, the four 65k cases, two sweeps of 100 launches: 88.6%
   // of the copy on average against 87.2% with 8 rows per lookup).
-  c.rows_per_warp = num_rows >= 65536 ? 16 : num_rows >= 16384 ? 8 : 1;
+  // From 16k to 64k rows (chunked-prefill sizes), 4: twice the warps of 8
+  // rows per lookup with a group each, and no code table to fill (H100,
+  // 2026-12-05, four sweeps of 100-200 launches: 16,384 rows 87.7-90.7% of
+  // the copy against 86.2-88.2% at 8; 32,768 rows 92.7-93.6% against
+  // 91.1-92.5%; docs/performance.md "Four rows per lookup at chunked-prefill
+  // sizes").
+  c.rows_per_warp = num_rows >= 65536 ? 16 : num_rows >= 16384 ? 4 : 1;
   // Below ~128k rows, one wave of resident blocks (4 of 8 warps per SM) that
   // takes the rows as equal contiguous ranges per block. Two waves of blocks
   // that each fill their tables for one group are slower (65k rows, v7: 81.7%

@@ -471,6 +471,28 @@ TEST(LauncherChoice, ALayersLaunchTakesMoreRowsPerLookupForDecodeSteps) {
   EXPECT_EQ(DefaultQuantizeAppendLayersConfig(256).rows_per_warp, 8);
   EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1 << 20).rows_per_warp, 16);
   EXPECT_FALSE(DefaultQuantizeAppendLayersConfig(32768).block_ranges);
+  // A layer of a chunked-prefill size in a layers launch keeps 8 (the
+  // decode rule's floor), not the one-layer launch's 4.
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(16384).rows_per_warp, 8);
+}
+
+// The one-layer launch: one row per warp below 16k rows; 4 per lookup from
+// 16k to 64k rows (chunked-prefill sizes), as contiguous ranges per block,
+// 4 blocks per SM; 16 from 64k, ranges below 128k and dealt by warp above.
+TEST(LauncherChoice, OneLayerLaunchByRowCount) {
+  EXPECT_EQ(DefaultQuantizeAppendConfig(16383).rows_per_warp, 1);
+  EXPECT_FALSE(DefaultQuantizeAppendConfig(16383).block_ranges);
+  for (int64_t rows : {16384, 32768, 65535}) {
+    const QuantizeAppendConfig c = DefaultQuantizeAppendConfig(rows);
+    EXPECT_EQ(c.rows_per_warp, 4) << rows;
+    EXPECT_EQ(c.warps_per_block, 8) << rows;
+    EXPECT_EQ(c.blocks_per_sm, 4) << rows;
+    EXPECT_TRUE(c.block_ranges) << rows;
+  }
+  EXPECT_EQ(DefaultQuantizeAppendConfig(65536).rows_per_warp, 16);
+  EXPECT_TRUE(DefaultQuantizeAppendConfig(65536).block_ranges);
+  EXPECT_EQ(DefaultQuantizeAppendConfig(1 << 20).rows_per_warp, 16);
+  EXPECT_FALSE(DefaultQuantizeAppendConfig(1 << 20).block_ranges);
 }
 
 }  // namespace

@@ -207,6 +207,7 @@ TEST(CudaConfigs, EveryLaunchConfigurationWritesTheCpuBytes) {
   configs.push_back(QuantizeAppendConfig{2, 32, 1});
   configs.push_back(QuantizeAppendConfig{16, 8, 8});
   configs.push_back(QuantizeAppendConfig{16, 5, 2, /*block_ranges=*/true});
+  configs.push_back(QuantizeAppendConfig{4, 8, 4, /*block_ranges=*/true});  // the 16k-64k rows default
   for (const DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     ScenarioOptions o;
     o.dtype = dtype;
