@@ -127,6 +127,7 @@ class QueueThreads {
   // quiet, until they take their next event).
   int pollers_allowed() const;
   int pollers() const { return pollers_.load(std::memory_order_relaxed); }
+  int calls_in_progress() const { return busy_calls_.load(std::memory_order_relaxed); }
 
  private:
   void Serve();

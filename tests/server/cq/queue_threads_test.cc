@@ -107,6 +107,14 @@ class QueueThreadsTest : public ::testing::Test {
     return stub_->Check(&ctx, req, &resp);
   }
 
+  // A call counts as in progress until its object is deleted, which may come
+  // a little after its client has the answer.
+  void WaitForNoCallInProgress() {
+    const QueueThreads* q = server_->threads();
+    for (int i = 0; i < 1000 && q->calls_in_progress() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+    ASSERT_EQ(q->calls_in_progress(), 0);
+  }
+
   // A "block" call on its own thread, returned once its handler blocks.
   void StartBlockedCall() {
     check_.SetReleased(false);
@@ -129,6 +137,7 @@ class QueueThreadsTest : public ::testing::Test {
 
 TEST_F(QueueThreadsTest, QuietOneThreadPollsSoABlockedHandlerHoldsBackTheNextCall) {
   ASSERT_TRUE(Check("", std::chrono::seconds(10)).ok());  // the channel is connected
+  WaitForNoCallInProgress();
   EXPECT_EQ(server_->threads()->pollers_allowed(), 1);
   StartBlockedCall();
   EXPECT_EQ(Check("", std::chrono::milliseconds(300)).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
@@ -147,6 +156,7 @@ TEST_F(QueueThreadsTest, AHandlerThatPassesItsTurnLetsTheNextCallThrough) {
 TEST_F(QueueThreadsTest, BusyEveryThreadPollsThenQuietAgain) {
   ASSERT_TRUE(Check("", std::chrono::seconds(10)).ok());
   QueueThreads* q = server_->threads();
+  WaitForNoCallInProgress();
   // Two calls in progress, as two Append streams would be.
   q->CallBusy();
   EXPECT_EQ(q->pollers_allowed(), 1);
@@ -161,9 +171,7 @@ TEST_F(QueueThreadsTest, BusyEveryThreadPollsThenQuietAgain) {
   ReleaseBlockedCall();
   q->CallIdle();
   q->CallIdle();
-  // The calls above count until their objects are deleted, which may come
-  // a little after their clients have the answer.
-  for (int i = 0; i < 1000 && q->pollers_allowed() != 1; ++i) absl::SleepFor(absl::Milliseconds(10));
+  WaitForNoCallInProgress();
   EXPECT_EQ(q->pollers_allowed(), 1);
   // The extra pollers leave after their next event; then one polls again
   // and a blocked handler holds back the next call once more.
