@@ -361,11 +361,9 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
   }
 }
 
-// --serve sync: a minimal synchronous server in a process of its own, the
-// floor that an mlakv-server in its own process is compared with
-// (--external). It answers Health/Check and GetPool (a 61-layer pool's snapshot, as
-// SyncGetPool).
-int Serve(const std::string& api, int port) {
+// The pool every server of the bench answers GetPool from: 61 layers, 256
+// pages of 64 (a 286-byte snapshot).
+std::unique_ptr<server::Pool> BenchPool() {
   server::Pool::Options pool_options;
   pool_options.name = "default";
   pool_options.num_layers = 61;
@@ -373,8 +371,17 @@ int Serve(const std::string& api, int port) {
   pool_options.num_pages = 256;
   absl::StatusOr<std::unique_ptr<server::Pool>> pool = server::Pool::Create(pool_options);
   if (!pool.ok()) Die(std::string(pool.status().message()));
+  return *std::move(pool);
+}
+
+// --serve sync: a minimal synchronous server in a process of its own, the
+// floor that an mlakv-server in its own process is compared with
+// (--external). It answers Health/Check and GetPool (a 61-layer pool's snapshot, as
+// SyncGetPool).
+int Serve(const std::string& api, int port) {
+  std::unique_ptr<server::Pool> pool = BenchPool();
   SyncHealth health;
-  SyncGetPool get_pool(pool->get());
+  SyncGetPool get_pool(pool.get());
   std::unique_ptr<grpc::Server> s;
   int bound = 0;
   if (api == "sync") {
@@ -415,13 +422,7 @@ int Main() {
   if (!alone.empty()) Die("--alone takes \"sync\", \"callback\" or \"async\"");
   if (!absl::GetFlag(FLAGS_serve).empty()) return Serve(absl::GetFlag(FLAGS_serve), absl::GetFlag(FLAGS_port));
 
-  server::Pool::Options pool_options;
-  pool_options.name = "default";
-  pool_options.num_layers = 61;
-  pool_options.page_size = 64;
-  pool_options.num_pages = 256;
-  absl::StatusOr<std::unique_ptr<server::Pool>> bench_pool = server::Pool::Create(pool_options);
-  if (!bench_pool.ok()) Die(std::string(bench_pool.status().message()));
+  std::unique_ptr<server::Pool> bench_pool = BenchPool();
   absl::StatusOr<std::unique_ptr<server::ServerMetrics>> metrics = server::ServerMetrics::Create("bench");
   if (!metrics.ok()) Die(std::string(metrics.status().message()));
   server::KvCacheServer::Options options;
@@ -434,7 +435,7 @@ int Main() {
   pool->set_num_layers(61);
   pool->set_page_size(64);
   pool->set_num_pages(256);
-  TimeEachAloneInTurn(bench_pool->get(), options, samples, rounds);
+  TimeEachAloneInTurn(bench_pool.get(), options, samples, rounds);
   if (absl::GetFlag(FLAGS_in_turn_only)) return 0;
 
   SyncHealth sync_service;
@@ -449,8 +450,8 @@ int Main() {
   std::unique_ptr<grpc::Server> callback_server = StartMinimal(&callback_service, &callback_port);
   const std::vector<double> beside_us = TimeChecks(sync_port, samples * rounds);
 
-  SyncGetPool sync_get_pool(bench_pool->get());
-  CallbackGetPool callback_get_pool(bench_pool->get());
+  SyncGetPool sync_get_pool(bench_pool.get());
+  CallbackGetPool callback_get_pool(bench_pool.get());
   int sync_get_pool_port = 0, callback_get_pool_port = 0;
   std::unique_ptr<grpc::Server> sync_get_pool_server = StartMinimal(&sync_get_pool, &sync_get_pool_port);
   std::unique_ptr<grpc::Server> callback_get_pool_server = StartMinimal(&callback_get_pool, &callback_get_pool_port);
@@ -519,7 +520,7 @@ int Main() {
     std::string bytes;
     for (int i = 0; i < 20000; ++i) {
       const auto t0 = Clock::now();
-      server::PoolSnapshot ps = (*bench_pool)->Snapshot();
+      server::PoolSnapshot ps = bench_pool->Snapshot();
       const auto t1 = Clock::now();
       v1::Pool out;
       server::ToProto(ps, &out);
