@@ -1,7 +1,7 @@
 // IPC append end to end vs the kernel alone (issue 6's measurement).
 //
 //   ipc_append_bench --server ADDR [--rows 262144] [--repeats 20]
-//   ipc_append_bench --server ADDR --decode_step [--sequences 256] [--layers 61] [--repeats 200] [--basic_only]
+//   ipc_append_bench --server ADDR --decode_step [--sequences 256] [--layers 61] [--repeats 200] [--basic_only] [--shm]
 //
 // Acts as a prefill worker on the same GPU as a running
 // `mlakv-server --allow_ipc --device cuda:0` (a separate process: a CUDA IPC
@@ -21,9 +21,14 @@
 // and one launch per layer) and a device copy of the step's bytes (the
 // kernel's byte floor: 1512 bytes read + written per row). The steps
 // alternate between the response views BASIC and COMPACT (--basic_only:
-// BASIC alone, for a server that predates COMPACT).
+// BASIC alone, for a server that predates COMPACT). --shm: the rows in a
+// host shared-memory region instead (no GPU here; the kernel comparison is
+// skipped), for a server with a cpu pool.
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -95,15 +100,76 @@ void UnregisterRegion(mlakv::v1::KvCache::Stub& stub, const std::string& name) {
 // The decode step by reference. Region layout: every layer's ckv rows
 // (layer L's [sequences, 512] at L x sequences x 1024 bytes), then every
 // layer's kpe rows.
-int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int repeats, bool with_compact) {
+// Host rows in a POSIX shared-memory object, registered as a shm region (the
+// --shm form of the decode step: no GPU needed, e.g. against a cpu pool).
+struct ShmRows {
+  std::string shm_name;
+  void* base = nullptr;
+  size_t bytes = 0;
+  ~ShmRows() {
+    if (base != nullptr) munmap(base, bytes);
+    if (!shm_name.empty()) shm_unlink(shm_name.c_str());
+  }
+};
+
+bool RegisterShmRows(mlakv::v1::KvCache::Stub& stub, const std::string& name, const std::vector<uint16_t>& host,
+                     ShmRows* out) {
+  out->shm_name = "/mlakv-ipc-bench-" + std::to_string(getpid());
+  out->bytes = host.size() * 2;
+  const int fd = shm_open(out->shm_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(out->bytes)) != 0) {
+    std::perror("shm_open/ftruncate");
+    if (fd >= 0) close(fd);
+    return false;
+  }
+  out->base = mmap(nullptr, out->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (out->base == MAP_FAILED) {
+    out->base = nullptr;
+    std::perror("mmap");
+    return false;
+  }
+  std::memcpy(out->base, host.data(), out->bytes);
+  mlakv::v1::RegisterShmRegionRequest req;
+  req.set_name(name);
+  req.set_shm_name(out->shm_name);
+  req.set_byte_size(out->bytes);
+  mlakv::v1::Region resp;
+  grpc::ClientContext ctx;
+  const grpc::Status s = stub.RegisterShmRegion(&ctx, req, &resp);
+  if (!s.ok()) std::fprintf(stderr, "RegisterShmRegion: %s\n", s.error_message().c_str());
+  return s.ok();
+}
+
+void PrintSteps(int sequences, int layers, size_t rows, int repeats, const std::vector<double>& step_us,
+                const std::vector<double>& compact_us, const std::vector<double>& get_pool_us, bool with_compact) {
+  std::printf("decode step by reference: %d sequences x 1 token x %d layers (%zu rows), %d steps\n", sequences,
+              layers, rows, repeats);
+  std::printf("  AppendBatch compact end to end: p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f); GetPool p50 %.1f us\n",
+              Median(step_us), Percentile(step_us, 0.9), Percentile(step_us, 0.99),
+              *std::min_element(step_us.begin(), step_us.end()), Median(get_pool_us));
+  if (with_compact) {
+    std::printf("    the same, view COMPACT (steps interleaved): p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f)\n",
+                Median(compact_us), Percentile(compact_us, 0.9), Percentile(compact_us, 0.99),
+                *std::min_element(compact_us.begin(), compact_us.end()));
+  }
+}
+
+int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int repeats, bool with_compact,
+                  bool shm) {
   const size_t rows = static_cast<size_t>(sequences) * layers;
   const size_t ckv_bytes = rows * 1024, kpe_bytes = rows * 128;
   const std::vector<uint16_t> host = RandomBf16((ckv_bytes + kpe_bytes) / 2, 11);
-  CHECK_CUDA(cudaSetDevice(0));
   void* rows_dev = nullptr;
-  CHECK_CUDA(cudaMalloc(&rows_dev, ckv_bytes + kpe_bytes));
-  CHECK_CUDA(cudaMemcpy(rows_dev, host.data(), ckv_bytes + kpe_bytes, cudaMemcpyHostToDevice));
-  if (!RegisterRegion(stub, "ipc-decode", rows_dev, ckv_bytes + kpe_bytes)) return 1;
+  ShmRows shm_rows;
+  if (shm) {
+    if (!RegisterShmRows(stub, "ipc-decode", host, &shm_rows)) return 1;
+  } else {
+    CHECK_CUDA(cudaSetDevice(0));
+    CHECK_CUDA(cudaMalloc(&rows_dev, ckv_bytes + kpe_bytes));
+    CHECK_CUDA(cudaMemcpy(rows_dev, host.data(), ckv_bytes + kpe_bytes, cudaMemcpyHostToDevice));
+    if (!RegisterRegion(stub, "ipc-decode", rows_dev, ckv_bytes + kpe_bytes)) return 1;
+  }
   const auto id = [](int s) { return "decode-" + std::to_string(s); };
   mlakv::v1::AppendBatchRequest req;
   req.set_dtype(mlakv::v1::ROW_DTYPE_BFLOAT16);
@@ -167,6 +233,10 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
     stub.FreeSequence(&free_ctx, free_req, &free_resp);
   }
   UnregisterRegion(stub, "ipc-decode");
+  if (shm) {
+    PrintSteps(sequences, layers, rows, repeats, step_us, compact_us, get_pool_us, with_compact);
+    return 0;
+  }
 
   // The kernel alone for one step: sequence s owns page s of every layer
   // (page size 64) and appends at position 5; caches per layer as a pool has them.
@@ -240,16 +310,7 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
       copy.push_back(c);
     }
   }
-  std::printf("decode step by reference: %d sequences x 1 token x %d layers (%zu rows), %d steps\n", sequences,
-              layers, rows, repeats);
-  std::printf("  AppendBatch compact end to end: p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f); GetPool p50 %.1f us\n",
-              Median(step_us), Percentile(step_us, 0.9), Percentile(step_us, 0.99),
-              *std::min_element(step_us.begin(), step_us.end()), Median(get_pool_us));
-  if (with_compact) {
-    std::printf("    the same, view COMPACT (steps interleaved): p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f)\n",
-                Median(compact_us), Percentile(compact_us, 0.9), Percentile(compact_us, 0.99),
-                *std::min_element(compact_us.begin(), compact_us.end()));
-  }
+  PrintSteps(sequences, layers, rows, repeats, step_us, compact_us, get_pool_us, with_compact);
   std::printf("  kernel, all layers in one launch: %.1f us; one launch per layer: %.1f us; copy of the step's bytes: "
               "%.1f us (one launch / copy = %.2fx)\n",
               Median(one_launch), Median(per_layer), Median(copy), Median(one_launch) / Median(copy));
@@ -266,12 +327,16 @@ int main(int argc, char** argv) {
   std::string server;
   int64_t rows = 262144;
   int repeats = 20;
-  bool decode_step = false, with_compact = true;
+  bool decode_step = false, with_compact = true, shm = false;
   int sequences = 256, layers = 61;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--decode_step") {
       decode_step = true;
+      continue;
+    }
+    if (a == "--shm") {  // the decode step's rows in host shared memory (no GPU)
+      shm = true;
       continue;
     }
     if (a == "--basic_only") {  // a server without SEQUENCE_VIEW_COMPACT
@@ -294,7 +359,7 @@ int main(int argc, char** argv) {
     auto args = grpc::ChannelArguments();
     args.SetMaxReceiveMessageSize(-1);
     auto stub = mlakv::v1::KvCache::NewStub(grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args));
-    return RunDecodeStep(*stub, sequences, layers, repeats, with_compact);
+    return RunDecodeStep(*stub, sequences, layers, repeats, with_compact, shm);
   }
   // Rows: ckv [rows, 512] then kpe [rows, 64], bf16, random and never zero.
   const size_t ckv_bytes = static_cast<size_t>(rows) * 512 * 2, kpe_bytes = static_cast<size_t>(rows) * 64 * 2;
