@@ -340,4 +340,19 @@ absl::Status RegionRegistry::ResolveRows(absl::FunctionRef<std::string()> who, c
   return absl::OkStatus();
 }
 
+std::vector<const void*> RegionRegistry::EventsOf(std::span<const absl::string_view> names, RegionHold* hold) const {
+  std::vector<const void*> events;
+  absl::ReaderMutexLock lock(&mu_);
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0 && names[i] == names[i - 1]) continue;  // a request names one region many times in a row
+    auto it = regions_.find(names[i]);
+    if (it == regions_.end() || it->second->kind() != Region::Kind::kCuda) continue;
+    const void* event = static_cast<const CudaIpcRegion&>(*it->second).event();
+    if (event == nullptr || std::find(events.begin(), events.end(), event) != events.end()) continue;
+    events.push_back(event);
+    hold->regions.push_back(it->second);
+  }
+  return events;
+}
+
 }  // namespace mlakv::server

@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include "absl/strings/string_view.h"
 #include <vector>
@@ -127,6 +128,13 @@ class RegionRegistry {
   // messages ("sequence 's' layer 0"; built only for one).
   absl::Status ResolveRows(absl::FunctionRef<std::string()> who, const LayerRowsRequest& in, uint32_t row_count,
                            const Device& pool_device, LayerRows* out, RegionHold* hold) const;
+
+  // The producers' CUDA events (each once) of the regions `names` name that
+  // were registered with one, those regions added to `hold` so that their
+  // events outlive a wait on them. Unknown names are skipped: the append's
+  // ResolveRows reports them. (An AppendBatch by reference waits for these
+  // before it takes the pool's worker: KvCacheService::AppendBatch.)
+  std::vector<const void*> EventsOf(std::span<const absl::string_view> names, RegionHold* hold) const;
 
  private:
   // What every region alive counts against the limits; shared with the

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "common/quote.h"
 #include "common/status_macros.h"
 #include "kernels/nvfp4_format.h"
@@ -36,6 +37,39 @@ std::string PoolDetail(const std::string& pool) { return absl::StrCat("pool=", Q
 
 std::string SequenceDetail(const std::string& pool, const std::string& sequence) {
   return absl::StrCat("pool=", Quote(pool), " sequence=", Quote(sequence));
+}
+
+// The regions an AppendBatch's references name, in order, a name repeated
+// within the last two left out (a decode step names one or two regions 122
+// times).
+std::vector<absl::string_view> RegionNamesOf(const v1::AppendBatchRequest& req) {
+  std::vector<absl::string_view> names;
+  const auto add = [&names](const v1::RegionRef& ref) {
+    const absl::string_view name = ref.region();
+    const size_t n = names.size();
+    if ((n > 0 && names[n - 1] == name) || (n > 1 && names[n - 2] == name)) return;
+    names.push_back(name);
+  };
+  const auto add_layer = [&add](const v1::LayerRows& l) {
+    if (l.has_ckv_ref()) add(l.ckv_ref());
+    if (l.has_kpe_ref()) add(l.kpe_ref());
+  };
+  for (const v1::LayerRows& l : req.batch_layers()) add_layer(l);
+  for (const v1::SequenceRows& s : req.sequences()) {
+    for (const v1::LayerRows& l : s.layers()) add_layer(l);
+  }
+  return names;
+}
+
+// What ends a wait for an AppendBatch's producers' events: the call's
+// deadline or the server's append_idle_timeout, whichever comes first, and
+// the call's cancellation.
+WaitLimits BatchWaitLimits(const cq::CallContext* ctx, absl::Duration idle_timeout) {
+  absl::Time deadline = absl::Now() + idle_timeout;
+  if (const auto d = ctx->deadline(); d != std::chrono::system_clock::time_point::max()) {
+    deadline = std::min(deadline, absl::FromChrono(d));
+  }
+  return WaitLimits{.deadline = deadline, .abandoned = [ctx] { return ctx->cancelled(); }};
 }
 
 }  // namespace
@@ -281,10 +315,24 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
     return;
   }
   AppendStarted();
+  Pool* p = checked->pool;
+  // Rows by reference behind a producer's CUDA event are waited for before
+  // the call takes the pool's worker. The backend waits for such events
+  // before it reads, so a batch whose events had not completed -- a
+  // layer-wise save's commit sent while the producer's GPU still computes the
+  // last layers -- held the worker, and every other append to the pool, until
+  // they did, without a limit. Now the pool's SourceWaiter waits (bounded by
+  // the call's deadline and append_idle_timeout, ended by a cancel) and the
+  // call's task is posted to the worker after; the regions stay held meanwhile.
+  RegionHold sources;
+  std::vector<const void*> events;
+  if (options_.regions->allow_ipc()) events = options_.regions->EventsOf(RegionNamesOf(*req), &sources);
   // One of the pool's worker tasks: on this thread at once when the worker
   // is idle, else queued there and finished from the worker.
-  Pool* p = checked->pool;
-  p->worker().RunOrPost([this, call, scope, c = *checked, t_entered, t_queued = Clock::now(), detail]() mutable {
+  auto task = std::make_shared<absl::AnyInvocable<void(absl::Status)>>([this, call, scope, c = *checked, t_entered,
+                                                                       t_queued = Clock::now(), detail,
+                                                                       sources = std::move(sources)](
+                                                                          absl::Status waited) mutable {
     // Run inline, this keeps the queue thread for the step (~0.3 ms for a
     // decode step): another thread polls meanwhile (cq/queue_threads.h).
     cq::QueueThreads::LetAnotherPoll();
@@ -299,6 +347,13 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
     Clock::time_point t_started, t_prepared, t_staged, t_committed, t_done;
     t_started = t_prepared = t_staged = t_committed = Clock::now();
     const absl::Status status = [&]() -> absl::Status {
+      if (!waited.ok()) {
+        return absl::Status(waited.code(),
+                            absl::StrCat("waiting for the producers' CUDA events of the rows by reference (at most "
+                                         "the call's deadline and the server's append_idle_timeout_seconds, ",
+                                         absl::FormatDuration(options_.append_idle_timeout), "): ", waited.message(),
+                                         "; nothing was written"));
+      }
       // Queued behind other work: a call whose client gave up meanwhile is not started.
       MLAKV_RETURN_IF_ERROR(CheckCallAlive(ctx, "nothing was written"));
       AtomicAppend append(p);
@@ -392,6 +447,14 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
         },
         status)));
   });
+  if (!events.empty() &&
+      p->WhenSourcesComplete(std::move(events), BatchWaitLimits(call->context(), options_.append_idle_timeout),
+                             [p, task](absl::Status s) {
+                               p->worker().Post([task, s = std::move(s)]() mutable { (*task)(std::move(s)); });
+                             })) {
+    return;
+  }
+  p->worker().RunOrPost([task] { (*task)(absl::OkStatus()); });
 }
 
 // ---- streams (their call objects: append_reactor.cc, read_reactor.cc, watch_events_reactor.cc) ----

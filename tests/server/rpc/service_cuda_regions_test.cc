@@ -294,6 +294,133 @@ TEST_F(CudaRegionServiceTest, ACancelWhileTheCommitWaitsForALateEventRollsBackAt
   ExpectSameStored("after", "bytes", {0, 1}, n);
 }
 
+// An AppendBatch by reference whose producer's event has not completed
+// (a layer-wise save's commit sent while the producer's GPU still computes)
+// waits off the pool's worker: another append to the pool is answered
+// meanwhile, the batch is written only after its event, and the wait ends
+// with a status -- at the server's append_idle_timeout_seconds, at once on a
+// cancel -- with nothing written and no page held. A region unregistered
+// while its batch waits stays alive for the wait (its event is polled) and
+// the batch then fails to find it: NOT_FOUND, nothing written.
+TEST_F(CudaRegionServiceTest, ABatchWaitsForALateEventOffThePoolsWorker) {
+  StopServer();
+  StartServer("cuda:0", "name: 'default' num_layers: 4 page_size: 16 num_pages: 512", "append_idle_timeout_seconds: 1");
+  const Rows rows = RandomRows(300, 37);
+  const ProducerLayout layout = MakeProducerLayout(rows);
+  const uint32_t n = static_cast<uint32_t>(rows.n);
+  IpcProducerProcess producer(layout.bytes);
+  ASSERT_TRUE(RegisterCuda("e", producer.mem_handle(), layout.bytes.size(), producer.event_handle()).ok());
+  grpc::Status s = AppendRows("bytes", 0, rows, {0, 1}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  const uint64_t pages_before = GetPool().pages_used();
+  Pool* pool = nullptr;
+  for (const auto& p : server().pools()) {
+    if (p->name() == "default") pool = p.get();
+  }
+  ASSERT_NE(pool, nullptr);
+  const auto batch = [&](const std::string& id, const std::string& region) {
+    v1::AppendBatchRequest req;
+    req.set_dtype(ProtoDType(rows.dtype));
+    v1::LayerRows* l0 = AddBatchLayer(req, id, n, 0);  // one sequence, layers 0 and 1
+    *l0->mutable_ckv_ref() = Ref(region, 0);
+    *l0->mutable_kpe_ref() = Ref(region, layout.kpe_off);
+    *req.mutable_sequences(0)->add_layers() = *l0;
+    req.mutable_sequences(0)->mutable_layers(1)->set_layer(1);
+    return req;
+  };
+  const auto send = [&](const v1::AppendBatchRequest& req, grpc::ClientContext* ctx) {
+    v1::AppendBatchResponse resp;
+    return stub().AppendBatch(ctx, req, &resp);
+  };
+
+  // Late by 700 ms (under the 1 s limit): answered after its event, the other append at once.
+  ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(700));
+  const absl::Time t0 = absl::Now();
+  grpc::Status late_status;
+  absl::Duration late_took;
+  std::thread late([&] {
+    grpc::ClientContext ctx;
+    late_status = send(batch("late", "e"), &ctx);
+    late_took = absl::Now() - t0;
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(pool->sources_waiting(), 1u) << "the batch's wait is not the pool's SourceWaiter's";
+  const absl::Time o0 = absl::Now();
+  s = AppendRows("other", 0, rows, {2}, kCkvScale, kKpeScale);
+  const absl::Duration other_took = absl::Now() - o0;
+  late.join();
+  EXPECT_TRUE(s.ok()) << Describe(s);
+  EXPECT_TRUE(late_status.ok()) << Describe(late_status);
+  EXPECT_LT(other_took, absl::Milliseconds(500)) << "an append to the same pool waited for another batch's event";
+  EXPECT_GE(late_took, absl::Milliseconds(600)) << "the batch was written before its producer's event completed";
+  ExpectSameStored("late", "bytes", {0, 1}, n);
+  const uint64_t pages_written = GetPool().pages_used();
+
+  // Still incomplete at append_idle_timeout_seconds: DEADLINE_EXCEEDED, nothing written.
+  ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(2500));
+  const absl::Time d0 = absl::Now();
+  {
+    grpc::ClientContext ctx;
+    s = send(batch("never", "e"), &ctx);
+  }
+  const absl::Duration took = absl::Now() - d0;
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << Describe(s);
+  EXPECT_NE(s.error_message().find("append_idle_timeout_seconds"), std::string::npos) << Describe(s);
+  EXPECT_NE(s.error_message().find("nothing was written"), std::string::npos) << Describe(s);
+  EXPECT_GE(took, absl::Milliseconds(900));
+  EXPECT_LT(took, absl::Milliseconds(2300)) << "the batch waited for the event past the limit";
+  v1::Sequence seq;
+  EXPECT_EQ(GetSequence("never", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(GetPool().pages_used(), pages_written);
+  absl::SleepFor(absl::Milliseconds(1800));  // the delayed event completes
+
+  // A cancel ends the wait at once: no status but CANCELLED, nothing written.
+  ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(2500));
+  {
+    grpc::ClientContext ctx;
+    size_t waiting_before_cancel = 0;
+    std::thread cancel([&] {
+      absl::SleepFor(absl::Milliseconds(150));
+      waiting_before_cancel = pool->sources_waiting();
+      ctx.TryCancel();
+    });
+    const absl::Time c0 = absl::Now();
+    s = send(batch("cancelled", "e"), &ctx);
+    cancel.join();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << Describe(s);
+    EXPECT_LT(absl::Now() - c0, absl::Milliseconds(900));
+    EXPECT_EQ(waiting_before_cancel, 1u);
+  }
+  EXPECT_EQ(GetSequence("cancelled", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(pool->sources_waiting(), 0u) << "the cancelled batch's wait went on (its event completes 2.5 s later)";
+  EXPECT_EQ(GetPool().pages_used(), pages_written);
+  absl::SleepFor(absl::Milliseconds(2300));  // the delayed event completes
+
+  // Unregistered while its batch waits: the wait still ends with the event; then NOT_FOUND.
+  ASSERT_TRUE(RegisterCuda("gone", producer.mem_handle(), layout.bytes.size(), producer.event_handle()).ok());
+  ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(500));
+  grpc::Status gone_status;
+  std::thread gone([&] {
+    grpc::ClientContext ctx;
+    gone_status = send(batch("gone", "gone"), &ctx);
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  {
+    v1::UnregisterRegionRequest req;
+    req.set_name("gone");
+    v1::UnregisterRegionResponse resp;
+    grpc::ClientContext ctx;
+    s = stub().UnregisterRegion(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << Describe(s);
+  }
+  gone.join();
+  EXPECT_EQ(gone_status.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(gone_status);
+  EXPECT_EQ(GetSequence("gone", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(GetPool().pages_used(), pages_written);
+  EXPECT_GT(pages_written, pages_before);
+}
+
 // AppendBatch's compact form from one CUDA region range per layer: the rows
 // of three sequences lie one after another, so each layer's rows are read in
 // place (no gather) and all four layers go in one kernel launch. Layers 0-1
