@@ -274,6 +274,8 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--tokens", default="1024,4096,16384")
     ap.add_argument("--layers_per_message", default="8", help="comma-separated: each is measured")
+    ap.add_argument("--cuda_sync", default="event", help="the client's cuda_sync: event (the server waits for "
+                    "the producer's events) or stream (the client synchronizes its stream per group)")
     ap.add_argument("--stream_end", action="store_true", help="also time the end of a save alone (GPU idle)")
     ap.add_argument("--last_at_once", default="1", help="comma-separated 1/0: the last layers sent when given (1) "
                     "or at wait() (0); each is measured")
@@ -289,7 +291,7 @@ def main():
     cfg.close()
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "sizes": []}
     with ServerProcess("--allow_ipc", "--config", cfg.name, device="cuda:0") as server:
-        with mlakv.Client(server.target, timeout=120, cuda_sync="event") as client:
+        with mlakv.Client(server.target, timeout=120, cuda_sync=a.cuda_sync) as client:
             for tokens in (300, 4096):
                 check_exact(client, torch, tokens)
             print("byte-exact: 61 layers x 300 and x 4096 tokens saved by reference == sent as bytes", flush=True)
