@@ -57,10 +57,6 @@ ABSL_FLAG(std::string, auth_token_file, "",
 ABSL_FLAG(int32_t, rpc_threads, 0,
           "threads serving the gRPC completion queue, every call of the main port (0: half the cores, 2 to 16; "
           "docs/server.md \"Threads\")");
-ABSL_FLAG(int32_t, busy_poll_ms, 0,
-          "for this long after the last request or completion, one RPC thread polls without sleeping, so that the "
-          "next request is read at once instead of after a sleeping thread wakes (0..10000; 0: never; docs/server.md "
-          "\"Spinning between requests\")");
 ABSL_FLAG(std::string, health_listen, "",
           "host:port of a plaintext server with only grpc.health.v1.Health, for kubelet probes when the main port "
           "requires TLS; empty: none");
@@ -93,7 +89,6 @@ ServerFlags FlagsFromCommandLine() {
           .device = absl::GetFlag(FLAGS_device),
           .allow_ipc = absl::GetFlag(FLAGS_allow_ipc),
           .rpc_threads = absl::GetFlag(FLAGS_rpc_threads),
-          .busy_poll_ms = absl::GetFlag(FLAGS_busy_poll_ms),
           .server_id = absl::GetFlag(FLAGS_server_id),
           .metrics_listen = absl::GetFlag(FLAGS_metrics_listen),
           .health_listen = absl::GetFlag(FLAGS_health_listen),

@@ -1,7 +1,6 @@
 #include "server/cq/queue_threads.h"
 
 #include <pthread.h>
-#include <time.h>
 
 #include <algorithm>
 
@@ -10,23 +9,12 @@
 
 namespace mlakv::server::cq {
 
-namespace {
-
-int64_t MonotonicNs() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
-
-}  // namespace
-
 QueueThreads::QueueThreads(std::unique_ptr<grpc::ServerCompletionQueue> queue, int threads, std::string name,
-                           absl::Duration poll_period, absl::Duration busy_poll)
+                           absl::Duration poll_period)
     : queue_(std::move(queue)),
       threads_(std::max(1, threads)),
       name_(std::move(name)),
-      poll_period_(std::max(poll_period, absl::ZeroDuration())),
-      busy_poll_ns_(absl::ToInt64Nanoseconds(std::max(busy_poll, absl::ZeroDuration()))) {}
+      poll_period_(std::max(poll_period, absl::ZeroDuration())) {}
 
 QueueThreads::~QueueThreads() { Shutdown(); }
 
@@ -58,7 +46,7 @@ void QueueThreads::Serve() {
     TakeTurn();
     // Poll, run, poll again, for as long as this thread keeps the turn.
     do {
-      if (!NextEvent(&tag, &ok)) {
+      if (!queue_->Next(&tag, &ok)) {
         // Shut down and drained: the next thread's Next() says so too.
         ReleaseTurn();
         return;
@@ -72,39 +60,6 @@ void QueueThreads::Serve() {
     } while (turn_holder_ == this && !TooManyPollers());
     if (turn_holder_ == this) ReleaseTurn();
   }
-}
-
-bool QueueThreads::NextEvent(void** tag, bool* ok) {
-  if (busy_poll_ns_ > 0) {
-    int64_t now = MonotonicNs();
-    if (now - last_event_ns_.load(std::memory_order_relaxed) < busy_poll_ns_ &&
-        !spinning_.exchange(true, std::memory_order_acquire)) {
-      // gpr_time_0: AsyncNext returns at once, with an event or TIMEOUT
-      // (having polled the sockets once when no other thread polls them).
-      // Between polls the thread yields, so that on a machine with few cores
-      // the spin gives way to any other runnable thread.
-      do {
-        switch (queue_->AsyncNext(tag, ok, gpr_time_0(GPR_CLOCK_MONOTONIC))) {
-          case grpc::CompletionQueue::GOT_EVENT:
-            spinning_.store(false, std::memory_order_release);
-            last_event_ns_.store(MonotonicNs(), std::memory_order_relaxed);
-            return true;
-          case grpc::CompletionQueue::SHUTDOWN:
-            spinning_.store(false, std::memory_order_release);
-            return false;
-          case grpc::CompletionQueue::TIMEOUT:
-            break;
-        }
-        std::this_thread::yield();
-        now = MonotonicNs();
-      } while (now - last_event_ns_.load(std::memory_order_relaxed) < busy_poll_ns_ && turn_holder_ == this &&
-               !TooManyPollers());
-      spinning_.store(false, std::memory_order_release);
-    }
-  }
-  const bool got = queue_->Next(tag, ok);
-  if (busy_poll_ns_ > 0) last_event_ns_.store(MonotonicNs(), std::memory_order_relaxed);
-  return got;
 }
 
 int QueueThreads::pollers_allowed() const {

@@ -85,11 +85,8 @@ class QueueThreads {
   // `queue` comes from the ServerBuilder (AddCompletionQueue) before the
   // server is built; Start() runs `threads` threads on it. `poll_period`:
   // zero, the threads block in Next(); else polled mode (above).
-  // `busy_poll` (blocking mode): for this long after the queue's last event,
-  // one thread at a time polls without blocking (spins) instead of sleeping
-  // in Next() (see SpinForEvent).
   QueueThreads(std::unique_ptr<grpc::ServerCompletionQueue> queue, int threads, std::string name,
-               absl::Duration poll_period = absl::ZeroDuration(), absl::Duration busy_poll = absl::ZeroDuration());
+               absl::Duration poll_period = absl::ZeroDuration());
   // Shutdown(), when it was not called.
   ~QueueThreads();
   QueueThreads(const QueueThreads&) = delete;
@@ -131,18 +128,10 @@ class QueueThreads {
   int pollers_allowed() const;
   int pollers() const { return pollers_.load(std::memory_order_relaxed); }
   int calls_in_progress() const { return busy_calls_.load(std::memory_order_relaxed); }
-  // A thread is spinning for the next event now (busy_poll).
-  bool spinning() const { return spinning_.load(std::memory_order_relaxed); }
 
  private:
   void Serve();
   void ServePolled();
-  // The next event, as Next(): spinning first when the queue had one within
-  // busy_poll_ and no other thread spins. A thread asleep in Next() on an
-  // idle core of a virtual machine took 0.3-0.4 ms to wake for a request
-  // that came after 10 ms of quiet (GPU host, docs/performance.md "Spinning
-  // between requests"); a spinning poller reads it at once.
-  bool NextEvent(void** tag, bool* ok);
   void TakeTurn();
   void ReleaseTurn();
   // The turn holder keeps polling while this is false.
@@ -156,9 +145,6 @@ class QueueThreads {
   const int threads_;
   const std::string name_;
   const absl::Duration poll_period_;
-  const int64_t busy_poll_ns_;
-  std::atomic<int64_t> last_event_ns_{0};  // monotonic, of the last event any thread took
-  std::atomic<bool> spinning_{false};      // one thread spins at a time
   std::vector<std::thread> workers_;
   // Written under turn_mu_ (so that a waiting TakeTurn re-checks its
   // condition on the unlock); read without it by the polling loop.

@@ -135,8 +135,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   }
   server->server_ = builder.BuildAndStart();
   server->queue_ = std::make_unique<cq::QueueThreads>(
-      std::move(queue), options.rpc_threads > 0 ? options.rpc_threads : cq::QueueThreads::DefaultThreads(), "rpc",
-      absl::ZeroDuration(), options.busy_poll);
+      std::move(queue), options.rpc_threads > 0 ? options.rpc_threads : cq::QueueThreads::DefaultThreads(), "rpc");
   if (server->server_ == nullptr || (!options.listen.empty() && port == 0)) {
     return absl::UnavailableError(absl::StrCat("cannot listen on '", options.listen,
                                                "' (address in use, or not host:port?)"));

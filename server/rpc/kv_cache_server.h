@@ -43,9 +43,6 @@ class KvCacheServer {
     // Threads serving the completion queue (--rpc_threads); 0: the default
     // (cq::QueueThreads::DefaultThreads()).
     int rpc_threads = 0;
-    // After the last event, one of those threads spins (polls without
-    // sleeping) this long before it blocks (--busy_poll_ms; cq::QueueThreads).
-    absl::Duration busy_poll = absl::ZeroDuration();
     // ---- end operations ----
   };
 

@@ -47,11 +47,6 @@ absl::StatusOr<PreparedServer> PrepareServer(const ServerFlags& flags) {
                                                    kMaxRpcThreads, " (0: half the cores, 2 to 16)"));
   }
   p.rpc_threads = flags.rpc_threads;
-  if (flags.busy_poll_ms < 0 || flags.busy_poll_ms > kMaxBusyPollMs) {
-    return absl::InvalidArgumentError(absl::StrCat("--busy_poll_ms ", flags.busy_poll_ms, " is outside 0..",
-                                                   kMaxBusyPollMs, " (0: never spin)"));
-  }
-  p.busy_poll_ms = flags.busy_poll_ms;
   p.server_id = flags.server_id;
   if (p.server_id.size() > kMaxServerIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("--server_id is ", p.server_id.size(), " bytes; at most ",
@@ -113,8 +108,7 @@ absl::Status ServerProcess::StartKvCacheServer() {
                              .server_id = prepared_.server_id,
                              .credentials = prepared_.credentials,
                              .metrics = prepared_.metrics.get(),
-                             .rpc_threads = prepared_.rpc_threads,
-                             .busy_poll = absl::Milliseconds(prepared_.busy_poll_ms)});
+                             .rpc_threads = prepared_.rpc_threads});
   if (!server.ok()) return WithPrefix("cannot start: ", server.status());
   server_ = std::move(*server);
   return absl::OkStatus();
@@ -178,11 +172,10 @@ void ServerProcess::LogReady() const {
   }
   // This line's form is an interface (docs/server.md): nothing after the port.
   spdlog::info("listening on {}", server_->bound_address());
-  spdlog::info("mlakv-server {} ready: grpc {} ({}, {} rpc threads{}), metrics {}, health probe {}, pools [{}], "
-               "cache {} ({} bytes)",
+  spdlog::info("mlakv-server {} ready: grpc {} ({}, {} rpc threads), metrics {}, health probe {}, pools [{}], cache {} "
+               "({} bytes)",
                prepared_.version, server_->bound_address(), DescribeSecurity(prepared_.security),
                server_->rpc_threads(),
-               prepared_.busy_poll_ms > 0 ? absl::StrCat(", busy poll ", prepared_.busy_poll_ms, " ms") : std::string(),
                metrics_endpoint_ ? absl::StrCat("port ", metrics_endpoint_->port()) : std::string("off"),
                health_probe_ ? absl::StrCat("port ", health_probe_->port()) : std::string("off"), pools,
                HumanBytes(total_bytes), total_bytes);

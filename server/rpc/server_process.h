@@ -29,8 +29,6 @@ namespace mlakv::server {
 
 // Most threads --rpc_threads may ask for.
 inline constexpr int kMaxRpcThreads = 256;
-// Longest --busy_poll_ms.
-inline constexpr int kMaxBusyPollMs = 10000;
 
 // The command line, as main.cc parsed it (flag help: server/main.cc).
 struct ServerFlags {
@@ -39,7 +37,6 @@ struct ServerFlags {
   std::string device = "auto";
   bool allow_ipc = false;
   int rpc_threads = 0;           // threads of the completion queue; 0: the default
-  int busy_poll_ms = 0;          // one thread spins this long after the last event; 0: never
   std::string server_id{};       // empty: the host name
   std::string metrics_listen{};  // empty: no /metrics endpoint
   std::string health_listen{};   // empty: no probe port
@@ -58,7 +55,6 @@ struct PreparedServer {
   std::string device;
   bool allow_ipc = false;
   int rpc_threads = 0;
-  int busy_poll_ms = 0;
   std::string server_id;
   std::string metrics_listen, health_listen;
   std::string kv_events_endpoint, kv_events_replay_endpoint, kv_events_topic;

@@ -6,7 +6,7 @@
 namespace mlakv::server::cq::testing {
 
 CqTestServer::CqTestServer(const std::vector<grpc::Service*>& services, int threads, absl::Duration poll_period,
-                           grpc::AsyncGenericService* generic, absl::Duration busy_poll) {
+                           grpc::AsyncGenericService* generic) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -14,7 +14,7 @@ CqTestServer::CqTestServer(const std::vector<grpc::Service*>& services, int thre
   if (generic != nullptr) builder.RegisterAsyncGenericService(generic);
   std::unique_ptr<grpc::ServerCompletionQueue> queue = builder.AddCompletionQueue();
   server_ = builder.BuildAndStart();
-  threads_ = std::make_unique<QueueThreads>(std::move(queue), threads, "cq-test", poll_period, busy_poll);
+  threads_ = std::make_unique<QueueThreads>(std::move(queue), threads, "cq-test", poll_period);
   if (server_ == nullptr || port == 0) {
     server_.reset();
     return;

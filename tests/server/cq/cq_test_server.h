@@ -19,10 +19,9 @@ class CqTestServer {
   // services: their Serve comes after, on threads()) and starts `threads`
   // threads on its one queue, polled every `poll_period` if not zero.
   // `generic`: an asynchronous generic service for the methods no service
-  // serves (cq/unknown_methods.h), if not null. `busy_poll`: QueueThreads'.
+  // serves (cq/unknown_methods.h), if not null.
   CqTestServer(const std::vector<grpc::Service*>& services, int threads,
-               absl::Duration poll_period = absl::ZeroDuration(), grpc::AsyncGenericService* generic = nullptr,
-               absl::Duration busy_poll = absl::ZeroDuration());
+               absl::Duration poll_period = absl::ZeroDuration(), grpc::AsyncGenericService* generic = nullptr);
   ~CqTestServer();
 
   bool started() const { return server_ != nullptr; }

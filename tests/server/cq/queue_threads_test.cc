@@ -8,10 +8,8 @@
 //  * busy (two calls in progress), every thread polls: the second call is
 //    answered beside a handler that blocks without passing its turn, and
 //    back to quiet, one thread polls again.
-// Each of these with and without busy polling (a thread spinning for the
-// next event for 50 ms after the last one); and the spin itself: one thread
-// spins after a call, none once the queue has been quiet longer than the
-// window, and a server shuts down at once while one spins.
+// And the counting itself: server streams do not count, unary calls do,
+// until their object is gone.
 #include "server/cq/queue_threads.h"
 
 #include <gtest/gtest.h>
@@ -84,12 +82,10 @@ class BlockingCheck {
   bool released_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// The parameter: QueueThreads' busy_poll.
-class QueueThreadsTest : public ::testing::TestWithParam<absl::Duration> {
+class QueueThreadsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    server_ = std::make_unique<testing::CqTestServer>(std::vector<grpc::Service*>{check_.service()}, kThreads,
-                                                      absl::ZeroDuration(), nullptr, GetParam());
+    server_ = std::make_unique<testing::CqTestServer>(std::vector<grpc::Service*>{check_.service()}, kThreads);
     ASSERT_TRUE(server_->started());
     check_.Serve(server_->threads());
     stub_ = grpc::health::v1::Health::NewStub(server_->channel());
@@ -139,7 +135,7 @@ class QueueThreadsTest : public ::testing::TestWithParam<absl::Duration> {
   int blocks_ = 0;
 };
 
-TEST_P(QueueThreadsTest, QuietOneThreadPollsSoABlockedHandlerHoldsBackTheNextCall) {
+TEST_F(QueueThreadsTest, QuietOneThreadPollsSoABlockedHandlerHoldsBackTheNextCall) {
   ASSERT_TRUE(Check("", std::chrono::seconds(10)).ok());  // the channel is connected
   WaitForNoCallInProgress();
   EXPECT_EQ(server_->threads()->pollers_allowed(), 1);
@@ -149,7 +145,7 @@ TEST_P(QueueThreadsTest, QuietOneThreadPollsSoABlockedHandlerHoldsBackTheNextCal
   EXPECT_TRUE(Check("", std::chrono::seconds(10)).ok());
 }
 
-TEST_P(QueueThreadsTest, AHandlerThatPassesItsTurnLetsTheNextCallThrough) {
+TEST_F(QueueThreadsTest, AHandlerThatPassesItsTurnLetsTheNextCallThrough) {
   check_.pass_turn_ = true;
   ASSERT_TRUE(Check("", std::chrono::seconds(10)).ok());
   StartBlockedCall();
@@ -157,7 +153,7 @@ TEST_P(QueueThreadsTest, AHandlerThatPassesItsTurnLetsTheNextCallThrough) {
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
-TEST_P(QueueThreadsTest, BusyEveryThreadPollsThenQuietAgain) {
+TEST_F(QueueThreadsTest, BusyEveryThreadPollsThenQuietAgain) {
   ASSERT_TRUE(Check("", std::chrono::seconds(10)).ok());
   QueueThreads* q = server_->threads();
   WaitForNoCallInProgress();
@@ -185,39 +181,6 @@ TEST_P(QueueThreadsTest, BusyEveryThreadPollsThenQuietAgain) {
   EXPECT_EQ(Check("", std::chrono::milliseconds(300)).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   ReleaseBlockedCall();
 }
-
-TEST_P(QueueThreadsTest, OneThreadSpinsWithinTheWindowAfterAnEventAndNoneAfter) {
-  QueueThreads* q = server_->threads();
-  const bool spins = GetParam() > absl::ZeroDuration();
-  for (int round = 0; round < 3; ++round) {
-    ASSERT_TRUE(Check("", std::chrono::seconds(10)).ok());
-    // Within the window after the call's events one thread spins (on a
-    // loaded machine it may start a little late: look for 30 ms of the 50);
-    // with busy polling off, none ever does.
-    bool seen = false;
-    const absl::Time until = absl::Now() + absl::Milliseconds(30);
-    while (!seen && absl::Now() < until) {
-      seen = q->spinning();
-      absl::SleepFor(absl::Microseconds(100));
-    }
-    EXPECT_EQ(seen, spins) << "round " << round;
-    // Quiet for longer than the window: the spinner blocks in Next().
-    absl::SleepFor(GetParam() + absl::Milliseconds(250));
-    EXPECT_FALSE(q->spinning()) << "round " << round << ": still spinning after a quiet window";
-  }
-  // A call answered, then a shutdown (while a thread spins, when it does): prompt.
-  ASSERT_TRUE(Check("", std::chrono::seconds(10)).ok());
-  const absl::Time t0 = absl::Now();
-  server_->Stop();
-  EXPECT_LT(absl::Now() - t0, absl::Seconds(2));
-  EXPECT_FALSE(q->spinning());
-}
-
-INSTANTIATE_TEST_SUITE_P(BusyPoll, QueueThreadsTest, ::testing::Values(absl::ZeroDuration(), absl::Milliseconds(50)),
-                         [](const ::testing::TestParamInfo<absl::Duration>& info) {
-                           return info.param == absl::ZeroDuration() ? std::string("Blocking")
-                                                                     : std::string("Spinning50ms");
-                         });
 
 }  // namespace
 }  // namespace mlakv::server::cq

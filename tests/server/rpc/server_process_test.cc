@@ -81,23 +81,6 @@ TEST(PrepareServer, TokenWithoutTlsIsRefused) {
   EXPECT_NE(p.status().message().find("--auth_token_file needs --tls_cert"), absl::string_view::npos) << p.status();
 }
 
-TEST(PrepareServer, BusyPollOutsideItsRangeNamesTheFlag) {
-  for (const int ms : {-1, kMaxBusyPollMs + 1}) {
-    ServerFlags flags = SmallServer();
-    flags.busy_poll_ms = ms;
-    absl::StatusOr<PreparedServer> p = PrepareServer(flags);
-    ASSERT_FALSE(p.ok()) << ms;
-    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_TRUE(absl::StartsWith(p.status().message(), absl::StrCat("--busy_poll_ms ", ms, " is outside 0..")))
-        << p.status();
-  }
-  ServerFlags flags = SmallServer();
-  flags.busy_poll_ms = kMaxBusyPollMs;
-  absl::StatusOr<PreparedServer> p = PrepareServer(flags);
-  ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_EQ(p->busy_poll_ms, kMaxBusyPollMs);
-}
-
 TEST(PrepareServer, ListenFallsBackToTheConfigThenTheDefault) {
   ServerFlags flags = SmallServer();
   flags.listen.clear();
@@ -118,7 +101,6 @@ TEST(PrepareServer, ListenFallsBackToTheConfigThenTheDefault) {
 
 TEST(ServerProcess, ServesGrpcMetricsAndProbeThenDrains) {
   ServerFlags flags = SmallServer();
-  flags.busy_poll_ms = 50;  // the drain comes while a thread spins
   flags.metrics_listen = "127.0.0.1:0";
   flags.health_listen = "127.0.0.1:0";
   absl::StatusOr<PreparedServer> prepared = PrepareServer(flags);
