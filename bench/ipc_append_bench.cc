@@ -1,7 +1,7 @@
 // IPC append end to end vs the kernel alone (issue 6's measurement).
 //
 //   ipc_append_bench --server ADDR [--rows 262144] [--repeats 20]
-//   ipc_append_bench --server ADDR --decode_step [--sequences 256] [--layers 61] [--repeats 200] [--basic_only] [--shm]
+//   ipc_append_bench --server ADDR --decode_step [--sequences 256] [--layers 61] [--repeats 200] [--basic_only] [--shm] [--spin]
 //
 // Acts as a prefill worker on the same GPU as a running
 // `mlakv-server --allow_ipc --device cuda:0` (a separate process: a CUDA IPC
@@ -23,7 +23,8 @@
 // alternate between the response views BASIC and COMPACT (--basic_only:
 // BASIC alone, for a server that predates COMPACT). --shm: the rows in a
 // host shared-memory region instead (no GPU here; the kernel comparison is
-// skipped), for a server with a cpu pool.
+// skipped), for a server with a cpu pool. --spin: each AppendBatch of the
+// steps waited for by polling its own completion queue without sleeping.
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
@@ -37,6 +38,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/bench_cuda_check.h"
@@ -155,8 +157,38 @@ void PrintSteps(int sequences, int layers, size_t rows, int repeats, const std::
   }
 }
 
+// One AppendBatch whose caller spins for the answer (--spin): the call on a
+// completion queue of its own, polled without waiting, so that the answer is
+// read at once instead of after this thread wakes (a decode worker that
+// waits for its step's append anyway).
+grpc::Status SpinningAppendBatch(mlakv::v1::KvCache::Stub& stub, grpc::ClientContext* ctx,
+                                 const mlakv::v1::AppendBatchRequest& req, mlakv::v1::AppendBatchResponse* resp,
+                                 grpc::CompletionQueue* cq) {
+  grpc::Status status;
+  auto call = stub.PrepareAsyncAppendBatch(ctx, req, cq);
+  call->StartCall();
+  call->Finish(resp, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq->AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC)) != grpc::CompletionQueue::GOT_EVENT) {
+    std::this_thread::yield();
+  }
+  return ok ? status : grpc::Status(grpc::StatusCode::INTERNAL, "the call's completion came back not ok");
+}
+
 int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int repeats, bool with_compact,
-                  bool shm) {
+                  bool shm, bool spin) {
+  grpc::CompletionQueue spin_cq;
+  struct DrainAtExit {
+    grpc::CompletionQueue* cq;
+    ~DrainAtExit() {
+      cq->Shutdown();
+      void* tag;
+      bool ok;
+      while (cq->Next(&tag, &ok)) {
+      }
+    }
+  } drain{&spin_cq};
   const size_t rows = static_cast<size_t>(sequences) * layers;
   const size_t ckv_bytes = rows * 1024, kpe_bytes = rows * 128;
   const std::vector<uint16_t> host = RandomBf16((ckv_bytes + kpe_bytes) / 2, 11);
@@ -202,7 +234,7 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
     mlakv::v1::AppendBatchResponse resp;
     grpc::ClientContext ctx;
     const auto t0 = std::chrono::steady_clock::now();
-    const grpc::Status s = stub.AppendBatch(&ctx, req, &resp);
+    const grpc::Status s = spin ? SpinningAppendBatch(stub, &ctx, req, &resp, &spin_cq) : stub.AppendBatch(&ctx, req, &resp);
     const auto t1 = std::chrono::steady_clock::now();
     if (!s.ok()) {
       std::fprintf(stderr, "AppendBatch (compact, step %d): %d: %s\n", t, static_cast<int>(s.error_code()),
@@ -327,12 +359,16 @@ int main(int argc, char** argv) {
   std::string server;
   int64_t rows = 262144;
   int repeats = 20;
-  bool decode_step = false, with_compact = true, shm = false;
+  bool decode_step = false, with_compact = true, shm = false, spin = false;
   int sequences = 256, layers = 61;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--decode_step") {
       decode_step = true;
+      continue;
+    }
+    if (a == "--spin") {  // the decode step's caller spins for each answer
+      spin = true;
       continue;
     }
     if (a == "--shm") {  // the decode step's rows in host shared memory (no GPU)
@@ -359,7 +395,7 @@ int main(int argc, char** argv) {
     auto args = grpc::ChannelArguments();
     args.SetMaxReceiveMessageSize(-1);
     auto stub = mlakv::v1::KvCache::NewStub(grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args));
-    return RunDecodeStep(*stub, sequences, layers, repeats, with_compact, shm);
+    return RunDecodeStep(*stub, sequences, layers, repeats, with_compact, shm, spin);
   }
   // Rows: ckv [rows, 512] then kpe [rows, 64], bf16, random and never zero.
   const size_t ckv_bytes = static_cast<size_t>(rows) * 512 * 2, kpe_bytes = static_cast<size_t>(rows) * 64 * 2;
