@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "kernels/cuda_check.h"
 #include "kernels/scoped_cuda_device.h"
@@ -466,9 +467,23 @@ absl::Status CudaBackend::Enqueue(const StagedAppend& staged, size_t total) {
   copier_->Copy(staged.host_copies);
   MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
                              absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
+  // The producers' events, polled (a yield between polls) until the limit:
+  // nothing of the call is launched when one is late.
+  const absl::Time deadline = absl::Now() + options_.source_timeout;
   for (const void* ev : staged.wait_events) {
-    MLAKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(static_cast<cudaEvent_t>(const_cast<void*>(ev))),
-                               "cudaEventSynchronize on a region's IPC event");
+    cudaEvent_t event = static_cast<cudaEvent_t>(const_cast<void*>(ev));
+    for (cudaError_t e = cudaEventQuery(event); e != cudaSuccess; e = cudaEventQuery(event)) {
+      if (e != cudaErrorNotReady) {
+        MLAKV_CUDA_RETURN_IF_ERROR(e, "cudaEventQuery on a region's IPC event");
+      }
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "a producer's CUDA event had not completed ", absl::FormatDuration(options_.source_timeout),
+            " (the server's append_idle_timeout_seconds) after the write that reads behind it began; nothing of "
+            "this call was written"));
+      }
+      std::this_thread::yield();
+    }
   }
   for (const StagedAppend::Gather& g : staged.gathers) {
     const size_t ckv_row = kCkvDim * g.esize, kpe_row = kKpeDim * g.esize;

@@ -14,6 +14,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "server/backend/cache_backend.h"
 #include "server/backend/parallel_copy.h"
 
@@ -26,6 +27,11 @@ class CudaBackend : public CacheBackend {
   struct Options {
     Geometry geometry;
     Device device = Device::Cuda(0);  // a GPU
+    // Longest Append waits for a producer's event of rows by reference
+    // (polled); then DEADLINE_EXCEEDED and nothing of the call is written.
+    // The service waits for most such events before (off the pool's worker);
+    // this bounds the rest, where cudaEventSynchronize would wait forever.
+    absl::Duration source_timeout = absl::Seconds(60);
   };
 
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(const Options& options);

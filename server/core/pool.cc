@@ -120,7 +120,8 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(const Options& options) {
   MLAKV_ASSIGN_OR_RETURN(std::unique_ptr<PageAllocator> allocator, PageAllocator::Create({.num_pages = options.num_pages}));
   absl::StatusOr<std::unique_ptr<CacheBackend>> backend = CreateCacheBackend(
       options.device,
-      {.num_layers = options.num_layers, .num_pages = options.num_pages, .page_size = options.page_size});
+      {.num_layers = options.num_layers, .num_pages = options.num_pages, .page_size = options.page_size},
+      {.source_timeout = options.source_timeout});
   if (!backend.ok()) {
     return absl::Status(backend.status().code(), absl::StrCat(where, backend.status().message()));
   }

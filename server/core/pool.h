@@ -295,6 +295,12 @@ class Pool {
     absl::Duration default_lease_duration = absl::Seconds(30);
     // The clock of TTLs, leases and eviction records (tests set it); null: absl::Now.
     std::function<absl::Time()> clock;
+    // Longest the backend waits for a producer's CUDA event before it reads
+    // rows by reference that no one waited for before (a stream's message
+    // that rewrites rows; held writes flushed mid-stream): then the write
+    // fails, DEADLINE_EXCEEDED, nothing written. The server sets its
+    // append_idle_timeout_seconds.
+    absl::Duration source_timeout = absl::Seconds(60);
     // Where the pool records its KV events (pages stored / removed,
     // server/core/kv_events.h); not owned, outlives the pool; null: none.
     EventLog* events = nullptr;

@@ -32,8 +32,12 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   server->events_ = std::make_unique<EventLog>(EventLog::Options{
       .replay_capacity = ev.replay_capacity() == 0 ? kDefaultEventReplayCapacity : ev.replay_capacity()});
   KvCacheService::Options service_options;
+  const absl::Duration append_idle_timeout = absl::Seconds(options.config.append_idle_timeout_seconds() == 0
+                                                               ? kDefaultAppendIdleTimeoutSeconds
+                                                               : options.config.append_idle_timeout_seconds());
   for (Pool::Options& po : pool_options) {
     po.events = server->events_.get();
+    po.source_timeout = append_idle_timeout;
     if (options.metrics != nullptr) {  // operations: time every quantize-append
       po.wrap_backend = [metrics = options.metrics, name = po.name](std::unique_ptr<CacheBackend> b) {
         return std::unique_ptr<CacheBackend>(std::make_unique<InstrumentedBackend>(std::move(b), name, metrics));
@@ -66,8 +70,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
       .max_regions = max_regions,
       .max_region_bytes = config.max_region_bytes() == 0 ? kDefaultMaxRegionBytes : config.max_region_bytes()});
   service_options.regions = server->regions_.get();
-  service_options.append_idle_timeout = absl::Seconds(
-      config.append_idle_timeout_seconds() == 0 ? kDefaultAppendIdleTimeoutSeconds : config.append_idle_timeout_seconds());
+  service_options.append_idle_timeout = append_idle_timeout;
   if (options.metrics != nullptr) {  // operations: rows and bytes of appends, by pool
     service_options.on_append = [metrics = options.metrics](const AppendOutcome& o) {
       metrics->AppendFinished(o.method, o.pool, o.ok, o.rows, o.bytes, o.seconds);

@@ -421,6 +421,47 @@ TEST_F(CudaRegionServiceTest, ABatchWaitsForALateEventOffThePoolsWorker) {
   EXPECT_GT(pages_written, pages_before);
 }
 
+// A write that reads rows by reference at once, without the service having
+// waited for their producer's event first -- an Append stream's message that
+// rewrites committed rows cannot be held to the stream's end -- waits in the
+// backend at most append_idle_timeout_seconds (1 s here): then the stream
+// fails with DEADLINE_EXCEEDED naming the event, nothing of it is written,
+// and the pool's worker serves the next append (cudaEventSynchronize there
+// would have waited for the event however late).
+TEST_F(CudaRegionServiceTest, AWriteBehindAnEventThatNeverCompletesFailsAtTheLimit) {
+  StopServer();
+  StartServer("cuda:0", "name: 'default' num_layers: 4 page_size: 16 num_pages: 512", "append_idle_timeout_seconds: 1");
+  const Rows rows = RandomRows(300, 43);
+  const Rows other = RandomRows(300, 44);
+  const ProducerLayout layout = MakeProducerLayout(other);
+  const uint32_t n = static_cast<uint32_t>(rows.n);
+  IpcProducerProcess producer(layout.bytes);
+  ASSERT_TRUE(RegisterCuda("e", producer.mem_handle(), layout.bytes.size(), producer.event_handle()).ok());
+  grpc::Status s = AppendRows("rw", 0, rows, {0, 1}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  s = AppendRows("copy", 0, rows, {0, 1}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(4000));
+  const absl::Time t0 = absl::Now();
+  v1::AppendRequest rewrite = RegionMessage("rw", 0, n, other.dtype, {0}, Ref("e", 0), Ref("e", layout.kpe_off));
+  rewrite.set_expect_length(n);
+  s = Append({rewrite});
+  const absl::Duration took = absl::Now() - t0;
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << Describe(s);
+  EXPECT_NE(s.error_message().find("CUDA event"), std::string::npos) << Describe(s);
+  EXPECT_GE(took, absl::Milliseconds(900));
+  EXPECT_LT(took, absl::Milliseconds(3500)) << "the write waited for the event past the limit";
+  ExpectSameStored("rw", "copy", {0, 1}, n);  // the rewrite left nothing behind
+  // The worker is free: another append is answered while the event is still late.
+  const absl::Time o0 = absl::Now();
+  s = AppendRows("after", 0, rows, {2}, kCkvScale, kKpeScale);
+  EXPECT_TRUE(s.ok()) << Describe(s);
+  EXPECT_LT(absl::Now() - o0, absl::Milliseconds(1000));
+  absl::SleepFor(absl::Milliseconds(3200));  // the delayed event completes: the same rewrite goes through
+  s = Append({rewrite});
+  EXPECT_TRUE(s.ok()) << Describe(s);
+}
+
 // AppendBatch's compact form from one CUDA region range per layer: the rows
 // of three sequences lie one after another, so each layer's rows are read in
 // place (no gather) and all four layers go in one kernel launch. Layers 0-1
