@@ -288,11 +288,7 @@ TEST_F(MultiGpuTest, RegionOnOneGpuFeedsAPoolOnAnother) {
     ExpectRowsOf(one.rows, all.rows, i * 100, 100);
   }
   // Unregistered while no append holds it: the mappings on both devices close.
-  v1::UnregisterRegionRequest unreg;
-  unreg.set_name("on1");
-  v1::UnregisterRegionResponse unreg_resp;
-  grpc::ClientContext ctx;
-  s = stub().UnregisterRegion(&ctx, unreg, &unreg_resp);
+  s = Unregister("on1");
   EXPECT_TRUE(s.ok()) << Describe(s);
   s = AppendTo("g0", "after-unregister", 0, rows, {2});
   EXPECT_TRUE(s.ok()) << Describe(s);

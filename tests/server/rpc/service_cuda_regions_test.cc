@@ -406,14 +406,8 @@ TEST_F(CudaRegionServiceTest, ABatchWaitsForALateEventOffThePoolsWorker) {
     gone_status = send(batch("gone", "gone"), &ctx);
   });
   absl::SleepFor(absl::Milliseconds(100));
-  {
-    v1::UnregisterRegionRequest req;
-    req.set_name("gone");
-    v1::UnregisterRegionResponse resp;
-    grpc::ClientContext ctx;
-    s = stub().UnregisterRegion(&ctx, req, &resp);
-    EXPECT_TRUE(s.ok()) << Describe(s);
-  }
+  s = Unregister("gone");
+  EXPECT_TRUE(s.ok()) << Describe(s);
   gone.join();
   EXPECT_EQ(gone_status.error_code(), grpc::StatusCode::NOT_FOUND) << Describe(gone_status);
   EXPECT_EQ(GetSequence("gone", &seq).error_code(), grpc::StatusCode::NOT_FOUND);
@@ -615,13 +609,7 @@ TEST_F(CudaRegionServiceTest, ProducerExitingLeavesTheServerServing) {
   // the server down.
   s = Append({RegionMessage("after-exit", 0, rows.n, rows.dtype, {0}, Ref("gone", 0), Ref("gone", rows.n * kCkvRow))});
   std::printf("append from an exited producer's region: %s\n", s.ok() ? "OK" : Describe(s).c_str());
-  v1::UnregisterRegionResponse unreg;
-  {
-    v1::UnregisterRegionRequest req;
-    req.set_name("gone");
-    grpc::ClientContext ctx;
-    s = stub().UnregisterRegion(&ctx, req, &unreg);
-  }
+  s = Unregister("gone");
   EXPECT_TRUE(s.ok()) << Describe(s);
   s = AppendRows("still-serving", 0, rows, {1}, kCkvScale, kKpeScale);
   EXPECT_TRUE(s.ok()) << "the server stopped serving after a producer exited: " << Describe(s);

@@ -103,6 +103,14 @@ grpc::Status ServiceFixture::GetSequence(const std::string& id, v1::Sequence* ou
   return stub_->GetSequence(&ctx, req, out);
 }
 
+grpc::Status ServiceFixture::Unregister(const std::string& name, v1::UnregisterRegionResponse* out) {
+  v1::UnregisterRegionRequest req;
+  req.set_name(name);
+  v1::UnregisterRegionResponse local;
+  grpc::ClientContext ctx;
+  return stub_->UnregisterRegion(&ctx, req, out ? out : &local);
+}
+
 void ServiceFixture::ExpectSameStored(const std::string& a, const std::string& b, const std::vector<uint32_t>& layers,
                                       uint32_t count, const std::string& pool_a, const std::string& pool_b) {
   for (uint32_t l : layers) {

@@ -138,6 +138,8 @@ class ServiceFixture {
               uint32_t tokens_per_message = 0, const std::string& pool = "");
   v1::Pool GetPool();
   grpc::Status GetSequence(const std::string& id, v1::Sequence* out);
+  // UnregisterRegion of `name` (its response into `out` when given).
+  grpc::Status Unregister(const std::string& name, v1::UnregisterRegionResponse* out = nullptr);
   // Sequence `a` (in pool `pool_a`) and sequence `b` (in `pool_b`) store the
   // same bytes in positions [0, count) of each of `layers`.
   void ExpectSameStored(const std::string& a, const std::string& b, const std::vector<uint32_t>& layers,

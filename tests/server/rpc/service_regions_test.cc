@@ -58,13 +58,6 @@ class RegionServiceTest : public ::testing::Test, public ServiceFixture {
     grpc::ClientContext ctx;
     return stub().RegisterCudaRegion(&ctx, req, &region);
   }
-  grpc::Status Unregister(const std::string& name, v1::UnregisterRegionResponse* out = nullptr) {
-    v1::UnregisterRegionRequest req;
-    req.set_name(name);
-    v1::UnregisterRegionResponse local;
-    grpc::ClientContext ctx;
-    return stub().UnregisterRegion(&ctx, req, out ? out : &local);
-  }
   grpc::Status List(v1::ListRegionsResponse* out) {
     grpc::ClientContext ctx;
     return stub().ListRegions(&ctx, v1::ListRegionsRequest(), out);
