@@ -427,9 +427,13 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
 // +3.1-4.8% with the host wait against +6.0-6.1% in the same run; the
 // commit's delay after the last layer was the same, docs/performance.md
 // "The commit after the last layer"). The worker blocks no longer than
-// before: it synchronized on the stream behind the event anyway. An Append
-// stream's held rows usually arrive here with their events complete (the
-// commit waited for them first, Pool::WaitForSourcesHere).
+// before: it synchronized on the stream behind the event anyway -- and at
+// most Options::source_timeout: the events are polled, not synchronized on,
+// so a producer whose event never completes fails the call instead of
+// holding the pool. An Append stream's held rows and an AppendBatch's rows
+// usually arrive here with their events complete (waited for before, off the
+// worker where another task is queued: Pool::WaitForSourcesHere,
+// KvCacheService::AppendBatch).
 //
 // One DMA for the whole staging buffer after the whole host copy: sending a
 // 4 MB message's buffer in two halves, the first half's DMA beside the
