@@ -19,7 +19,8 @@
 // end (p50 / p99 over --repeats steps at fresh positions), against the
 // kernel alone for the same step in this process (all layers in one launch,
 // and one launch per layer) and a device copy of the step's bytes (the
-// kernel's byte floor: 1512 bytes read + written per row). The steps
+// kernel's byte floor: 1512 bytes read + written per row), each timed from an
+// L2 cleared by an untimed write of twice its size. The steps
 // alternate between the response views BASIC and COMPACT (--basic_only:
 // BASIC alone, for a server that predates COMPACT). --shm: the rows in a
 // host shared-memory region instead (no GPU here; the kernel comparison is
@@ -310,10 +311,24 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
   void* copy_dst = nullptr;
   const size_t copy_bytes = rows * 756;  // read + write = 1512 bytes per row
   CHECK_CUDA(cudaMalloc(&copy_dst, 2 * copy_bytes));
+  // Each timed operation starts with the L2 cleared of its bytes: a buffer of
+  // twice the L2's size is written just before (untimed). Without it the
+  // copy's 11.8 MB source and destination stay in the 50 MB L2 from one
+  // repetition to the next, and the kernel -- whose rows a decode worker's
+  // forward pass wrote long before, among other traffic -- was compared with
+  // an L2-resident copy (1.29-1.48x in earlier runs; quantize_append_bench's
+  // decode_step cases rotate through buffers four L2s large instead).
+  int l2_bytes = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, 0));
+  const size_t flush_bytes = 2 * static_cast<size_t>(std::max(l2_bytes, 1 << 20));
+  void* flush = nullptr;
+  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+  int flushes = 0;
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
   const auto time_us = [&](auto&& launch) {
+    CHECK_CUDA(cudaMemsetAsync(flush, ++flushes & 0xff, flush_bytes));
     CHECK_CUDA(cudaEventRecord(a));
     launch();
     CHECK_CUDA(cudaEventRecord(b));
@@ -344,8 +359,10 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
   }
   PrintSteps(sequences, layers, rows, repeats, step_us, compact_us, get_pool_us, with_compact);
   std::printf("  kernel, all layers in one launch: %.1f us; one launch per layer: %.1f us; copy of the step's bytes: "
-              "%.1f us (one launch / copy = %.2fx)\n",
-              Median(one_launch), Median(per_layer), Median(copy), Median(one_launch) / Median(copy));
+              "%.1f us (one launch / copy = %.2fx; each timed from an L2 cleared by a %zu MB write)\n",
+              Median(one_launch), Median(per_layer), Median(copy), Median(one_launch) / Median(copy),
+              flush_bytes >> 20);
+  cudaFree(flush);
   cudaFree(copy_dst);
   cudaFree(caches);
   cudaFree(idx_dev);

@@ -63,6 +63,7 @@ vLLM's connector API maps one to one (docs/client.md "Layer-wise saves"):
 import queue
 import re
 import threading
+import time
 from typing import Any, Optional
 
 import grpc
@@ -116,6 +117,10 @@ class LayerwiseSave:
         self._result = None
         self._finished = False
         self._lock = threading.Lock()
+        # Experimental (cuda_save_test.py --wait poll): wait() polls the call
+        # instead of sleeping on it, so that the answer is not also a thread's
+        # wake-up. Not a public option until it is measured to help.
+        self._poll_wait = False
 
     # -- the caller's side ------------------------------------------------
 
@@ -158,6 +163,9 @@ class LayerwiseSave:
                 self._abort()
                 raise
             self._queue.put(_END)
+            if self._poll_wait:
+                while not self._future.done():
+                    time.sleep(0)  # lets gRPC's threads take the GIL
             try:
                 self._result = self._future.result()
             except grpc.RpcError as err:

@@ -144,7 +144,7 @@ def check_two_streams(client, torch, tokens):
     client.free("two-streams-bytes")
 
 
-def measure(client, torch, tokens, runs, per_message, last_at_once=True):
+def measure(client, torch, tokens, runs, per_message, last_at_once=True, poll_wait=False):
     """last_at_once=False: the layers still waiting after the last layer go at
     wait() (num_layers never reached), as before the save knew its layer count."""
     loop = Loop(torch, tokens)
@@ -165,6 +165,7 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True):
     def loop_saving(sid):
         t0 = time.perf_counter()
         s = client.save(sid, layers_per_message=per_message, num_layers=None if last_at_once else 1 << 30, **SCALES)
+        s._poll_wait = poll_wait
         in_layer.append(loop.run(s))
         torch.cuda.synchronize()  # the last layer's compute is done
         t_last = time.perf_counter()
@@ -182,6 +183,7 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True):
         soon as it is submitted: a few us late, never early)."""
         t0 = time.perf_counter()
         s = client.save(sid, layers_per_message=per_message, num_layers=None if last_at_once else 1 << 30, **SCALES)
+        s._poll_wait = poll_wait
         loop.run(s)
         last = torch.cuda.Event(enable_timing=True)
         last.record()
@@ -224,6 +226,7 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True):
         "layers_per_message": per_message,
         "last_layers_at_once": last_at_once,
         "runs": runs,
+        "wait": "poll" if poll_wait else "future",
         "loop_without_save_ms": med(base) * 1e3,
         "loop_with_layerwise_save_ms": med(total) * 1e3,
         "overhead_pct": (med(total) - med(base)) / med(base) * 100,
@@ -279,6 +282,8 @@ def main():
     ap.add_argument("--stream_end", action="store_true", help="also time the end of a save alone (GPU idle)")
     ap.add_argument("--last_at_once", default="1", help="comma-separated 1/0: the last layers sent when given (1) "
                     "or at wait() (0); each is measured")
+    ap.add_argument("--wait", default="future", help="comma-separated: future (wait() sleeps on the call) and/or "
+                    "poll (wait() polls it; an experiment); each is measured")
     a = ap.parse_args()
     why = cuda_missing()
     if why:
@@ -300,9 +305,10 @@ def main():
             check_two_streams(client, torch, 1024)
             print("byte-exact: layers written on two streams in turn, each fenced on its own", flush=True)
             for tokens in [int(x) for x in a.tokens.split(",")]:
-                for per_message, at_once in [(int(x), y != "0") for x in a.layers_per_message.split(",")
-                                             for y in a.last_at_once.split(",")]:
-                    r = measure(client, torch, tokens, a.runs, per_message, at_once)
+                for per_message, at_once, poll in [(int(x), y != "0", w == "poll")
+                                                   for x in a.layers_per_message.split(",")
+                                                   for y in a.last_at_once.split(",") for w in a.wait.split(",")]:
+                    r = measure(client, torch, tokens, a.runs, per_message, at_once, poll)
                     results["sizes"].append(r)
                     print(json.dumps({k: v for k, v in r.items() if not k.endswith("_all_ms")}), flush=True)
             if a.stream_end:
