@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -56,6 +57,31 @@ class CudaRegionServiceTest : public ::testing::Test, public ServiceFixture {
     v1::Region out;
     grpc::ClientContext ctx;
     return stub().RegisterCudaRegion(&ctx, req, &out);
+  }
+
+  // `late_call` (a call behind a producer's late event) on another thread,
+  // and `settle` later an append of `rows` to sequence "other" of the same
+  // pool (`before_other` runs just before it): both statuses, the late
+  // call's time from its start and the other append's own.
+  struct BesideALateCall {
+    grpc::Status late, other;
+    absl::Duration late_took, other_took;
+  };
+  BesideALateCall AppendBesideALateCall(const std::function<grpc::Status()>& late_call, const Rows& rows,
+                                        absl::Duration settle, const std::function<void()>& before_other = {}) {
+    BesideALateCall r;
+    const absl::Time t0 = absl::Now();
+    std::thread late([&] {
+      r.late = late_call();
+      r.late_took = absl::Now() - t0;
+    });
+    absl::SleepFor(settle);
+    if (before_other) before_other();
+    const absl::Time o0 = absl::Now();
+    r.other = AppendRows("other", 0, rows, {2}, kCkvScale, kKpeScale);
+    r.other_took = absl::Now() - o0;
+    late.join();
+    return r;
   }
 };
 
@@ -188,23 +214,17 @@ TEST_F(CudaRegionServiceTest, AStreamWaitsForALateEventOffThePoolsWorker) {
   grpc::Status s = AppendRows("bytes", 0, rows, {0, 1}, kCkvScale, kKpeScale);
   ASSERT_TRUE(s.ok()) << Describe(s);
   ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(1500));
-  const absl::Time t0 = absl::Now();
-  grpc::Status late_status;
-  absl::Duration late_took;
-  std::thread late([&] {
-    late_status = Append({RegionMessage("late", 0, static_cast<uint32_t>(n), rows.dtype, {0, 1}, Ref("e", 0),
-                                        Ref("e", kpe_off))});
-    late_took = absl::Now() - t0;
-  });
-  absl::SleepFor(absl::Milliseconds(200));  // the stream has ended; its commit waits for the event
-  const absl::Time o0 = absl::Now();
-  s = AppendRows("other", 0, rows, {2}, kCkvScale, kKpeScale);
-  const absl::Duration other_took = absl::Now() - o0;
-  late.join();
-  EXPECT_TRUE(s.ok()) << Describe(s);
-  EXPECT_TRUE(late_status.ok()) << Describe(late_status);
-  EXPECT_LT(other_took, absl::Milliseconds(1000)) << "an append to the same pool waited for another stream's event";
-  EXPECT_GE(late_took, absl::Milliseconds(1400)) << "the stream committed before its producer's event completed";
+  // 200 ms: the stream has ended; its commit waits for the event.
+  const BesideALateCall r = AppendBesideALateCall(
+      [&] {
+        return Append({RegionMessage("late", 0, static_cast<uint32_t>(n), rows.dtype, {0, 1}, Ref("e", 0),
+                                     Ref("e", kpe_off))});
+      },
+      rows, absl::Milliseconds(200));
+  EXPECT_TRUE(r.other.ok()) << Describe(r.other);
+  EXPECT_TRUE(r.late.ok()) << Describe(r.late);
+  EXPECT_LT(r.other_took, absl::Milliseconds(1000)) << "an append to the same pool waited for another stream's event";
+  EXPECT_GE(r.late_took, absl::Milliseconds(1400)) << "the stream committed before its producer's event completed";
   ExpectSameStored("late", "bytes", {0, 1}, n);
 
   // An event still incomplete when the server's append_idle_timeout (1 s here) has passed.
@@ -335,24 +355,17 @@ TEST_F(CudaRegionServiceTest, ABatchWaitsForALateEventOffThePoolsWorker) {
 
   // Late by 700 ms (under the 1 s limit): answered after its event, the other append at once.
   ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(700));
-  const absl::Time t0 = absl::Now();
-  grpc::Status late_status;
-  absl::Duration late_took;
-  std::thread late([&] {
-    grpc::ClientContext ctx;
-    late_status = send(batch("late", "e"), &ctx);
-    late_took = absl::Now() - t0;
-  });
-  absl::SleepFor(absl::Milliseconds(100));
-  EXPECT_EQ(pool->sources_waiting(), 1u) << "the batch's wait is not the pool's SourceWaiter's";
-  const absl::Time o0 = absl::Now();
-  s = AppendRows("other", 0, rows, {2}, kCkvScale, kKpeScale);
-  const absl::Duration other_took = absl::Now() - o0;
-  late.join();
-  EXPECT_TRUE(s.ok()) << Describe(s);
-  EXPECT_TRUE(late_status.ok()) << Describe(late_status);
-  EXPECT_LT(other_took, absl::Milliseconds(500)) << "an append to the same pool waited for another batch's event";
-  EXPECT_GE(late_took, absl::Milliseconds(600)) << "the batch was written before its producer's event completed";
+  const BesideALateCall r = AppendBesideALateCall(
+      [&] {
+        grpc::ClientContext ctx;
+        return send(batch("late", "e"), &ctx);
+      },
+      rows, absl::Milliseconds(100),
+      [&] { EXPECT_EQ(pool->sources_waiting(), 1u) << "the batch's wait is not the pool's SourceWaiter's"; });
+  EXPECT_TRUE(r.other.ok()) << Describe(r.other);
+  EXPECT_TRUE(r.late.ok()) << Describe(r.late);
+  EXPECT_LT(r.other_took, absl::Milliseconds(500)) << "an append to the same pool waited for another batch's event";
+  EXPECT_GE(r.late_took, absl::Milliseconds(600)) << "the batch was written before its producer's event completed";
   ExpectSameStored("late", "bytes", {0, 1}, n);
   const uint64_t pages_written = GetPool().pages_used();
 
