@@ -50,7 +50,7 @@ ABSL_FLAG(int, sequences, 256, "sequences per step");
 ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step)");
 ABSL_FLAG(int, steps, 400, "steps (calls) timed");
 ABSL_FLAG(int, rows, 1, "rows per sequence per step (> 1: fresh sequences every step)");
-ABSL_FLAG(std::string, view, "basic", "the response's view: basic, compact or full");
+ABSL_FLAG(std::string, view, "basic", "the response's view: basic, compact, lengths or full");
 
 namespace mlakv::bench {
 namespace {
@@ -88,6 +88,7 @@ int Run() {
   const std::string view_flag = absl::GetFlag(FLAGS_view);
   const v1::SequenceView view = view_flag == "full"      ? v1::SEQUENCE_VIEW_FULL
                                 : view_flag == "compact" ? v1::SEQUENCE_VIEW_COMPACT
+                                : view_flag == "lengths" ? v1::SEQUENCE_VIEW_LENGTHS
                                                          : v1::SEQUENCE_VIEW_BASIC;
   constexpr int kPageSize = 64;
   Pool::Options opts;

@@ -8,8 +8,9 @@
 // handle cannot be opened by the process that exported it). It cudaMallocs
 // --rows bf16 rows (ckv then kpe), registers them as a CUDA region, then
 // times RPCs that name the region instead of carrying bytes — an Append
-// stream of one message and a unary AppendBatch, client call to response, one
-// layer, fresh positions each time (the sequence is freed, untimed, between
+// stream of one message and a unary AppendBatch (in the default view FULL,
+// and in LENGTHS, which leaves the page table out of the response), client
+// call to response, one layer, fresh positions each time (the sequence is freed, untimed, between
 // calls) — against the kernel alone on the same rows in this process (CUDA
 // events), and a GetPool call as the floor of any RPC. Medians of --repeats.
 //
@@ -447,7 +448,7 @@ int main(int argc, char** argv) {
   };
   // One timed call of each kind per iteration, fresh positions each time (the
   // sequence is freed, untimed, between calls).
-  std::vector<double> stream_us, batch_us, get_pool_us;
+  std::vector<double> stream_us, batch_us, lengths_us, get_pool_us;
   for (int i = 0; i < repeats + 3; ++i) {
     {  // Append: a client stream of one message
       mlakv::v1::AppendRequest req;
@@ -470,9 +471,10 @@ int main(int argc, char** argv) {
       if (i >= 3) stream_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
       free_sequence();
     }
-    {  // AppendBatch: one unary call
+    for (const bool lengths_view : {false, true}) {  // AppendBatch: one unary call, view FULL then LENGTHS
       mlakv::v1::AppendBatchRequest req;
       req.set_dtype(mlakv::v1::ROW_DTYPE_BFLOAT16);
+      if (lengths_view) req.set_view(mlakv::v1::SEQUENCE_VIEW_LENGTHS);
       mlakv::v1::SequenceRows* seq = req.add_sequences();
       seq->set_sequence("ipc-bench");
       seq->set_row_count(static_cast<uint32_t>(rows));
@@ -486,7 +488,7 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "AppendBatch: %d: %s\n", static_cast<int>(s.error_code()), s.error_message().c_str());
         return 1;
       }
-      if (i >= 3) batch_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      if (i >= 3) (lengths_view ? lengths_us : batch_us).push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
       free_sequence();
     }
     {  // the RPC floor: a unary call that touches no rows
@@ -551,8 +553,8 @@ int main(int argc, char** argv) {
               "%.1f us\n",
               static_cast<long long>(rows), repeats, kernel, Median(get_pool_us));
   for (const auto& [name, v] : {std::pair<const char*, const std::vector<double>*>{"Append", &stream_us},
-                                {"AppendBatch", &batch_us}}) {
-    std::printf("  %-11s end to end %.1f us (min %.1f): kernel + %.1f us\n", name, Median(*v),
+                                {"AppendBatch", &batch_us}, {"AppendBatch, view LENGTHS", &lengths_us}}) {
+    std::printf("  %-26s end to end %.1f us (min %.1f): kernel + %.1f us\n", name, Median(*v),
                 *std::min_element(v->begin(), v->end()), Median(*v) - kernel);
   }
   UnregisterRegion(*stub, "ipc-bench");

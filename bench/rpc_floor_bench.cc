@@ -260,7 +260,9 @@ int TimeAlone(grpc::Service* service, const char* name, int calls) {
 // process (its nexting threads never stop once started). This is the
 // comparison the aim is stated in (docs/performance.md "The RPC floor"):
 // mlakv-server on its completion queue against a minimal synchronous server
-// with no other server's threads polling beside either.
+// with no other server's threads polling beside either. mlakv-server's rows
+// there include an AppendBatch of one bf16 row of bytes to a sequence of its
+// own (freed, untimed, after each call): the least an append can cost.
 void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::Options& mlakv_options, int samples,
                          int rounds) {
   struct Alone {
@@ -271,8 +273,10 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
                              {"minimal sync server, GetPool's work"},
                              {"minimal async server (1 thread), Health/Check"},
                              {"mlakv-server, Health/Check"},
-                             {"mlakv-server, GetPool"}};
-  // name=address of each --external server; its two rows follow the others.
+                             {"mlakv-server, GetPool"},
+                             {"mlakv-server, AppendBatch of one row"}};
+  constexpr size_t kFirstExternal = 6, kRowsPerExternal = 3;
+  // name=address of each --external server; its rows follow the others.
   std::vector<std::pair<std::string, std::string>> externals;
   std::vector<std::string> names;  // the rows' names live here (Alone keeps a pointer)
   for (const std::string& e : absl::GetFlag(FLAGS_external)) {
@@ -280,10 +284,11 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
     if (eq == std::string::npos) Die("--external takes NAME=HOST:PORT, got " + e);
     externals.emplace_back(e.substr(0, eq), e.substr(eq + 1));
   }
-  names.reserve(2 * externals.size());
+  names.reserve(kRowsPerExternal * externals.size());
   for (const auto& [name, address] : externals) {
     names.push_back(name + " (own process), Health/Check");
     names.push_back(name + " (own process), GetPool");
+    names.push_back(name + " (own process), AppendBatch of one row");
   }
   for (const std::string& n : names) rows.push_back({n.c_str()});
   auto time_calls = [&](auto&& call, std::vector<double>* out) {
@@ -301,6 +306,49 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
       v1::Pool r;
       return stub->GetPool(&c, v1::GetPoolRequest(), &r);
     };
+  };
+  // One bf16 row of bytes into layer 0 of pool "default" (a sequence of its
+  // own, freed untimed after each call): the least work an append can be,
+  // against GetPool (issue 16's "one row within 1.3x of GetPool", here
+  // without a GPU: the pool's quantizer on one row is ~1 us).
+  v1::AppendBatchRequest one_row;
+  one_row.set_pool("default");
+  one_row.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  one_row.set_view(v1::SEQUENCE_VIEW_COMPACT);
+  {
+    v1::SequenceRows* seq = one_row.add_sequences();
+    seq->set_sequence("rpc-floor-one-row");
+    seq->set_row_count(1);
+    v1::LayerRows* layer = seq->add_layers();
+    layer->set_layer(0);
+    layer->set_ckv(std::string(512 * 2, '\x3c'));
+    layer->set_kpe(std::string(64 * 2, '\x3c'));
+    layer->set_ckv_scale(0.02f);
+    layer->set_kpe_scale(0.05f);
+  }
+  auto time_one_rows = [&](v1::KvCache::Stub* stub, std::vector<double>* out) {
+    const auto append = [&](grpc::ClientContext& c) {
+      v1::AppendBatchResponse r;
+      return stub->AppendBatch(&c, one_row, &r);
+    };
+    const auto free_it = [&](grpc::ClientContext& c) {
+      v1::FreeSequenceRequest req;
+      req.set_pool("default");
+      req.set_sequence("rpc-floor-one-row");
+      v1::FreeSequenceResponse r;
+      return stub->FreeSequence(&c, req, &r);
+    };
+    {  // a server that does not serve AppendBatch (rpc_floor_bench --serve) gets no row
+      grpc::ClientContext probe;
+      v1::AppendBatchResponse r;
+      if (stub->AppendBatch(&probe, one_row, &r).error_code() == grpc::StatusCode::UNIMPLEMENTED) return;
+      TimeOne(free_it);
+    }
+    for (int i = 0; i < 200; ++i) TimeOne(append), TimeOne(free_it);
+    for (int i = 0; i < samples; ++i) {
+      out->push_back(TimeOne(append));
+      TimeOne(free_it);
+    }
   };
   int mlakv_threads = 0;
   for (int round = 0; round < rounds; ++round) {
@@ -338,6 +386,7 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
       auto stub = v1::KvCache::NewStub(channel);
       time_calls(check_on(health.get()), &rows[3].us);
       time_calls(get_pool_on(stub.get()), &rows[4].us);
+      time_one_rows(stub.get(), &rows[5].us);
       (*mlakv)->Shutdown(absl::Seconds(1));
     }
     for (size_t e = 0; e < externals.size(); ++e) {
@@ -346,8 +395,9 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
       auto channel = grpc::CreateCustomChannel(externals[e].second, grpc::InsecureChannelCredentials(), args);
       auto health = Health::NewStub(channel);
       auto stub = v1::KvCache::NewStub(channel);
-      time_calls(check_on(health.get()), &rows[5 + 2 * e].us);
-      time_calls(get_pool_on(stub.get()), &rows[6 + 2 * e].us);
+      time_calls(check_on(health.get()), &rows[kFirstExternal + kRowsPerExternal * e].us);
+      time_calls(get_pool_on(stub.get()), &rows[kFirstExternal + kRowsPerExternal * e + 1].us);
+      time_one_rows(stub.get(), &rows[kFirstExternal + kRowsPerExternal * e + 2].us);
     }
   }
   const double floor = Summarize(rows[0].us).p50;
@@ -355,6 +405,7 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
               "mlakv-server on %d completion-queue threads\n",
               rounds, samples, std::thread::hardware_concurrency(), mlakv_threads);
   for (const Alone& row : rows) {
+    if (row.us.empty()) continue;  // not served there
     const Summary s = Summarize(row.us);
     std::printf("  %-52s p50 %7.1f us  p90 %7.1f  p99 %7.1f   p50 / sync floor %.2fx\n", row.name, s.p50, s.p90,
                 s.p99, s.p50 / floor);

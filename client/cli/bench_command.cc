@@ -36,14 +36,15 @@ ABSL_FLAG(bool, compact, false,
           "every sequence's row)");
 ABSL_FLAG(std::string, view, "full",
           "bench: what each response's sequences carry: full (the whole page table and per-layer lengths), basic "
-          "(only the pages the request allocated, no per-layer lengths) or compact (basic without the names)");
+          "(only the pages the request allocated, no per-layer lengths), compact (basic without the names) or lengths "
+          "(compact without the page table)");
 
 namespace mlakv::cli {
 namespace {
 
 constexpr char kUsage[] =
     "bench [--mode append|decode] [--concurrency N] [--connections C] [--rows_per_message R] [--batch_fraction F] "
-    "[--sequences S] [--compact] [--view full|basic|compact] [--layers L] [--dtype bf16|f16] [--duration_s S | --requests N] [--pool P] [--server ADDR] "
+    "[--sequences S] [--compact] [--view full|basic|compact|lengths] [--layers L] [--dtype bf16|f16] [--duration_s S | --requests N] [--pool P] [--server ADDR] "
     "[--json]";
 
 std::atomic<bool> g_stop{false};
@@ -73,9 +74,11 @@ absl::StatusOr<LoadOptions> OptionsFromFlags() {
     options.view = v1::SEQUENCE_VIEW_BASIC;
   } else if (view == "compact") {
     options.view = v1::SEQUENCE_VIEW_COMPACT;
+  } else if (view == "lengths") {
+    options.view = v1::SEQUENCE_VIEW_LENGTHS;
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("--view ", Quote(view), " is not full, basic or compact"));
+        absl::StrCat("--view ", Quote(view), " is not full, basic, compact or lengths"));
   }
   if (absl::GetFlag(FLAGS_rows_per_message) < 1 || absl::GetFlag(FLAGS_layers) < 1 ||
       absl::GetFlag(FLAGS_sequences) < 1 || absl::GetFlag(FLAGS_concurrency) < 1) {

@@ -878,7 +878,9 @@ SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns, Laye
   }
   SequenceSnapshot snapshot =
       SnapshotOf(seq, /*count_shared=*/false,
-                 pages == SnapshotPages::kNew ? std::optional<size_t>(txn.original_pages_) : std::nullopt);
+                 pages == SnapshotPages::kNew    ? std::optional<size_t>(txn.original_pages_)
+                 : pages == SnapshotPages::kNone ? std::optional<size_t>(seq.pages().size())
+                                                 : std::nullopt);
   if (txn.created_ && seq.empty()) {
     // Nothing written and nothing reserved: a new id is not kept (an append
     // of zero rows must not leave a sequence behind), and has no generation.

@@ -132,8 +132,9 @@ struct SequenceRowsIn {
   bool pin = false;
 };
 
-// How much of the page table a snapshot copies.
-enum class SnapshotPages { kAll, kNew };
+// How much of the page table a snapshot copies: all of it, the pages the
+// append allocated, or none (kv_indices_offset then = the pages held).
+enum class SnapshotPages { kAll, kNew, kNone };
 
 struct SequenceSnapshot {
   std::string id;
@@ -404,7 +405,8 @@ class Pool {
   SequenceSnapshot Commit(AppendTransaction& txn);
   // The same for several transactions under one hold of the lock, in order;
   // with kNew the snapshots carry only the pages each append allocated and
-  // no per-layer lengths (what a BASIC or COMPACT response shows).
+  // no per-layer lengths (what a BASIC or COMPACT response shows), with kNone
+  // no page and no per-layer length (LENGTHS).
   std::vector<SequenceSnapshot> Commit(std::span<AppendTransaction* const> txns,
                                        SnapshotPages pages = SnapshotPages::kAll);
   // Restores rewritten rows, returns the pages the append allocated, erases a

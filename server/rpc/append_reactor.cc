@@ -382,14 +382,13 @@ absl::Status AppendReactor::CommitStream() {
       if (doomed_) return absl::AbortedError("the Append stream failed before its commit");
     }
     const uint64_t bound = SequenceProtoBytesBound(sequence_.size(), pool_->name().size(),
-                                                   OnlyNewPages(view_) ? pages - first_new : pages,
-                                                   pool_->num_pages(),
+                                                   PagesDescribed(view_, pages, pages - first_new), pool_->num_pages(),
                                                    OnlyNewPages(view_) ? 0 : pool_->num_layers()) +
                            32;
     if (bound > max_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the response would describe ", pages, " pages (up to ", bound, " bytes), over the ", max_bytes,
-          "-byte message limit; nothing was written. Ask for view SEQUENCE_VIEW_BASIC in the first message"));
+          "-byte message limit; nothing was written: ", SmallerViewAdvice(view_), " in the first message"));
     }
     return absl::OkStatus();
   };

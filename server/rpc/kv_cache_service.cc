@@ -61,6 +61,26 @@ std::vector<absl::string_view> RegionNamesOf(const v1::AppendBatchRequest& req) 
   return names;
 }
 
+// An AppendBatch writing at most this many rows x layers runs its task
+// inline without passing the queue's turn on (docs/server.md "Threads"): the
+// whole task -- microseconds of host work, a small quantize on the cpu or
+// one small launch and its synchronize on a GPU -- costs less than waking
+// another thread to poll, and the thread that took the call would otherwise
+// wait for its turn again afterwards. A decode step (256 x 61) passes it on.
+constexpr uint64_t kKeepTurnRowLayers = 64;
+
+// Rows x layers an AppendBatch asks to write (its sequences' row counts times
+// the layers each names, shared or its own); saturates rather than wraps.
+uint64_t RowLayersOf(const v1::AppendBatchRequest& req) {
+  uint64_t total = 0;
+  const uint64_t shared = static_cast<uint64_t>(req.batch_layers_size());
+  for (const v1::SequenceRows& s : req.sequences()) {
+    total += static_cast<uint64_t>(s.row_count()) * (shared + static_cast<uint64_t>(s.layers_size()));
+    if (total > kKeepTurnRowLayers) return total;  // enough to know
+  }
+  return total;
+}
+
 // What ends a wait for an AppendBatch's producers' events: the call's
 // deadline or the server's append_idle_timeout, whichever comes first, and
 // the call's cancellation.
@@ -329,13 +349,15 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
   if (options_.regions->allow_ipc()) events = options_.regions->EventsOf(RegionNamesOf(*req), &sources);
   // One of the pool's worker tasks: on this thread at once when the worker
   // is idle, else queued there and finished from the worker.
+  const bool short_task = RowLayersOf(*req) <= kKeepTurnRowLayers;
   auto task = std::make_shared<absl::AnyInvocable<void(absl::Status)>>([this, call, scope, c = *checked, t_entered,
-                                                                       t_queued = Clock::now(), detail,
+                                                                       t_queued = Clock::now(), detail, short_task,
                                                                        sources = std::move(sources)](
                                                                           absl::Status waited) mutable {
     // Run inline, this keeps the queue thread for the step (~0.3 ms for a
-    // decode step): another thread polls meanwhile (cq/queue_threads.h).
-    cq::QueueThreads::LetAnotherPoll();
+    // decode step): another thread polls meanwhile (cq/queue_threads.h),
+    // unless the task is short (kKeepTurnRowLayers).
+    if (!short_task) cq::QueueThreads::LetAnotherPoll();
     v1::AppendBatchResponse* resp = call->response();
     const v1::AppendBatchRequest* req = &call->request();
     cq::CallContext* ctx = call->context();
@@ -395,8 +417,8 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
         const AppendTransaction& txn = append.transaction(i);
         const size_t pages = txn.original_pages() + txn.pages_allocated();
         bound += SequenceProtoBytesBound(txn.sequence_id().size(), p->name().size(),
-                                         OnlyNewPages(c.view) ? txn.pages_allocated() : pages,
-                                         p->num_pages(), OnlyNewPages(c.view) ? 0 : p->num_layers());
+                                         PagesDescribed(c.view, pages, txn.pages_allocated()), p->num_pages(),
+                                         OnlyNewPages(c.view) ? 0 : p->num_layers());
       }
       auto last_check = [&]() -> absl::Status {
         MLAKV_RETURN_IF_ERROR(hold.CheckNoFaults("AppendBatch"));
@@ -405,8 +427,8 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
           return absl::ResourceExhaustedError(absl::StrCat(
               "the response would describe ", append.size(), " sequences in up to ", bound, " bytes, over the ",
               options_.max_message_bytes,
-              "-byte message limit; nothing was written. Ask for view SEQUENCE_VIEW_BASIC (or COMPACT), or send fewer "
-              "sequences per call"));
+              "-byte message limit; nothing was written: ", SmallerViewAdvice(c.view),
+              ", or send fewer sequences per call"));
         }
         return absl::OkStatus();
       };

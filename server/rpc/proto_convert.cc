@@ -27,16 +27,24 @@ absl::StatusOr<std::optional<DType>> ToDType(v1::RowDType dtype) {
   }
 }
 
+const char* SmallerViewAdvice(v1::SequenceView view) {
+  return view == v1::SEQUENCE_VIEW_FULL
+             ? "ask for view SEQUENCE_VIEW_BASIC or COMPACT (only the pages the call allocates) or SEQUENCE_VIEW_LENGTHS "
+               "(no page table)"
+             : "ask for view SEQUENCE_VIEW_LENGTHS (no page table)";
+}
+
 absl::StatusOr<v1::SequenceView> ToView(v1::SequenceView view) {
   switch (view) {
     case v1::SEQUENCE_VIEW_UNSPECIFIED:
     case v1::SEQUENCE_VIEW_FULL: return v1::SEQUENCE_VIEW_FULL;
     case v1::SEQUENCE_VIEW_BASIC: return v1::SEQUENCE_VIEW_BASIC;
     case v1::SEQUENCE_VIEW_COMPACT: return v1::SEQUENCE_VIEW_COMPACT;
+    case v1::SEQUENCE_VIEW_LENGTHS: return v1::SEQUENCE_VIEW_LENGTHS;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("view ", static_cast<int>(view),
-                       " is not a SequenceView; use SEQUENCE_VIEW_FULL, SEQUENCE_VIEW_BASIC or SEQUENCE_VIEW_COMPACT"));
+      return absl::InvalidArgumentError(absl::StrCat("view ", static_cast<int>(view),
+                                                     " is not a SequenceView; use SEQUENCE_VIEW_FULL, "
+                                                     "SEQUENCE_VIEW_BASIC, SEQUENCE_VIEW_COMPACT or SEQUENCE_VIEW_LENGTHS"));
   }
 }
 
@@ -97,9 +105,10 @@ void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* o
     out->set_id(s.id);
   }
   out->set_length(s.length);
-  // The snapshot holds page-table entries [offset, end).
+  // The snapshot holds page-table entries [offset, end); LENGTHS none of them
+  // (offset = the pages held, the entry after the last).
   const size_t offset = s.kv_indices_offset, end = offset + s.kv_indices.size();
-  const size_t first = OnlyNewPages(view) ? std::clamp(first_new_page, offset, end) : offset;
+  const size_t first = !CarriesPages(view) ? end : OnlyNewPages(view) ? std::clamp(first_new_page, offset, end) : offset;
   out->set_kv_indices_offset(static_cast<uint32_t>(first));
   if (first < end) {
     out->mutable_kv_indices()->Reserve(static_cast<int>(end - first));

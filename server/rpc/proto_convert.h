@@ -22,19 +22,32 @@ absl::StatusOr<std::optional<DType>> ToDType(v1::RowDType dtype);
 absl::StatusOr<v1::SequenceView> ToView(v1::SequenceView view);
 
 // What a view (as ToView returns it) carries: only the pages the call
-// allocated (BASIC, COMPACT), and the names (pool, id, server_id; not COMPACT).
+// allocated (BASIC, COMPACT), no page table (LENGTHS), the per-layer lengths
+// (FULL only), and the names (pool, id, server_id; not COMPACT or LENGTHS).
 inline bool OnlyNewPages(v1::SequenceView view) { return view != v1::SEQUENCE_VIEW_FULL; }
-inline bool NamesSequence(v1::SequenceView view) { return view != v1::SEQUENCE_VIEW_COMPACT; }
+inline bool CarriesPages(v1::SequenceView view) { return view != v1::SEQUENCE_VIEW_LENGTHS; }
+inline bool NamesSequence(v1::SequenceView view) {
+  return view != v1::SEQUENCE_VIEW_COMPACT && view != v1::SEQUENCE_VIEW_LENGTHS;
+}
+// Page ids a response in `view` carries for a sequence of `pages` pages of
+// which the call allocated `allocated`.
+inline size_t PagesDescribed(v1::SequenceView view, size_t pages, size_t allocated) {
+  return !CarriesPages(view) ? 0 : OnlyNewPages(view) ? allocated : pages;
+}
+// What to ask for instead when a response in `view` would pass the send
+// limit: "ask for view ..." naming the views that carry fewer page ids.
+const char* SmallerViewAdvice(v1::SequenceView view);
 // What an append's commit snapshots for a response in `view`.
 inline SnapshotPages SnapshotPagesFor(v1::SequenceView view) {
-  return OnlyNewPages(view) ? SnapshotPages::kNew : SnapshotPages::kAll;
+  return !CarriesPages(view) ? SnapshotPages::kNone : OnlyNewPages(view) ? SnapshotPages::kNew : SnapshotPages::kAll;
 }
 
 void ToProto(const PoolSnapshot& p, v1::Pool* out);
 
 // `view` FULL: every page; BASIC: only page table entries from
 // `first_new_page` on (the pages an append allocated), no per-layer lengths;
-// COMPACT: BASIC without pool and id.
+// COMPACT: BASIC without pool and id; LENGTHS: COMPACT without the page
+// table (kv_indices_offset = the pages held).
 void ToProto(const std::string& pool, const SequenceSnapshot& s, v1::Sequence* out,
              v1::SequenceView view = v1::SEQUENCE_VIEW_FULL, size_t first_new_page = 0);
 

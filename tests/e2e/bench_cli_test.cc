@@ -67,10 +67,11 @@ TEST_F(BenchCli, DecodeStepRunsCleanAndFreesItsSequences) {
 
 // --view reaches the requests: the same steps' responses shrink from the full
 // view (whole page tables, per-layer lengths) to basic (no lengths, only new
-// pages) to compact (basic without the names).
+// pages) to compact (basic without the names) to lengths (compact without the
+// page ids of the steps that allocate a page).
 TEST_F(BenchCli, DecodeStepViewShrinksTheResponses) {
   std::map<std::string, int64_t> bytes;
-  for (const std::string view : {"full", "basic", "compact"}) {
+  for (const std::string view : {"full", "basic", "compact", "lengths"}) {
     const nlohmann::json j = RunBench(*server_, {"--mode", "decode", "--sequences", "16", "--layers", "2",
                                                  "--requests", "10", "--duration_s", "0", "--view", view});
     EXPECT_EQ(j["errors"], 0) << j.dump();
@@ -79,12 +80,13 @@ TEST_F(BenchCli, DecodeStepViewShrinksTheResponses) {
   }
   EXPECT_GT(bytes["full"], bytes["basic"]);
   EXPECT_GT(bytes["basic"], bytes["compact"]);
-  EXPECT_GT(bytes["compact"], 0);
+  EXPECT_GT(bytes["compact"], bytes["lengths"]);
+  EXPECT_GT(bytes["lengths"], 0);
   EXPECT_EQ(PagesUsed(), 0u);
 
   const CommandResult bad = server_->RunCli({"bench", "--view", "tiny\n", "--requests", "1"}, absl::Seconds(30));
   EXPECT_NE(bad.exit_code, 0) << bad.Describe();
-  EXPECT_NE(bad.err.find("--view 'tiny\\n' is not full, basic or compact"), std::string::npos) << bad.Describe();
+  EXPECT_NE(bad.err.find("--view 'tiny\\n' is not full, basic, compact or lengths"), std::string::npos) << bad.Describe();
 }
 
 TEST_F(BenchCli, RecyclesSequencesWhenThePoolShareIsFull) {

@@ -116,9 +116,9 @@ absl::StatusOr<std::optional<StreamPlan>> AppendPlanner::PlanStream(std::mt19937
   if (request.allow_expect && at_end && Chance(rng, 0.5)) {
     plan.expect_length = first.layers.empty() ? (before ? before->length() : 0) : first.start;
   }
-  constexpr v1::SequenceView kViews[] = {v1::SEQUENCE_VIEW_UNSPECIFIED, v1::SEQUENCE_VIEW_FULL,
-                                         v1::SEQUENCE_VIEW_BASIC, v1::SEQUENCE_VIEW_COMPACT};
-  plan.view = kViews[Uniform(rng, 0, 3)];
+  constexpr v1::SequenceView kViews[] = {v1::SEQUENCE_VIEW_UNSPECIFIED, v1::SEQUENCE_VIEW_FULL, v1::SEQUENCE_VIEW_BASIC,
+                                         v1::SEQUENCE_VIEW_COMPACT, v1::SEQUENCE_VIEW_LENGTHS};
+  plan.view = kViews[Uniform(rng, 0, 4)];
   return plan;
 }
 

@@ -27,6 +27,11 @@ std::string SlotId(const std::string& prefix, int index, int k) {
   return id;
 }
 
+// Views whose responses leave pool, id and server_id empty.
+bool Unnamed(v1::SequenceView view) {
+  return view == v1::SEQUENCE_VIEW_COMPACT || view == v1::SEQUENCE_VIEW_LENGTHS;
+}
+
 bool MayBeHeld(const std::vector<const Slot*>& slots) {
   const absl::Time now = absl::Now();
   for (const Slot* s : slots) {
@@ -108,8 +113,9 @@ absl::StatusOr<BatchPlan> ClientSession::PlanBatch(uint32_t max_entries) {
   std::vector<Slot*> order;
   for (Slot& slot : slots_) order.push_back(&slot);
   std::shuffle(order.begin(), order.end(), rng_);
-  constexpr v1::SequenceView kViews[] = {v1::SEQUENCE_VIEW_FULL, v1::SEQUENCE_VIEW_BASIC, v1::SEQUENCE_VIEW_COMPACT};
-  batch.view = kViews[Uniform(0, 2)];
+  constexpr v1::SequenceView kViews[] = {v1::SEQUENCE_VIEW_FULL, v1::SEQUENCE_VIEW_BASIC, v1::SEQUENCE_VIEW_COMPACT,
+                                         v1::SEQUENCE_VIEW_LENGTHS};
+  batch.view = kViews[Uniform(0, 3)];
   batch.request.set_pool(options_.pool);
   batch.request.set_dtype(dtype);
   batch.request.set_view(batch.view);
@@ -235,8 +241,8 @@ absl::Status ClientSession::CheckAppendResponse(const v1::AppendResponse& respon
   if (response.pages_allocated() != allocated) {
     diffs.push_back(absl::StrCat("pages_allocated ", response.pages_allocated(), " != ", allocated));
   }
-  if (response.sequence().id() != (plan.view == v1::SEQUENCE_VIEW_COMPACT ? "" : plan.sequence)) {
-    diffs.push_back("sequence.id is not the appended sequence (or not empty in the COMPACT view)");
+  if (response.sequence().id() != (Unnamed(plan.view) ? "" : plan.sequence)) {
+    diffs.push_back("sequence.id is not the appended sequence (or not empty in the COMPACT or LENGTHS view)");
   }
   const SequenceModel nothing(geometry_.num_layers, geometry_.page_size);
   if (const std::string d = verifier_.DiffMeta(response.sequence(), after ? *after : nothing, plan.view,
@@ -263,7 +269,7 @@ absl::Status ClientSession::CheckBatchResponse(const v1::AppendBatchResponse& re
     rows += plans[i].rows_written();
     pages += PagesOf(after[i]) - PagesOf(before[i]);
     const v1::Sequence& seq = response.sequences(static_cast<int>(i));
-    if (seq.id() != (view == v1::SEQUENCE_VIEW_COMPACT ? "" : plans[i].sequence)) {
+    if (seq.id() != (Unnamed(view) ? "" : plans[i].sequence)) {
       diffs.push_back(absl::StrCat("entry ", i, " is '", seq.id(), "'"));
     }
     if (const std::string d = verifier_.DiffMeta(seq, *after[i], view, PagesOf(before[i])); !d.empty()) {

@@ -80,9 +80,10 @@ absl::StatusOr<ServerSequence> SequenceVerifier::Fetch(const std::string& id, bo
 std::string SequenceVerifier::DiffMeta(const v1::Sequence& seq, const SequenceModel& expected, v1::SequenceView view,
                                        uint32_t pages_before) const {
   std::vector<std::string> diffs;
-  const bool basic = view == v1::SEQUENCE_VIEW_BASIC || view == v1::SEQUENCE_VIEW_COMPACT;  // only new pages
-  if (view == v1::SEQUENCE_VIEW_COMPACT && (!seq.pool().empty() || !seq.server_id().empty())) {
-    diffs.push_back("a COMPACT view names the pool or the server");
+  const bool lengths = view == v1::SEQUENCE_VIEW_LENGTHS;  // no page at all
+  const bool basic = view == v1::SEQUENCE_VIEW_BASIC || view == v1::SEQUENCE_VIEW_COMPACT || lengths;  // new pages
+  if ((view == v1::SEQUENCE_VIEW_COMPACT || lengths) && (!seq.pool().empty() || !seq.server_id().empty())) {
+    diffs.push_back("a COMPACT or LENGTHS view names the pool or the server");
   }
   const uint32_t ps = geometry_.page_size;
   if (seq.length() != expected.length()) diffs.push_back(absl::StrCat("length ", seq.length(), " != ", expected.length()));
@@ -92,7 +93,7 @@ std::string SequenceVerifier::DiffMeta(const v1::Sequence& seq, const SequenceMo
   }
   const uint32_t last = expected.length() == 0 ? 0 : (expected.length() - 1) % ps + 1;
   if (seq.last_page_len() != last) diffs.push_back(absl::StrCat("last_page_len ", seq.last_page_len(), " != ", last));
-  const uint32_t offset = basic ? std::min(pages_before, expected.pages()) : 0;
+  const uint32_t offset = lengths ? expected.pages() : basic ? std::min(pages_before, expected.pages()) : 0;
   if (seq.kv_indices_offset() != offset) {
     diffs.push_back(absl::StrCat("kv_indices_offset ", seq.kv_indices_offset(), " != ", offset));
   }
@@ -106,7 +107,7 @@ std::string SequenceVerifier::DiffMeta(const v1::Sequence& seq, const SequenceMo
     diffs.push_back(absl::StrCat("page ", *distinct.rbegin(), " is outside the pool's ", geometry_.pages_total));
   }
   if (basic) {
-    if (seq.layer_lengths_size() != 0) diffs.push_back("a BASIC or COMPACT view carries layer_lengths");
+    if (seq.layer_lengths_size() != 0) diffs.push_back("a BASIC, COMPACT or LENGTHS view carries layer_lengths");
   } else if (seq.layer_lengths_size() != expected.num_layers()) {
     diffs.push_back(absl::StrCat("layer_lengths has ", seq.layer_lengths_size(), " entries"));
   } else {

@@ -435,7 +435,9 @@ class Client:
         view: what the response's sequence carries: None / "full" (the whole
           page table and per-layer lengths), "basic" (lengths, capacity, and
           in kv_indices only the pages this call allocated, from
-          kv_indices_offset), "compact" ("basic" without pool, id, server_id).
+          kv_indices_offset), "compact" ("basic" without pool, id, server_id),
+          "lengths" ("compact" without the page table: kv_indices empty,
+          kv_indices_offset the pages held).
         The rows travel as messages of about chunk_bytes each; the server
         applies the whole stream atomically. Rows passed by reference must not
         change until the call returns.

@@ -367,13 +367,19 @@ class AppendBatchTest(ServerTestCase):
             s.layer(0, *random_rows(rng, 5))
         saved = s.wait().sequence
         self.assertEqual((saved.id, len(saved.layer_lengths), len(saved.kv_indices)), ("v-saved", 0, 1))
+        # lengths: no names, no page ids; kv_indices_offset is the pages held.
+        with self.client.save("v-lengths", view="lengths", layerwise_min_tokens=0) as s:
+            s.layer(0, *random_rows(rng, 70))
+        held = s.wait().sequence
+        self.assertEqual((held.id, len(held.kv_indices), held.kv_indices_offset, held.capacity_tokens), ("", 0, 2, 128))
+        self.assertEqual(len(self.client.sequence("v-lengths").kv_indices), 2)
         for call in (lambda: self.client.append("v-full", 0, *random_rows(rng, 1), view=2),
                      lambda: self.client.append_batch([("v-full", {0: random_rows(rng, 1)})], view="all"),
                      lambda: self.client.save("v-x", view="none")):
             e = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, call)
             self.assertIn("is not one of", e.message)
         self.assertEqual(self.client.sequence("v-full").layer_lengths[0], 132)  # the refused calls wrote nothing
-        for s in ("v-full", "v-new", "v-saved"):
+        for s in ("v-full", "v-new", "v-saved", "v-lengths"):
             self.client.free(s)
 
     def test_mixed_dtypes_refused_by_client(self):

@@ -275,6 +275,32 @@ TEST_F(ServiceFaults, AppendBatchResponseOverTheSendLimitIsRefusedBeforeTheCommi
   EXPECT_EQ(resp.sequences(1).kv_indices_size(), 1);
 }
 
+// The send limit counts the page ids a view carries: 25,000 new pages in one
+// stream are refused in BASIC (the response would name them all) and commit
+// in LENGTHS, which names none.
+TEST_F(ServiceFaults, TheLengthsViewIsNeverRefusedForItsPageTable) {
+  Start("num_layers: 1 page_size: 1 num_pages: 30000", "max_message_bytes: 65536");
+  const Rows rows = RandomRows(50, 12);
+  std::vector<v1::AppendRequest> messages;
+  for (int done = 0; done < 25000; done += 50) {
+    messages.push_back(AppendMessage(messages.empty() ? "long" : "", done, rows, 0, 50, {0}, kCkv, kKpe));
+  }
+  messages.front().set_view(v1::SEQUENCE_VIEW_BASIC);
+  const grpc::Status basic = Append(messages);
+  EXPECT_EQ(basic.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << Describe(basic);
+  EXPECT_TRUE(absl::StrContains(basic.error_message(), "LENGTHS")) << Describe(basic);
+  EXPECT_EQ(GetPool().pages_used(), 0u);  // nothing was written
+  messages.front().set_view(v1::SEQUENCE_VIEW_LENGTHS);
+  v1::AppendResponse resp;
+  const grpc::Status lengths = Append(messages, &resp);
+  ASSERT_TRUE(lengths.ok()) << Describe(lengths);
+  EXPECT_EQ(resp.sequence().length(), 25000u);
+  EXPECT_EQ(resp.sequence().kv_indices_size(), 0);
+  EXPECT_EQ(resp.sequence().kv_indices_offset(), 25000u);
+  EXPECT_EQ(resp.pages_allocated(), 25000u);
+  EXPECT_TRUE(pool().CheckInvariants().ok());
+}
+
 TEST_F(ServiceFaults, ARetryWithExpectLengthCannotDuplicateTokens) {
   Start();
   const Rows rows = RandomRows(4, 11);

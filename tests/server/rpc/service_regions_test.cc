@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/time/clock.h"
 #include "tests/server/rpc/region_helpers.h"
 #include "tests/server/rpc/service_fixture.h"
 #include "tests/testing/shm_object.h"
@@ -144,6 +145,66 @@ TEST_F(RegionServiceTest, AppendBatchFromARegion) {
     ASSERT_TRUE(one.status.ok()) << Describe(one.status);
     ExpectRowsOf(one.rows, all.rows, i * 2, 2);
   }
+}
+
+// An AppendBatch that keeps the queue thread that took it for long (262,144
+// rows x layers quantized on the cpu, a tenth of a second or more) passes
+// the queue's turn on first: a GetPool on another connection is answered
+// while it runs. (A batch of at most kKeepTurnRowLayers rows x layers keeps
+// the turn, kv_cache_service.cc: a matter of latency, which rpc_floor_bench
+// measures.)
+TEST_F(RegionServiceTest, ALongAppendBatchLetsAnotherConnectionsCallThrough) {
+  StopServer();
+  StartServer("cpu", "name: 'default' num_layers: 4 page_size: 64 num_pages: 1040", "", "127.0.0.1:0");
+  ASSERT_GE(server().rpc_threads(), 2);
+  const uint64_t n = 65536;
+  ShmObject shm(n * (kCkvRow + kKpeRow));
+  std::memset(shm.data(), 0x3c, n * (kCkvRow + kKpeRow));  // bf16 1.4609375 everywhere
+  grpc::Status s = RegisterShm("long", shm.name(), 0, 0);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  v1::AppendBatchRequest req;
+  req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  v1::SequenceRows* seq = req.add_sequences();
+  seq->set_sequence("long");
+  seq->set_row_count(static_cast<uint32_t>(n));
+  for (uint32_t l = 0; l < 4; ++l) {
+    v1::LayerRows* lr = req.add_batch_layers();
+    lr->set_layer(l);
+    lr->set_ckv_scale(kCkvScale);
+    lr->set_kpe_scale(kKpeScale);
+    *lr->mutable_ckv_ref() = Ref("long", 0);
+    *lr->mutable_kpe_ref() = Ref("long", n * kCkvRow);
+  }
+  grpc::Status long_status;
+  absl::Time long_done;
+  std::thread batch([&] {
+    grpc::ClientContext ctx;
+    v1::AppendBatchResponse resp;
+    long_status = stub().AppendBatch(&ctx, req, &resp);
+    long_done = absl::Now();
+  });
+  // Until the batch's task runs (the pool's worker counts it, inline or not).
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (pool().worker().pending() == 0 && absl::Now() < give_up) absl::SleepFor(absl::Microseconds(100));
+  const bool started = pool().worker().pending() > 0;
+  auto other = v1::KvCache::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(server().bound_port()),
+                                                        grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  v1::Pool answer;
+  const grpc::Status got = other->GetPool(&ctx, v1::GetPoolRequest(), &answer);
+  const absl::Time answered = absl::Now();
+  const bool batch_still_running = pool().worker().pending() > 0;
+  batch.join();
+  ASSERT_TRUE(started) << "the batch's task never started";
+  EXPECT_TRUE(got.ok()) << Describe(got);
+  ASSERT_TRUE(long_status.ok()) << Describe(long_status);
+  EXPECT_TRUE(batch_still_running && answered < long_done)
+      << "GetPool on another connection was answered only once the long AppendBatch had finished ("
+      << absl::FormatDuration(answered - long_done) << " after it)";
+  v1::Sequence written;
+  ASSERT_TRUE(GetSequence("long", &written).ok());
+  EXPECT_EQ(written.length(), n);
 }
 
 TEST_F(RegionServiceTest, EverythingRefusedWithoutAllowIpc) {

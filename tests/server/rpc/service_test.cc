@@ -516,13 +516,15 @@ TEST_F(ServiceTest, AppendBatchNamingASequenceTwiceWritesNothing) {
 }
 
 // SEQUENCE_VIEW_COMPACT is BASIC without the names: the same numbers, in
-// request order, with pool, id and server_id empty; on Append and
-// AppendBatch alike. A view outside the enum is refused naming all three.
+// request order, with pool, id and server_id empty; SEQUENCE_VIEW_LENGTHS is
+// COMPACT without the page table (kv_indices_offset = the pages held); on
+// Append and AppendBatch alike. A view outside the enum is refused naming
+// all four.
 TEST_F(ServiceTest, TheCompactViewIsTheBasicViewWithoutTheNames) {
   StopServer();
   StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 4 num_pages: 256");
   const std::vector<uint32_t> prefix = {0, 3, 4, 7}, step = {5, 1, 2, 0};  // new pages for some, none for others
-  for (const char* who : {"b", "c"}) {
+  for (const char* who : {"b", "c", "l"}) {
     for (size_t i = 0; i < prefix.size(); ++i) {
       if (prefix[i] == 0) continue;
       const grpc::Status s = AppendRows(who + std::to_string(i), 0, RandomRows(prefix[i], 500 + i), {0, 1},
@@ -533,14 +535,15 @@ TEST_F(ServiceTest, TheCompactViewIsTheBasicViewWithoutTheNames) {
   uint32_t total = 0;
   for (uint32_t n : step) total += n;
   const Rows rows = RandomRows(total, 520);
-  v1::AppendBatchResponse responses[2];
-  for (int v = 0; v < 2; ++v) {
+  v1::AppendBatchResponse responses[3];
+  const v1::SequenceView views[3] = {v1::SEQUENCE_VIEW_BASIC, v1::SEQUENCE_VIEW_COMPACT, v1::SEQUENCE_VIEW_LENGTHS};
+  for (int v = 0; v < 3; ++v) {
     v1::AppendBatchRequest req;
     req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
-    req.set_view(v == 0 ? v1::SEQUENCE_VIEW_BASIC : v1::SEQUENCE_VIEW_COMPACT);
+    req.set_view(views[v]);
     for (size_t i = 0; i < prefix.size(); ++i) {
       v1::SequenceRows* sr = req.add_sequences();
-      sr->set_sequence((v == 0 ? "b" : "c") + std::to_string(i));
+      sr->set_sequence(std::string(v == 0 ? "b" : v == 1 ? "c" : "l") + std::to_string(i));
       sr->set_start(prefix[i]);
       sr->set_row_count(step[i]);
     }
@@ -556,6 +559,10 @@ TEST_F(ServiceTest, TheCompactViewIsTheBasicViewWithoutTheNames) {
   }
   const v1::AppendBatchResponse& basic = responses[0];
   const v1::AppendBatchResponse& compact = responses[1];
+  const v1::AppendBatchResponse& lengths = responses[2];
+  EXPECT_EQ(lengths.rows_written(), basic.rows_written());
+  EXPECT_EQ(lengths.pages_allocated(), basic.pages_allocated());
+  ASSERT_EQ(lengths.sequences_size(), static_cast<int>(prefix.size()));
   EXPECT_EQ(compact.rows_written(), basic.rows_written());
   EXPECT_EQ(compact.pages_allocated(), basic.pages_allocated());
   EXPECT_EQ(compact.pages_allocated(), 3u);  // b0: 2 pages, b2: 1
@@ -585,36 +592,49 @@ TEST_F(ServiceTest, TheCompactViewIsTheBasicViewWithoutTheNames) {
     for (int k = 0; k < c.kv_indices_size(); ++k) {
       EXPECT_EQ(c.kv_indices(k), stored.kv_indices(static_cast<int>(c.kv_indices_offset()) + k)) << i << " " << k;
     }
+    // LENGTHS: the same numbers, no names, no page ids.
+    const v1::Sequence& len = lengths.sequences(static_cast<int>(i));
+    EXPECT_EQ(len.id(), "") << i;
+    EXPECT_EQ(len.pool(), "") << i;
+    EXPECT_EQ(len.server_id(), "") << i;
+    EXPECT_EQ(len.length(), c.length()) << i;
+    EXPECT_EQ(len.last_page_len(), c.last_page_len()) << i;
+    EXPECT_EQ(len.capacity_tokens(), c.capacity_tokens()) << i;
+    EXPECT_EQ(len.generation() != 0, true) << i;
+    EXPECT_EQ(len.kv_indices_size(), 0) << i;
+    EXPECT_EQ(len.layer_lengths_size(), 0) << i;
+    EXPECT_EQ(len.kv_indices_offset(), static_cast<uint32_t>(stored.kv_indices_size())) << i;
   }
   // The Append stream: one message, the view in it.
   v1::AppendRequest m = AppendMessage("c9", 0, RandomRows(6, 530), 0, 6, {0, 1}, kCkvScale, kKpeScale);
   m.set_view(v1::SEQUENCE_VIEW_COMPACT);
   v1::AppendResponse resp;
-  {
-    grpc::ClientContext ctx;
-    auto writer = stub().Append(&ctx, &resp);
-    ASSERT_TRUE(writer->Write(m));
-    writer->WritesDone();
-    const grpc::Status s = writer->Finish();
-    ASSERT_TRUE(s.ok()) << Describe(s);
-  }
+  grpc::Status s = Append({m}, &resp);
+  ASSERT_TRUE(s.ok()) << Describe(s);
   EXPECT_EQ(resp.sequence().id(), "");
   EXPECT_EQ(resp.sequence().pool(), "");
   EXPECT_EQ(resp.sequence().server_id(), "");
   EXPECT_EQ(resp.sequence().length(), 6u);
   EXPECT_EQ(resp.sequence().kv_indices_size(), 2);
   EXPECT_EQ(resp.pages_allocated(), 2u);
+  // ... and LENGTHS: the same append, no page ids.
+  m.set_sequence("l9");
+  m.set_view(v1::SEQUENCE_VIEW_LENGTHS);
+  s = Append({m}, &resp);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(resp.sequence().id(), "");
+  EXPECT_EQ(resp.sequence().length(), 6u);
+  EXPECT_EQ(resp.sequence().capacity_tokens(), 8u);
+  EXPECT_EQ(resp.sequence().kv_indices_size(), 0);
+  EXPECT_EQ(resp.sequence().kv_indices_offset(), 2u);
+  EXPECT_EQ(resp.pages_allocated(), 2u);
   // Not a view: refused, nothing written.
   m.set_sequence("c10");
   m.set_view(static_cast<v1::SequenceView>(7));
-  grpc::ClientContext ctx;
-  v1::AppendResponse refused;
-  auto writer = stub().Append(&ctx, &refused);
-  writer->Write(m);
-  writer->WritesDone();
-  const grpc::Status bad = writer->Finish();
+  const grpc::Status bad = Append({m});
   EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(bad);
   EXPECT_TRUE(absl::StrContains(bad.error_message(), "SEQUENCE_VIEW_COMPACT")) << Describe(bad);
+  EXPECT_TRUE(absl::StrContains(bad.error_message(), "SEQUENCE_VIEW_LENGTHS")) << Describe(bad);
   v1::Sequence none;
   EXPECT_EQ(GetSequence("c10", &none).error_code(), grpc::StatusCode::NOT_FOUND);
 }
