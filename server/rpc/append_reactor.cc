@@ -146,6 +146,7 @@ void AppendReactor::OnStreamEnd() {
       finish_status_ = absl::InvalidArgumentError("Append stream carried no message");
     } else {
       // A clean half-close: commit, on the worker, after every message queued before it.
+      end_.closed = std::chrono::steady_clock::now();
       ++queued_;
       pool_->worker().Post([this] { Complete(absl::OkStatus()); });
     }
@@ -328,6 +329,7 @@ void AppendReactor::Complete(absl::Status waited) {
   // the write follows the events at once (handed over, the commit came
   // ~0.25 ms later on the H200, docs/performance.md).
   if (!skip && !sources_waited_ && append_ != nullptr) {
+    end_.task = std::chrono::steady_clock::now();
     sources_waited_ = true;
     std::vector<const void*> events = append_->HeldWaitEvents();
     // A client that cancels (or a server shutdown that cancels the call once
@@ -353,7 +355,9 @@ void AppendReactor::Complete(absl::Status waited) {
                      absl::FormatDuration(service_->options().append_idle_timeout), "): ", waited.message(),
                      "; the whole append was rolled back"));
   } else if (!skip) {
+    end_.sources = std::chrono::steady_clock::now();
     status = CommitStream();
+    end_.committed = std::chrono::steady_clock::now();
   }
   std::optional<absl::Status> finish;
   {
@@ -454,7 +458,17 @@ std::string AppendReactor::Detail() const {
 
 void AppendReactor::Done(const absl::Status& status) {
   const uint64_t rows = append_ != nullptr && status.ok() ? append_->rows_written() : 0;
-  LogCall("Append", absl::StrCat(Detail(), " rows=", rows), status);
+  std::string end;
+  if (status.ok() && end_.task != std::chrono::steady_clock::time_point() &&
+      end_.committed != std::chrono::steady_clock::time_point()) {
+    // From the half-close: to the commit task, the producers' events, the
+    // write and commit, and this (the response about to go).
+    const auto us = [](auto a, auto b) { return std::chrono::duration_cast<std::chrono::microseconds>(b - a).count(); };
+    end = absl::StrCat(" end us: to_task=", us(end_.closed, end_.task), " events=", us(end_.task, end_.sources),
+                       " write_commit=", us(end_.sources, end_.committed),
+                       " to_respond=", us(end_.committed, std::chrono::steady_clock::now()));
+  }
+  LogCall("Append", absl::StrCat(Detail(), " rows=", rows, end), status);
   if (counted_) {
     // Before Finish: OnDone (and the service's destruction) may follow at once.
     service_->AppendEnded({.method = "Append",

@@ -36,6 +36,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -146,6 +147,14 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // Worker-only state.
   std::unique_ptr<AtomicAppend> append_;
   bool sources_waited_ = false;  // the held rows' events were waited for (or found complete)
+  // Where the end of a clean stream spends its time (logged with the call at
+  // debug level): the half-close read, its commit task started on the
+  // worker, the producers' events complete, the held rows written and the
+  // commit done. Written by the thread that reads the half-close, then by the
+  // commit task (posted after it), then read in Done (after that task).
+  struct EndTimes {
+    std::chrono::steady_clock::time_point closed, task, sources, committed;
+  } end_;
   // Regions the stream's messages named: held until the stream ends, so an
   // UnregisterRegion meanwhile never unmaps memory this append reads.
   RegionHold regions_held_;

@@ -19,6 +19,7 @@ Exits 77 (ctest: skipped) without torch, CUDA or a GPU.
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -271,6 +272,26 @@ def measure_stream_end(client, torch, tokens, runs=15):
     return out
 
 
+_END_RE = re.compile(r"Append pool='[^']*' sequence='m-(\d+)-\d+(-c)?' .* end us: to_task=(-?\d+) events=(-?\d+) "
+                     r"write_commit=(-?\d+) to_respond=(-?\d+)")
+
+
+def server_end_summary(log):
+    """Medians of the server's end phases (append_reactor.cc's debug line) of
+    the measured saves, by size and by how wait() was called."""
+    groups = {}
+    for m in _END_RE.finditer(log):
+        key = (int(m.group(1)), "connector" if m.group(2) else "after_sync")
+        groups.setdefault(key, []).append([int(x) for x in m.group(3, 4, 5, 6)])
+    out = []
+    for (tokens, how), rows in sorted(groups.items()):
+        cols = list(zip(*rows))
+        out.append({"server_end_us": tokens, "wait": how, "saves": len(rows),
+                    **{name: statistics.median(c) for name, c in
+                       zip(("to_task", "events", "write_commit", "to_respond"), cols)}})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
@@ -284,6 +305,10 @@ def main():
                     "or at wait() (0); each is measured")
     ap.add_argument("--wait", default="future", help="comma-separated: future (wait() sleeps on the call) and/or "
                     "poll (wait() polls it; an experiment); each is measured")
+    ap.add_argument("--server_end", action="store_true", help="run the server at --log_level debug and print, per "
+                    "size, the medians of where the end of each measured save went on the server (the half-close to "
+                    "the commit task, the producer's events, the write and commit); a diagnostic: the debug log "
+                    "costs the server a little on every call")
     a = ap.parse_args()
     why = cuda_missing()
     if why:
@@ -295,7 +320,8 @@ def main():
     cfg.write(CONFIG)
     cfg.close()
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "sizes": []}
-    with ServerProcess("--allow_ipc", "--config", cfg.name, device="cuda:0") as server:
+    log_args = ("--log_level", "debug") if a.server_end else ()
+    with ServerProcess("--allow_ipc", "--config", cfg.name, *log_args, device="cuda:0") as server:
         with mlakv.Client(server.target, timeout=120, cuda_sync=a.cuda_sync) as client:
             for tokens in (300, 4096):
                 check_exact(client, torch, tokens)
@@ -316,6 +342,9 @@ def main():
                     r = measure_stream_end(client, torch, tokens)
                     results.setdefault("stream_end", []).append(r)
                     print(json.dumps(r), flush=True)
+            if a.server_end:
+                for line in server_end_summary(server.log_text()):
+                    print(json.dumps(line), flush=True)
             if client.pool().pages_used != 0:
                 raise AssertionError("pages left behind: %s" % client.pool())
     os.unlink(cfg.name)
