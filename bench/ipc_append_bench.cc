@@ -314,7 +314,7 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
   CHECK_CUDA(cudaMalloc(&copy_dst, 2 * copy_bytes));
   // Each timed operation starts with the L2 cleared of its bytes: a buffer of
   // twice the L2's size is written just before (untimed). Without it the
-  // copy's 11.8 MB source and destination stay in the 50 MB L2 from one
+  // copy's 11.8 MB source and destination stay in the L2 (50-60 MB here) from one
   // repetition to the next, and the kernel -- whose rows a decode worker's
   // forward pass wrote long before, among other traffic -- was compared with
   // an L2-resident copy (1.29-1.48x in earlier runs; quantize_append_bench's
