@@ -70,7 +70,8 @@ std::vector<absl::string_view> RegionNamesOf(const v1::AppendBatchRequest& req) 
 constexpr uint64_t kKeepTurnRowLayers = 64;
 
 // Rows x layers an AppendBatch asks to write (its sequences' row counts times
-// the layers each names, shared or its own); saturates rather than wraps.
+// the layers each names, shared or its own), counted only until it passes
+// kKeepTurnRowLayers.
 uint64_t RowLayersOf(const v1::AppendBatchRequest& req) {
   uint64_t total = 0;
   const uint64_t shared = static_cast<uint64_t>(req.batch_layers_size());
