@@ -59,6 +59,13 @@ class CudaRegionServiceTest : public ::testing::Test, public ServiceFixture {
     return stub().RegisterCudaRegion(&ctx, req, &out);
   }
 
+  // The cuda pool alone, on a server whose append_idle_timeout is 1 s: the
+  // limit the late-event tests wait into.
+  void RestartWithAOneSecondIdleTimeout() {
+    StopServer();
+    StartServer("cuda:0", "name: 'default' num_layers: 4 page_size: 16 num_pages: 512", "append_idle_timeout_seconds: 1");
+  }
+
   // `late_call` (a call behind a producer's late event) on another thread,
   // and `settle` later an append of `rows` to sequence "other" of the same
   // pool (`before_other` runs just before it): both statuses, the late
@@ -228,8 +235,7 @@ TEST_F(CudaRegionServiceTest, AStreamWaitsForALateEventOffThePoolsWorker) {
   ExpectSameStored("late", "bytes", {0, 1}, n);
 
   // An event still incomplete when the server's append_idle_timeout (1 s here) has passed.
-  StopServer();
-  StartServer("cuda:0", "name: 'default' num_layers: 4 page_size: 16 num_pages: 512", "append_idle_timeout_seconds: 1");
+  RestartWithAOneSecondIdleTimeout();
   ASSERT_TRUE(RegisterCuda("e", producer.mem_handle(), layout.bytes.size(), producer.event_handle()).ok());
   ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(3000));
   const absl::Time d0 = absl::Now();
@@ -323,8 +329,7 @@ TEST_F(CudaRegionServiceTest, ACancelWhileTheCommitWaitsForALateEventRollsBackAt
 // while its batch waits stays alive for the wait (its event is polled) and
 // the batch then fails to find it: NOT_FOUND, nothing written.
 TEST_F(CudaRegionServiceTest, ABatchWaitsForALateEventOffThePoolsWorker) {
-  StopServer();
-  StartServer("cuda:0", "name: 'default' num_layers: 4 page_size: 16 num_pages: 512", "append_idle_timeout_seconds: 1");
+  RestartWithAOneSecondIdleTimeout();
   const Rows rows = RandomRows(300, 37);
   const ProducerLayout layout = MakeProducerLayout(rows);
   const uint32_t n = static_cast<uint32_t>(rows.n);
@@ -436,8 +441,7 @@ TEST_F(CudaRegionServiceTest, ABatchWaitsForALateEventOffThePoolsWorker) {
 // and the pool's worker serves the next append (cudaEventSynchronize there
 // would have waited for the event however late).
 TEST_F(CudaRegionServiceTest, AWriteBehindAnEventThatNeverCompletesFailsAtTheLimit) {
-  StopServer();
-  StartServer("cuda:0", "name: 'default' num_layers: 4 page_size: 16 num_pages: 512", "append_idle_timeout_seconds: 1");
+  RestartWithAOneSecondIdleTimeout();
   const Rows rows = RandomRows(300, 43);
   const Rows other = RandomRows(300, 44);
   const ProducerLayout layout = MakeProducerLayout(other);
