@@ -54,6 +54,8 @@ class AtomicAppend {
   // The producers' events the held writes are read behind (each once):
   // what Commit's write waits for.
   std::vector<const void*> HeldWaitEvents() const { return held_.WaitEvents(); }
+  // Whether writes are held back for the commit.
+  bool holds_writes() const { return !held_.empty(); }
   // Stages rows for every transaction, rows[i] for transaction i (Pool::Stage).
   absl::Status Stage(std::span<const SequenceRowsIn* const> rows, std::optional<DType> dtype);
 

@@ -170,6 +170,11 @@ absl::StatusOr<bool> Pool::WaitForSourcesHere(std::span<const void* const> event
   }
 }
 
+absl::StatusOr<bool> Pool::SourcesComplete(std::span<const void* const> events) {
+  if (events.empty()) return true;
+  return backend_->EventsComplete(events);
+}
+
 bool Pool::WhenSourcesComplete(std::vector<const void*> events, WaitLimits limits, SourceWaiter::Done done) {
   if (events.empty()) return false;
   if (absl::StatusOr<bool> complete = backend_->EventsComplete(events); complete.ok() && *complete) return false;

@@ -336,6 +336,8 @@ class Pool {
   // stream's) -- or the query's error, DEADLINE_EXCEEDED at the deadline,
   // CANCELLED once `limits` say the caller abandoned it.
   absl::StatusOr<bool> WaitForSourcesHere(std::span<const void* const> events, const WaitLimits& limits);
+  // Whether `events` have all completed, without waiting (one query each).
+  absl::StatusOr<bool> SourcesComplete(std::span<const void* const> events);
   size_t sources_waiting() const { return waiter_->waiting(); }
 
   // ---- appends (Stage / Commit / Abort on worker()) ------------------------

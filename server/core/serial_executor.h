@@ -50,6 +50,9 @@ class SerialExecutor {
   void RunOrPost(absl::AnyInvocable<void() &&> task);
   // Tasks posted and not yet finished (for tests and metrics).
   size_t pending() const;
+  // Whether the calling thread is the executor's own worker (a task run by
+  // RunHere or RunOrPost on a caller's thread is not).
+  bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
   // How loaded the executor is: the time spent running tasks since it
   // started (on the worker and RunHere callers), whose rate is its
   // utilization (1 = saturated), and pending().
