@@ -251,6 +251,36 @@ TEST(SerialExecutorTest, RunOrPostRunsHereWhenIdleAndNeverWaitsWhenBusy) {
   EXPECT_EQ(posted_on, worker_id);
 }
 
+// What a task run by RunOrPost asks to know where it runs (the Append
+// stream's commit, which must not spin on a queue thread): the worker only
+// for a task the worker runs, never for one run in place by a caller.
+TEST(SerialExecutorTest, OnWorkerThreadIsTrueOnlyOnTheWorker) {
+  SerialExecutor executor;
+  EXPECT_FALSE(executor.OnWorkerThread());
+  bool in_place = true, here = true;
+  executor.RunOrPost([&] { in_place = executor.OnWorkerThread(); });
+  executor.RunHere([&] { here = executor.OnWorkerThread(); });
+  EXPECT_FALSE(in_place);
+  EXPECT_FALSE(here);
+
+  absl::Notification started, release, ran;
+  bool posted = false, queued = false;
+  executor.Post([&] {
+    posted = executor.OnWorkerThread();
+    started.Notify();
+    release.WaitForNotification();
+  });
+  started.WaitForNotification();
+  executor.RunOrPost([&] {  // the worker is busy: queued, run there
+    queued = executor.OnWorkerThread();
+    ran.Notify();
+  });
+  release.Notify();
+  ran.WaitForNotification();
+  EXPECT_TRUE(posted);
+  EXPECT_TRUE(queued);
+}
+
 // RunOrPost from many threads beside Post and RunHere: no two tasks ever
 // overlap, every task runs once, and each caller's tasks run in its order.
 TEST(SerialExecutorTest, RunOrPostBesidePostAndRunHereNeverOverlaps) {
