@@ -262,7 +262,8 @@ int TimeAlone(grpc::Service* service, const char* name, int calls) {
 // mlakv-server on its completion queue against a minimal synchronous server
 // with no other server's threads polling beside either. mlakv-server's rows
 // there include an AppendBatch of one bf16 row of bytes to a sequence of its
-// own (freed, untimed, after each call): the least an append can cost.
+// own (freed, untimed, after each call): the least an append can cost; and
+// the same row as an Append stream of one message and its half-close.
 void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::Options& mlakv_options, int samples,
                          int rounds) {
   struct Alone {
@@ -274,8 +275,9 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
                              {"minimal async server (1 thread), Health/Check"},
                              {"mlakv-server, Health/Check"},
                              {"mlakv-server, GetPool"},
-                             {"mlakv-server, AppendBatch of one row"}};
-  constexpr size_t kFirstExternal = 6, kRowsPerExternal = 3;
+                             {"mlakv-server, AppendBatch of one row"},
+                             {"mlakv-server, Append stream of one row"}};
+  constexpr size_t kFirstExternal = 7, kRowsPerExternal = 4;
   // name=address of each --external server; its rows follow the others.
   std::vector<std::pair<std::string, std::string>> externals;
   std::vector<std::string> names;  // the rows' names live here (Alone keeps a pointer)
@@ -289,6 +291,7 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
     names.push_back(name + " (own process), Health/Check");
     names.push_back(name + " (own process), GetPool");
     names.push_back(name + " (own process), AppendBatch of one row");
+    names.push_back(name + " (own process), Append stream of one row");
   }
   for (const std::string& n : names) rows.push_back({n.c_str()});
   auto time_calls = [&](auto&& call, std::vector<double>* out) {
@@ -326,10 +329,26 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
     layer->set_ckv_scale(0.02f);
     layer->set_kpe_scale(0.05f);
   }
-  auto time_one_rows = [&](v1::KvCache::Stub* stub, std::vector<double>* out) {
+  // The same row as an Append stream: one message, then the half-close,
+  // whose commit is the stream's end (docs/server.md "Concurrency").
+  v1::AppendRequest one_message;
+  one_message.set_pool("default");
+  one_message.set_sequence("rpc-floor-one-row");
+  one_message.set_row_count(1);
+  one_message.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  one_message.set_view(v1::SEQUENCE_VIEW_COMPACT);
+  *one_message.add_layers() = one_row.sequences(0).layers(0);
+  auto time_one_rows = [&](v1::KvCache::Stub* stub, std::vector<double>* out, std::vector<double>* stream_out) {
     const auto append = [&](grpc::ClientContext& c) {
       v1::AppendBatchResponse r;
       return stub->AppendBatch(&c, one_row, &r);
+    };
+    const auto append_stream = [&](grpc::ClientContext& c) {
+      v1::AppendResponse r;
+      std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> w = stub->Append(&c, &r);
+      w->Write(one_message);
+      w->WritesDone();
+      return w->Finish();
     };
     const auto free_it = [&](grpc::ClientContext& c) {
       v1::FreeSequenceRequest req;
@@ -344,9 +363,11 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
       if (stub->AppendBatch(&probe, one_row, &r).error_code() == grpc::StatusCode::UNIMPLEMENTED) return;
       TimeOne(free_it);
     }
-    for (int i = 0; i < 200; ++i) TimeOne(append), TimeOne(free_it);
+    for (int i = 0; i < 200; ++i) TimeOne(append), TimeOne(free_it), TimeOne(append_stream), TimeOne(free_it);
     for (int i = 0; i < samples; ++i) {
       out->push_back(TimeOne(append));
+      TimeOne(free_it);
+      stream_out->push_back(TimeOne(append_stream));
       TimeOne(free_it);
     }
   };
@@ -386,7 +407,7 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
       auto stub = v1::KvCache::NewStub(channel);
       time_calls(check_on(health.get()), &rows[3].us);
       time_calls(get_pool_on(stub.get()), &rows[4].us);
-      time_one_rows(stub.get(), &rows[5].us);
+      time_one_rows(stub.get(), &rows[5].us, &rows[6].us);
       (*mlakv)->Shutdown(absl::Seconds(1));
     }
     for (size_t e = 0; e < externals.size(); ++e) {
@@ -397,7 +418,8 @@ void TimeEachAloneInTurn(server::Pool* bench_pool, const server::KvCacheServer::
       auto stub = v1::KvCache::NewStub(channel);
       time_calls(check_on(health.get()), &rows[kFirstExternal + kRowsPerExternal * e].us);
       time_calls(get_pool_on(stub.get()), &rows[kFirstExternal + kRowsPerExternal * e + 1].us);
-      time_one_rows(stub.get(), &rows[kFirstExternal + kRowsPerExternal * e + 2].us);
+      time_one_rows(stub.get(), &rows[kFirstExternal + kRowsPerExternal * e + 2].us,
+                    &rows[kFirstExternal + kRowsPerExternal * e + 3].us);
     }
   }
   const double floor = Summarize(rows[0].us).p50;
