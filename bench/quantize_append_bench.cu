@@ -60,6 +60,11 @@ std::vector<Case> Cases() {
       {"decode_step_64x1x61", DType::kBFloat16, 64, 64, 1, 1000, 61},
       {"decode_step_256x1x61", DType::kBFloat16, 64, 256, 1, 1000, 61},
       {"decode_step_1024x1x61", DType::kBFloat16, 64, 1024, 1, 1000, 61},
+      // A layer-wise save's final write: every layer of one sequence's prompt
+      // held by the Append stream and quantized in one launch at its commit.
+      {"save_1x1024x61", DType::kBFloat16, 64, 1, 1024, 0, 61},
+      {"save_1x4096x61", DType::kBFloat16, 64, 1, 4096, 0, 61},
+      {"save_1x16384x61", DType::kBFloat16, 64, 1, 16384, 0, 61},
       {"prefill_1x4096", DType::kBFloat16, 64, 1, 4096, 0},
       {"prefill_4x4096", DType::kBFloat16, 64, 4, 4096, 0},
       {"prefill_8x4096", DType::kBFloat16, 64, 8, 4096, 0},

@@ -45,6 +45,15 @@ absl::Status AtomicAppend::Stage(std::span<const SequenceRowsIn* const> rows, st
   return pool_->Stage(raw, rows, dtype, hold_device_writes_ ? &held_ : nullptr);
 }
 
+absl::Status AtomicAppend::WriteHeld() {
+  if (finished_) return absl::InternalError("AtomicAppend::WriteHeld after the append finished");
+  if (absl::Status s = pool_->Flush(held_); !s.ok()) {
+    Abort();
+    return s;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<SequenceSnapshot>> AtomicAppend::Commit(absl::FunctionRef<absl::Status()> last_check,
                                                                    SnapshotPages pages) {
   if (finished_) return absl::InternalError("AtomicAppend::Commit after the append finished");

@@ -56,6 +56,15 @@ class AtomicAppend {
   std::vector<const void*> HeldWaitEvents() const { return held_.WaitEvents(); }
   // Whether writes are held back for the commit.
   bool holds_writes() const { return !held_.empty(); }
+  // Whether a write is held for every layer of the pool: nothing a stream
+  // can still send joins them without flushing them first (a layer named
+  // again does), so they may as well be written now.
+  bool holds_every_layer() const { return held_.HoldsEveryLayer(pool_->num_layers()); }
+  // Writes what is held now, in one backend call, before the commit (which
+  // then has nothing left to write). Waits in the backend for the held rows'
+  // events: call it once they have completed (HeldWaitEvents). On an error
+  // the append is aborted and the status returned.
+  absl::Status WriteHeld();
   // Stages rows for every transaction, rows[i] for transaction i (Pool::Stage).
   absl::Status Stage(std::span<const SequenceRowsIn* const> rows, std::optional<DType> dtype);
 

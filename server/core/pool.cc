@@ -793,6 +793,19 @@ std::vector<const void*> Pool::DeferredWrites::WaitEvents() const {
   return out;
 }
 
+bool Pool::DeferredWrites::HoldsEveryLayer(int32_t num_layers) const {
+  if (num_layers <= 0 || appends_.size() < static_cast<size_t>(num_layers)) return false;
+  std::vector<bool> held(num_layers, false);
+  int32_t distinct = 0;
+  for (const LayerAppend& la : appends_) {
+    if (la.layer >= 0 && la.layer < num_layers && !held[la.layer]) {
+      held[la.layer] = true;
+      ++distinct;
+    }
+  }
+  return distinct == num_layers;
+}
+
 bool Pool::DeferredWrites::Names(std::span<const LayerAppend> appends) const {
   for (const LayerAppend& a : appends) {
     for (const LayerAppend& h : appends_) {

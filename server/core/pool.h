@@ -387,6 +387,9 @@ class Pool {
     DeferredWrites& operator=(const DeferredWrites&) = delete;
 
     bool empty() const { return appends_.empty(); }
+    // Whether every one of the pool's `num_layers` layers has a write held:
+    // a layer-wise save's last group has come (AtomicAppend::holds_every_layer).
+    bool HoldsEveryLayer(int32_t num_layers) const;
     // Drops the held writes unwritten (an aborted append).
     void Clear();
     // The producers' events the held rows are read behind, each once.

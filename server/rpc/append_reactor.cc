@@ -166,6 +166,7 @@ void AppendReactor::OnStreamEnd() {
 
 void AppendReactor::FailLocked(absl::Status status) {
   if (doomed_ || finishing_) return;
+  ending_.store(true, std::memory_order_relaxed);
   doomed_ = true;
   if (pool_ == nullptr && queued_ == 0) {
     // Nothing was staged and nothing is queued: finish directly.
@@ -222,7 +223,9 @@ void AppendReactor::Process(int slot, int index) {
     skip = finishing_ || doomed_;
   }
   const absl::Status status = skip ? absl::OkStatus() : ProcessMessage(slots_[slot].received, index);
+  if (!skip && status.ok()) WriteEveryLayerWhenReady();
   if (!status.ok()) {
+    ending_.store(true, std::memory_order_relaxed);
     // Here, before the next task (a commit) runs on this worker.
     absl::MutexLock lock(&mu_);
     if (!finishing_) {
@@ -259,6 +262,58 @@ void AppendReactor::Release(int slot) {
   }
   if (finish) Done(*finish);
   if (next_read >= 0) StartReadInto(next_read);
+}
+
+void AppendReactor::WriteEveryLayerWhenReady() {
+  if (early_write_pending_ || append_ == nullptr || !append_->holds_every_layer()) return;
+  {
+    absl::MutexLock lock(&mu_);
+    if (finishing_ || doomed_) return;
+    ++queued_;  // the write's task: the stream cannot finish before it has run
+  }
+  early_write_pending_ = true;
+  // Given up once the commit has begun (it writes what is still held), the
+  // stream fails or the call is cancelled. Until then it runs beside the
+  // commit's own wait for the same events (a save whose stream ends while
+  // the GPU still computes): whichever sees them complete first writes. At
+  // the server's append_idle_timeout a producer that never completes is the
+  // commit's to report.
+  WaitLimits limits{.deadline = absl::Now() + service_->options().append_idle_timeout,
+                    .abandoned = [this] { return ending_.load(std::memory_order_relaxed) || ctx_.cancelled(); }};
+  if (!pool_->WhenSourcesComplete(append_->HeldWaitEvents(), std::move(limits), [this](absl::Status s) {
+        pool_->worker().Post([this, s = std::move(s)]() mutable { WriteHeldEarly(std::move(s)); });
+      })) {
+    pool_->worker().Post([this] { WriteHeldEarly(absl::OkStatus()); });  // complete already
+  }
+}
+
+void AppendReactor::WriteHeldEarly(absl::Status waited) {
+  early_write_pending_ = false;
+  bool skip;
+  {
+    absl::MutexLock lock(&mu_);
+    skip = finishing_ || doomed_;
+  }
+  // A wait that ended otherwise (late, cancelled, a failed query) writes
+  // nothing: the commit waits again and says why, or the stream is failing.
+  absl::Status written = absl::OkStatus();
+  if (!skip && waited.ok() && append_->holds_writes()) {
+    written = append_->WriteHeld();
+    wrote_early_ = written.ok();
+  }
+  std::optional<absl::Status> finish;
+  {
+    absl::MutexLock lock(&mu_);
+    --queued_;
+    if (!written.ok() && !finishing_) {
+      finishing_ = true;
+      finish_status_ =
+          absl::Status(written.code(), absl::StrCat(written.message(), " (writing every layer the stream had sent; the "
+                                                                       "whole append was rolled back)"));
+    }
+    finish = TakeFinishLocked();
+  }
+  if (finish) FinishOffWorker(*std::move(finish));
 }
 
 absl::Status AppendReactor::ProcessMessage(const ReceivedAppend& received, int index) {
@@ -367,6 +422,8 @@ void AppendReactor::Complete(absl::Status waited) {
       return;
     }
   }
+  // The commit (or the rollback) takes over from an early write still waited for.
+  ending_.store(true, std::memory_order_relaxed);
   absl::Status status = absl::OkStatus();
   if (!skip && !waited.ok()) {
     append_->Abort();
@@ -488,7 +545,8 @@ void AppendReactor::Done(const absl::Status& status) {
     const auto us = [](auto a, auto b) { return std::chrono::duration_cast<std::chrono::microseconds>(b - a).count(); };
     end = absl::StrCat(" end us: to_task=", us(end_.closed, end_.task), " events=", us(end_.task, end_.sources),
                        " write_commit=", us(end_.sources, end_.committed),
-                       " to_respond=", us(end_.committed, std::chrono::steady_clock::now()));
+                       " to_respond=", us(end_.committed, std::chrono::steady_clock::now()),
+                       wrote_early_ ? " written_before_end=1" : "");
   }
   LogCall("Append", absl::StrCat(Detail(), " rows=", rows, end), status);
   if (counted_) {

@@ -102,6 +102,12 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // it, finishes when that was the last task.
   void Release(int slot);
   absl::Status ProcessMessage(const ReceivedAppend& received, int index);
+  // Once the held writes name every layer of the pool (a layer-wise save's
+  // last group has come), writes them as soon as their producers' events
+  // have completed -- not at the half-close, which then finds only the
+  // commit left: the launch overlaps the client's end of the stream.
+  void WriteEveryLayerWhenReady();
+  void WriteHeldEarly(absl::Status waited);
   // The commit on a clean end (`waited`: how the wait for the held rows'
   // events ended, OK when there was none).
   void Complete(absl::Status waited);
@@ -147,6 +153,12 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // Worker-only state.
   std::unique_ptr<AtomicAppend> append_;
   bool sources_waited_ = false;  // the held rows' events were waited for (or found complete)
+  bool early_write_pending_ = false;  // WriteHeldEarly is waited for or queued
+  bool wrote_early_ = false;          // held rows were written before the stream's end
+  // The stream's end was read or it failed: a wait for an early write is
+  // given up (the commit, or the rollback, takes over). Read by the
+  // SourceWaiter's thread.
+  std::atomic<bool> ending_{false};
   // Where the end of a clean stream spends its time (logged with the call at
   // debug level): the half-close read, its commit task started on the
   // worker, the producers' events complete, the held rows written and the

@@ -273,7 +273,7 @@ def measure_stream_end(client, torch, tokens, runs=15):
 
 
 _END_RE = re.compile(r"Append pool='[^']*' sequence='m-(\d+)-\d+(-c)?' .* end us: to_task=(-?\d+) events=(-?\d+) "
-                     r"write_commit=(-?\d+) to_respond=(-?\d+)")
+                     r"write_commit=(-?\d+) to_respond=(-?\d+)( written_before_end=1)?")
 
 
 def server_end_summary(log):
@@ -282,13 +282,14 @@ def server_end_summary(log):
     groups = {}
     for m in _END_RE.finditer(log):
         key = (int(m.group(1)), "connector" if m.group(2) else "after_sync")
-        groups.setdefault(key, []).append([int(x) for x in m.group(3, 4, 5, 6)])
+        groups.setdefault(key, []).append([int(x) for x in m.group(3, 4, 5, 6)] + [1 if m.group(7) else 0])
     out = []
     for (tokens, how), rows in sorted(groups.items()):
         cols = list(zip(*rows))
         out.append({"server_end_us": tokens, "wait": how, "saves": len(rows),
                     **{name: statistics.median(c) for name, c in
-                       zip(("to_task", "events", "write_commit", "to_respond"), cols)}})
+                       zip(("to_task", "events", "write_commit", "to_respond"), cols)},
+                    "written_before_end": sum(cols[4])})
     return out
 
 

@@ -207,6 +207,61 @@ TEST(DeferredWritesTest, AFailedFlushOrLastCheckCommitsNothing) {
   EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
 }
 
+// Once a write is held for every layer of the pool (a layer-wise save's last
+// group), the Append stream writes them before its end (WriteHeld) as soon as
+// their events have completed: nothing is visible until the commit, which
+// then writes nothing; an abort or a failed write afterwards keeps nothing.
+TEST(DeferredWritesTest, EveryLayerHeldIsWrittenBeforeTheCommitAndStillRolledBack) {
+  TestPool t = MakePool();
+  std::vector<testing::RowSet> rows;
+  for (int32_t l = 0; l < kLayers; ++l) rows.push_back(testing::MakeRows(7, 90 + l, kCkv, kKpe));
+  std::unique_ptr<AtomicAppend> a = Held(*t.pool, "s", Rows(rows[0], 0, 7, 0, {0}, true));
+  EXPECT_FALSE(a->holds_every_layer());
+  ASSERT_TRUE(StageOne(*a, Rows(rows[1], 0, 7, 0, {1}, true)).ok());
+  EXPECT_FALSE(a->holds_every_layer()) << "layer 2 has not come";
+  ASSERT_TRUE(StageOne(*a, Rows(rows[2], 0, 7, 0, {2}, true)).ok());
+  EXPECT_TRUE(a->holds_every_layer());
+  ASSERT_TRUE(a->WriteHeld().ok());
+  ASSERT_EQ(t.backend->calls.size(), 1u);
+  EXPECT_EQ(t.backend->calls[0], (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_FALSE(a->holds_writes());
+  EXPECT_FALSE(a->holds_every_layer());
+  EXPECT_EQ(t.pool->GetSequence("s").status().code(), absl::StatusCode::kNotFound) << "visible before its commit";
+  ASSERT_TRUE(a->Commit(Ok).ok());
+  EXPECT_EQ(t.backend->calls.size(), 1u) << "the commit wrote again";
+  for (int32_t l = 0; l < kLayers; ++l) ExpectStored(*t.pool, "s", l, 7, rows[l]);
+  const int32_t pages_after_s = t.pool->Snapshot().pages_used;
+
+  // Written early, then the stream breaks: rolled back, every page back.
+  std::unique_ptr<AtomicAppend> b = Held(*t.pool, "u", Rows(rows[0], 0, 7, 0, {0, 1, 2}, true));
+  EXPECT_TRUE(b->holds_every_layer()) << "every layer in one message";
+  ASSERT_TRUE(b->WriteHeld().ok());
+  EXPECT_GT(t.pool->Snapshot().pages_used, pages_after_s);
+  b->Abort();
+  EXPECT_EQ(t.pool->GetSequence("u").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(t.pool->Snapshot().pages_used, pages_after_s);
+
+  // The early write fails: its status comes back and the append is aborted.
+  std::unique_ptr<AtomicAppend> c = Held(*t.pool, "w", Rows(rows[1], 0, 7, 0, {0, 1, 2}, true));
+  t.backend->fail_next = true;
+  const absl::Status failed = c->WriteHeld();
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+  EXPECT_TRUE(c->finished());
+  EXPECT_EQ(t.pool->GetSequence("w").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(t.pool->Snapshot().pages_used, pages_after_s);
+
+  // A layer named again flushes what is held first: what is held after it
+  // is that one layer, not every layer.
+  std::unique_ptr<AtomicAppend> d = Held(*t.pool, "x", Rows(rows[0], 0, 3, 0, {0, 1}, true));
+  ASSERT_TRUE(StageOne(*d, Rows(rows[0], 3, 4, 3, {1}, true)).ok());
+  EXPECT_FALSE(d->holds_every_layer());
+  ASSERT_TRUE(StageOne(*d, Rows(rows[2], 0, 7, 0, {2}, true)).ok());
+  EXPECT_FALSE(d->holds_every_layer()) << "layer 0 was flushed, not held";
+  d->Abort();
+  EXPECT_EQ(t.pool->Snapshot().pages_used, pages_after_s);
+  EXPECT_TRUE(t.pool->CheckInvariants().ok()) << t.pool->CheckInvariants();
+}
+
 // The producers' events held rows are read behind (RowSource::wait_events):
 // HeldWaitEvents names each once, and Pool::WhenSourcesComplete hands the
 // commit to the pool's SourceWaiter while one has not completed -- the

@@ -320,6 +320,76 @@ TEST_F(CudaRegionServiceTest, ACancelWhileTheCommitWaitsForALateEventRollsBackAt
   ExpectSameStored("after", "bytes", {0, 1}, n);
 }
 
+// A stream that has sent a write for every layer of the pool (a layer-wise
+// save's last group) writes them as soon as their producer's event has
+// completed -- waited for off the pool's worker, before the stream's end --
+// so that its half-close finds only the commit left. Written early, nothing
+// is visible before the commit; a cancel after the write rolls it back with
+// every page freed; the commit stores the same bytes as the bytes path.
+TEST_F(CudaRegionServiceTest, AStreamWithEveryLayerWritesThemBeforeItsEnd) {
+  const Rows rows = RandomRows(300, 41);
+  const ProducerLayout layout = MakeProducerLayout(rows);
+  const uint32_t n = static_cast<uint32_t>(rows.n);
+  const uint64_t kpe_off = layout.kpe_off;
+  IpcProducerProcess producer(layout.bytes);
+  ASSERT_TRUE(RegisterCuda("e", producer.mem_handle(), layout.bytes.size(), producer.event_handle()).ok());
+  grpc::Status s = AppendRows("bytes", 0, rows, {0, 1, 2, 3}, kCkvScale, kKpeScale);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  const uint64_t pages_before = GetPool().pages_used();
+  // Polls `ready` every 5 ms for up to `limit`.
+  auto within = [](absl::Duration limit, const std::function<bool()>& ready) {
+    for (const absl::Time until = absl::Now() + limit; !ready();) {
+      if (absl::Now() > until) return false;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return true;
+  };
+  for (const bool cancel : {false, true}) {
+    SCOPED_TRACE(cancel ? "cancelled after the early write" : "committed after the early write");
+    const std::string id = cancel ? "early-cancelled" : "early";
+    ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(600));
+    grpc::ClientContext ctx;
+    v1::AppendResponse resp;
+    auto writer = stub().Append(&ctx, &resp);
+    ASSERT_TRUE(writer->Write(RegionMessage(id, 0, n, rows.dtype, {0, 1}, Ref("e", 0), Ref("e", kpe_off))));
+    absl::SleepFor(absl::Milliseconds(50));
+    EXPECT_EQ(pool().sources_waiting(), 0u) << "layers 2 and 3 have not come: nothing to write early";
+    v1::AppendRequest second = RegionMessage(id, 0, n, rows.dtype, {2, 3}, Ref("e", 0), Ref("e", kpe_off));
+    second.clear_pool();
+    second.clear_sequence();
+    ASSERT_TRUE(writer->Write(second));
+    EXPECT_TRUE(within(absl::Milliseconds(400), [&] { return pool().sources_waiting() == 1; }))
+        << "every layer held behind a late event: the early write should wait for it off the worker";
+    EXPECT_TRUE(within(absl::Seconds(3), [&] { return pool().sources_waiting() == 0; }))
+        << "the event completed 600 ms after it was delayed";
+    absl::SleepFor(absl::Milliseconds(50));  // the write, on the worker
+    v1::Sequence seq;
+    EXPECT_EQ(GetSequence(id, &seq).error_code(), grpc::StatusCode::NOT_FOUND) << "visible before its commit";
+    EXPECT_GT(GetPool().pages_used(), pages_before) << "the stream's pages are reserved";
+    if (cancel) {
+      ctx.TryCancel();
+      EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+      EXPECT_TRUE(within(absl::Milliseconds(1500), [&] { return GetPool().pages_used() == pages_before; }))
+          << "the cancelled stream's pages were not freed";
+      EXPECT_EQ(GetSequence(id, &seq).error_code(), grpc::StatusCode::NOT_FOUND);
+    } else {
+      ASSERT_TRUE(writer->WritesDone());
+      s = writer->Finish();
+      ASSERT_TRUE(s.ok()) << Describe(s);
+      EXPECT_EQ(resp.rows_written(), 4u * n);
+      ExpectSameStored(id, "bytes", {0, 1, 2, 3}, n);
+    }
+  }
+  // Every layer sent and the stream ended at once, its event late (a save
+  // whose wait() comes while the GPU still computes): the commit and the
+  // early write wait side by side; the commit stores the rows once.
+  ASSERT_NO_FATAL_FAILURE(producer.DelayEvent(400));
+  s = Append({RegionMessage("ended", 0, n, rows.dtype, {0, 1, 2, 3}, Ref("e", 0), Ref("e", kpe_off))});
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ExpectSameStored("ended", "bytes", {0, 1, 2, 3}, n);
+  EXPECT_TRUE(within(absl::Seconds(1), [&] { return pool().sources_waiting() == 0; }));
+}
+
 // An AppendBatch by reference whose producer's event has not completed
 // (a layer-wise save's commit sent while the producer's GPU still computes)
 // waits off the pool's worker: another append to the pool is answered
