@@ -22,8 +22,9 @@ How each s.layer() returns at once:
     One fence a group, not one a layer: a record on the producer's stream
     and the client's host work for it once per group (docs/performance.md
     "Layer-wise saves: the last layers at once, one fence a group, the
-    server's work at the end"). The server quantizes rows by reference when
-    the stream ends, all layers in one launch, so its GPU work does not
+    server's work at the end"). The server quantizes rows by reference all
+    layers in one launch, once it holds every layer of the pool and their
+    events have completed (or at the stream's end), so its GPU work does not
     interleave with the forward pass either.
 
 The save is one Append stream, so it is atomic: the server commits when the
@@ -44,10 +45,12 @@ layer as soon as it is given.
 The last layer goes at once: when the save has been given `num_layers`
 layers (default: the pool's), the layers still waiting are handed to the
 stream then, not at wait(). The server then holds every layer's reference
-before the caller's last kernels have run, and what is left after them is
-the end of the stream: one launch for all the layers, the commit and the
-response. The commit itself still waits for wait() or the end of the block,
-so a body that raises after the last layer still writes nothing.
+before the caller's last kernels have run and writes them all, in one
+launch, as soon as those kernels are done -- into the save's reserved
+pages, invisible until the commit -- so what is left at wait() is the end
+of the stream: the commit and the response. The commit itself still waits
+for wait() or the end of the block, so a body that raises after the last
+layer still leaves nothing visible (the stream is rolled back).
 
 Short prompts: below `layerwise_min_tokens` rows (default 256) per layer the
 stream is not opened until the save ends and all layers go at once -- for
