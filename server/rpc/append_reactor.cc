@@ -281,10 +281,21 @@ void AppendReactor::WriteEveryLayerWhenReady() {
   // commit's to report.
   WaitLimits limits{.deadline = absl::Now() + service_->options().append_idle_timeout,
                     .abandoned = [this] { return ending_.load(std::memory_order_relaxed) || ctx_.cancelled(); }};
-  if (!pool_->WhenSourcesComplete(append_->HeldWaitEvents(), std::move(limits), [this](absl::Status s) {
+  std::vector<const void*> events = append_->HeldWaitEvents();
+  // As the commit's wait: spent here while nothing else is queued on the
+  // worker, so the write follows the events at once (no wake-up of the
+  // worker); handed to the SourceWaiter as soon as something is (the
+  // stream's own half-close among them). Written here, in this message's
+  // task, which keeps the stream from finishing meanwhile.
+  absl::StatusOr<bool> here = pool_->WaitForSourcesHere(events, limits);
+  if (!here.ok()) {
+    WriteHeldEarly(here.status());  // writes nothing: the commit waits again and says why
+    return;
+  }
+  if (*here || !pool_->WhenSourcesComplete(std::move(events), std::move(limits), [this](absl::Status s) {
         pool_->worker().Post([this, s = std::move(s)]() mutable { WriteHeldEarly(std::move(s)); });
       })) {
-    pool_->worker().Post([this] { WriteHeldEarly(absl::OkStatus()); });  // complete already
+    WriteHeldEarly(absl::OkStatus());
   }
 }
 

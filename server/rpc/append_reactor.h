@@ -105,7 +105,9 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // Once the held writes name every layer of the pool (a layer-wise save's
   // last group has come), writes them as soon as their producers' events
   // have completed -- not at the half-close, which then finds only the
-  // commit left: the launch overlaps the client's end of the stream.
+  // commit left: the launch overlaps the client's end of the stream. Called
+  // in a message's task (Process), whose count in queued_ keeps the stream
+  // from finishing while WriteHeldEarly runs inline.
   void WriteEveryLayerWhenReady();
   void WriteHeldEarly(absl::Status waited);
   // The commit on a clean end (`waited`: how the wait for the held rows'
