@@ -308,8 +308,11 @@ void AppendReactor::WriteHeldEarly(absl::Status waited) {
   }
   // A wait that ended otherwise (late, cancelled, a failed query) writes
   // nothing: the commit waits again and says why, or the stream is failing.
+  // Nor does one whose layers were flushed meanwhile by a message that named
+  // one again: what is held now is not every layer (what is, the backend
+  // still waits for before it reads).
   absl::Status written = absl::OkStatus();
-  if (!skip && waited.ok() && append_->holds_writes()) {
+  if (!skip && waited.ok() && append_->holds_every_layer()) {
     written = append_->WriteHeld();
     wrote_early_ = written.ok();
   }
