@@ -177,7 +177,7 @@ absl::StatusOr<bool> Pool::SourcesComplete(std::span<const void* const> events) 
 
 bool Pool::WhenSourcesComplete(std::vector<const void*> events, WaitLimits limits, SourceWaiter::Done done) {
   if (events.empty()) return false;
-  if (absl::StatusOr<bool> complete = backend_->EventsComplete(events); complete.ok() && *complete) return false;
+  if (absl::StatusOr<bool> complete = SourcesComplete(events); complete.ok() && *complete) return false;
   waiter_->Wait(std::move(events), std::move(limits), std::move(done));  // a failed query fails there, with its status
   return true;
 }
