@@ -322,8 +322,9 @@ TEST_F(CudaRegionServiceTest, ACancelWhileTheCommitWaitsForALateEventRollsBackAt
 
 // A stream that has sent a write for every layer of the pool (a layer-wise
 // save's last group) writes them as soon as their producer's event has
-// completed -- waited for off the pool's worker, before the stream's end --
-// so that its half-close finds only the commit left. Written early, nothing
+// completed, before the stream's end -- waited for on the pool's worker
+// while nothing else is queued, by the SourceWaiter once another append
+// is -- so that its half-close finds only the commit left. Written early, nothing
 // is visible before the commit; a cancel after the write rolls it back with
 // every page freed; the commit stores the same bytes as the bytes path.
 TEST_F(CudaRegionServiceTest, AStreamWithEveryLayerWritesThemBeforeItsEnd) {
@@ -358,8 +359,22 @@ TEST_F(CudaRegionServiceTest, AStreamWithEveryLayerWritesThemBeforeItsEnd) {
     second.clear_pool();
     second.clear_sequence();
     ASSERT_TRUE(writer->Write(second));
-    EXPECT_TRUE(within(absl::Milliseconds(400), [&] { return pool().sources_waiting() == 1; }))
+    absl::SleepFor(absl::Milliseconds(50));  // the early write waits on the worker, nothing else being queued
+    // Another append meanwhile is served at once: the wait moves from the
+    // worker to the pool's SourceWaiter.
+    const absl::Time o0 = absl::Now();
+    s = AppendRows("other", 0, rows, {0}, kCkvScale, kKpeScale);
+    EXPECT_TRUE(s.ok()) << Describe(s);
+    EXPECT_LT(absl::Now() - o0, absl::Milliseconds(300)) << "another append waited for the early write's event";
+    EXPECT_EQ(pool().sources_waiting(), 1u)
         << "every layer held behind a late event: the early write should wait for it off the worker";
+    {
+      v1::FreeSequenceRequest free;
+      free.set_sequence("other");
+      v1::FreeSequenceResponse freed;
+      grpc::ClientContext free_ctx;
+      ASSERT_TRUE(stub().FreeSequence(&free_ctx, free, &freed).ok());
+    }
     EXPECT_TRUE(within(absl::Seconds(3), [&] { return pool().sources_waiting() == 0; }))
         << "the event completed 600 ms after it was delayed";
     absl::SleepFor(absl::Milliseconds(50));  // the write, on the worker
