@@ -57,10 +57,7 @@ absl::Status AtomicAppend::WriteHeld() {
 absl::StatusOr<std::vector<SequenceSnapshot>> AtomicAppend::Commit(absl::FunctionRef<absl::Status()> last_check,
                                                                    SnapshotPages pages) {
   if (finished_) return absl::InternalError("AtomicAppend::Commit after the append finished");
-  if (absl::Status s = pool_->Flush(held_); !s.ok()) {
-    Abort();
-    return s;
-  }
+  MLAKV_RETURN_IF_ERROR(WriteHeld());  // aborted on an error
   if (absl::Status s = last_check(); !s.ok()) {
     Abort();
     return s;

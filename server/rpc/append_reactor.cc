@@ -281,22 +281,31 @@ void AppendReactor::WriteEveryLayerWhenReady() {
   // commit's to report.
   WaitLimits limits{.deadline = absl::Now() + service_->options().append_idle_timeout,
                     .abandoned = [this] { return ending_.load(std::memory_order_relaxed) || ctx_.cancelled(); }};
-  std::vector<const void*> events = append_->HeldWaitEvents();
-  // As the commit's wait: spent here while nothing else is queued on the
-  // worker, so the write follows the events at once (no wake-up of the
-  // worker); handed to the SourceWaiter as soon as something is (the
-  // stream's own half-close among them). Written here, in this message's
-  // task, which keeps the stream from finishing meanwhile.
-  absl::StatusOr<bool> here = pool_->WaitForSourcesHere(events, limits);
-  if (!here.ok()) {
-    WriteHeldEarly(here.status());  // writes nothing: the commit waits again and says why
-    return;
-  }
-  if (*here || !pool_->WhenSourcesComplete(std::move(events), std::move(limits), [this](absl::Status s) {
-        pool_->worker().Post([this, s = std::move(s)]() mutable { WriteHeldEarly(std::move(s)); });
-      })) {
+  // As the commit's wait: the write follows the events at once while
+  // nothing else is queued (no wake-up of the worker), else comes back once
+  // they have completed (the stream's own half-close queued is enough to
+  // hand it over). Written here, in this message's task, which keeps the
+  // stream from finishing meanwhile; a wait that failed writes nothing (the
+  // commit waits again and says why).
+  absl::StatusOr<bool> ready = WaitHereOrHandOver(append_->HeldWaitEvents(), std::move(limits),
+                                                  [this](absl::Status s) { WriteHeldEarly(std::move(s)); });
+  if (!ready.ok()) {
+    WriteHeldEarly(ready.status());
+  } else if (*ready) {
     WriteHeldEarly(absl::OkStatus());
   }
+}
+
+absl::StatusOr<bool> AppendReactor::WaitHereOrHandOver(std::vector<const void*> events, WaitLimits limits,
+                                                       absl::AnyInvocable<void(absl::Status) &&> then) {
+  absl::StatusOr<bool> here = pool_->WaitForSourcesHere(events, limits);
+  if (!here.ok() || *here) return here;
+  return !pool_->WhenSourcesComplete(std::move(events), std::move(limits),
+                                     [this, then = std::move(then)](absl::Status s) mutable {
+                                       pool_->worker().Post([then = std::move(then), s = std::move(s)]() mutable {
+                                         std::move(then)(std::move(s));
+                                       });
+                                     });
 }
 
 void AppendReactor::WriteHeldEarly(absl::Status waited) {
@@ -425,12 +434,11 @@ void AppendReactor::Complete(absl::Status waited) {
     // its grace is over) ends the wait at once: rolled back below.
     WaitLimits limits{.deadline = absl::Now() + service_->options().append_idle_timeout,
                       .abandoned = [ctx = &ctx_] { return ctx->cancelled(); }};
-    absl::StatusOr<bool> here = pool_->WaitForSourcesHere(events, limits);
-    if (!here.ok()) {
-      waited = here.status();
-    } else if (!*here && pool_->WhenSourcesComplete(std::move(events), std::move(limits), [this](absl::Status s) {
-                 pool_->worker().Post([this, s = std::move(s)]() mutable { Complete(std::move(s)); });
-               })) {
+    absl::StatusOr<bool> ready =
+        WaitHereOrHandOver(std::move(events), std::move(limits), [this](absl::Status s) { Complete(std::move(s)); });
+    if (!ready.ok()) {
+      waited = ready.status();
+    } else if (!*ready) {
       return;
     }
   }

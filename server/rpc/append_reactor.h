@@ -110,6 +110,13 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // from finishing while WriteHeldEarly runs inline.
   void WriteEveryLayerWhenReady();
   void WriteHeldEarly(absl::Status waited);
+  // A worker task's wait for the held rows' `events`: spent here while
+  // nothing else is queued on the worker -- true once they have completed,
+  // so the task goes on at once -- else handed to the pool's SourceWaiter,
+  // whose end posts `then` to the worker with its status: false, the task
+  // returns. The status of a wait that ended here otherwise.
+  absl::StatusOr<bool> WaitHereOrHandOver(std::vector<const void*> events, WaitLimits limits,
+                                          absl::AnyInvocable<void(absl::Status) &&> then);
   // The commit on a clean end (`waited`: how the wait for the held rows'
   // events ended, OK when there was none).
   void Complete(absl::Status waited);
