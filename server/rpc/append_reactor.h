@@ -163,10 +163,10 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   std::unique_ptr<AtomicAppend> append_;
   bool sources_waited_ = false;  // the held rows' events were waited for (or found complete)
   bool early_write_pending_ = false;  // WriteHeldEarly is waited for or queued
-  bool wrote_early_ = false;          // held rows were written before the stream's end
-  // The stream's end was read or it failed: a wait for an early write is
-  // given up (the commit, or the rollback, takes over). Read by the
-  // SourceWaiter's thread.
+  bool wrote_early_ = false;          // held rows were written before the stream's end (read in Done, after mu_)
+  // The commit has begun (its waits are over) or the stream failed: a wait
+  // for an early write is given up (the commit, or the rollback, takes
+  // over). Read by the SourceWaiter's thread.
   std::atomic<bool> ending_{false};
   // Where the end of a clean stream spends its time (logged with the call at
   // debug level): the half-close read, its commit task started on the
