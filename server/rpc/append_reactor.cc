@@ -1,6 +1,9 @@
 #include "server/rpc/append_reactor.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/quote.h"
@@ -61,6 +64,12 @@ void AppendReactor::OnReadDone(bool ok) {
     last_activity_ = absl::Now();
     if (finishing_ || doomed_) return;  // the stream is being finished; this read is dropped
     if (ok) index = ++messages_received_;
+    if (ok && commit_call_ != nullptr && index > commit_after_) {
+      FailLocked(absl::FailedPreconditionError(
+          absl::StrCat("message ", index, " of the Append stream came after CommitAppend named ", commit_after_,
+                       " messages; the whole append was rolled back")));
+      return;
+    }
   }
   if (ok) {
     OnMessage(got, index);
@@ -81,7 +90,14 @@ void AppendReactor::OnMessage(int got, int index) {
   const bool too_large = raw_bytes > max_bytes;
   const bool parsed = !too_large && ParseAppendMessage(&slot.raw, &slot.received);
   if (too_large) slot.raw.Clear();
+  // The first message's commit_token goes into the service's registry
+  // before mu_ is taken (the registry's mutex comes first, open_appends.h).
+  absl::Status token = absl::OkStatus();
+  if (parsed && index == 1 && !slot.received.message.commit_token().empty()) {
+    token = RegisterCommitToken(slot.received.message.commit_token());
+  }
   int next_read = -1;
+  bool commit = false;
   std::optional<absl::Status> finish;
   {
     absl::MutexLock lock(&mu_);
@@ -94,6 +110,8 @@ void AppendReactor::OnMessage(int got, int index) {
           "message ", index, " of the Append stream (", raw_bytes,
           " bytes) is not a valid mlakv.v1.AppendRequest: a truncated or malformed protobuf, or a string field "
           "(pool, sequence, region) that is not valid UTF-8; the whole append was rolled back")));
+    } else if (!token.ok()) {
+      FailLocked(std::move(token));
     } else if (pool_ == nullptr) {
       // The first message names the pool and the sequence for the stream.
       const v1::AppendRequest& first = slot.received.message;
@@ -115,12 +133,68 @@ void AppendReactor::OnMessage(int got, int index) {
       slot.busy = true;
       ++queued_;
       pool_->worker().Post([this, got, index] { Process(got, index); });
+      ++messages_posted_;
+      commit = TakeDueCommitLocked();  // the last message CommitAppend named
       next_read = TakeFreeSlotLocked();
     }
     finish = TakeFinishLocked();
   }
   if (finish) Done(*finish);
+  if (commit) StartCommit();
   if (next_read >= 0) StartReadInto(next_read);
+}
+
+absl::Status AppendReactor::RegisterCommitToken(const std::string& token) {
+  MLAKV_RETURN_IF_ERROR(CheckFieldLength("commit_token", token, kMaxCommitTokenBytes));
+  MLAKV_RETURN_IF_ERROR(service_->open_appends().Add(token, this));
+  commit_token_ = token;
+  token_registered_ = true;
+  return absl::OkStatus();
+}
+
+bool AppendReactor::OnCommitRequested(CommitAppendCall* call, uint32_t messages, KvCacheService::RpcScope scope) {
+  absl::MutexLock lock(&mu_);
+  commit_call_ = call;  // answered by Done, whatever happens next
+  commit_scope_.emplace(scope);
+  commit_after_ = static_cast<int>(std::min<uint32_t>(messages, INT32_MAX));
+  if (finishing_ || doomed_) return false;
+  // The token came with the first message, so a pool is named by the time a
+  // second message or the half-close is read: FailLocked posts a rollback.
+  if (messages_received_ > commit_after_ || (commit_started_ && messages_received_ < commit_after_)) {
+    FailLocked(absl::FailedPreconditionError(absl::StrCat(
+        "CommitAppend named ", messages, " messages, but the Append stream ",
+        commit_started_ ? "ended after " : "has already carried ", messages_received_,
+        "; the whole append was rolled back")));
+    return false;
+  }
+  return TakeDueCommitLocked();
+}
+
+bool AppendReactor::TakeDueCommitLocked() {
+  if (commit_call_ == nullptr || commit_started_ || finishing_ || doomed_ || pool_ == nullptr ||
+      messages_posted_ != commit_after_) {
+    return false;
+  }
+  StartCommitLocked();
+  end_.by_call = true;
+  return true;
+}
+
+void AppendReactor::StartCommitLocked() {
+  end_.closed = std::chrono::steady_clock::now();
+  commit_started_ = true;
+  ++queued_;
+}
+
+void AppendReactor::StartCommit() {
+  // Here at once when the pool's worker is idle -- the usual case at the end
+  // of a layer-wise save, whose messages were all handled, and whose layers
+  // were all written once their events completed (WriteEveryLayerWhenReady),
+  // while the producer computed: the commit then costs no wake-up of the
+  // worker (an idle thread of a virtual machine's host, 0.1-0.4 ms on the
+  // GPU host). Queued behind the worker's tasks otherwise. Complete hands
+  // rows still held to the worker; it never writes or waits here.
+  pool_->worker().RunOrPost([this] { Complete(absl::OkStatus()); });
 }
 
 void AppendReactor::OnStreamEnd() {
@@ -145,30 +219,29 @@ void AppendReactor::OnStreamEnd() {
     } else if (pool_ == nullptr) {
       finishing_ = true;
       finish_status_ = absl::InvalidArgumentError("Append stream carried no message");
+    } else if (commit_started_) {
+      // CommitAppend's commit is under way: the half-close adds nothing.
+    } else if (commit_call_ != nullptr) {
+      FailLocked(absl::FailedPreconditionError(absl::StrCat(
+          "the Append stream ended after ", messages_received_, " messages, but CommitAppend named ", commit_after_,
+          "; the whole append was rolled back")));
     } else {
       // A clean half-close: commit as one of the pool's tasks, after every
       // message queued before it (below, outside mu_).
-      end_.closed = std::chrono::steady_clock::now();
-      ++queued_;
+      StartCommitLocked();
       commit = true;
     }
     finish = TakeFinishLocked();
   }
   if (finish) Done(*finish);
-  // Here at once when the pool's worker is idle -- the usual case at the end
-  // of a layer-wise save, whose messages were all handled, and whose layers
-  // were all written once their events completed (WriteEveryLayerWhenReady),
-  // while the producer computed: the commit then costs no wake-up of the
-  // worker (an idle thread of a virtual machine's host, 0.1-0.4 ms on the
-  // GPU host). Queued behind the worker's tasks otherwise. Complete hands
-  // rows still held to the worker; it never writes or waits here.
-  if (commit) pool_->worker().RunOrPost([this] { Complete(absl::OkStatus()); });
+  if (commit) StartCommit();
 }
 
 void AppendReactor::FailLocked(absl::Status status) {
   if (doomed_ || finishing_) return;
   ending_.store(true, std::memory_order_relaxed);
   doomed_ = true;
+  doom_status_ = status;
   if (pool_ == nullptr && queued_ == 0) {
     // Nothing was staged and nothing is queued: finish directly.
     finishing_ = true;
@@ -367,6 +440,10 @@ absl::Status AppendReactor::ProcessMessage(const ReceivedAppend& received, int i
         return absl::InvalidArgumentError(
             absl::StrCat("message ", index, " sets view; only the first message of a stream chooses the view"));
       }
+      if (!req.commit_token().empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "message ", index, " sets commit_token; only the first message of a stream names it"));
+      }
     }
     MLAKV_ASSIGN_OR_RETURN(std::optional<DType> dtype, ToDType(req.dtype()));
     if (append_ == nullptr) {
@@ -482,7 +559,7 @@ absl::Status AppendReactor::CommitStream() {
     MLAKV_RETURN_IF_ERROR(CheckCallAlive(&ctx_, "the whole append was rolled back"));
     {
       absl::MutexLock lock(&mu_);
-      if (doomed_) return absl::AbortedError("the Append stream failed before its commit");
+      if (doomed_) return doom_status_;  // e.g. the call broke, or a message came after CommitAppend's count
     }
     const uint64_t bound = SequenceProtoBytesBound(sequence_.size(), pool_->name().size(),
                                                    PagesDescribed(view_, pages, pages - first_new), pool_->num_pages(),
@@ -508,6 +585,7 @@ absl::Status AppendReactor::CommitStream() {
     // Committed already; cannot happen for a message this small.
     spdlog::error("Append {}: serializing the response failed: {}", Detail(), s.error_message());
   }
+  if (token_registered_) committed_ = std::move(response);  // CommitAppend's answer (AnswerCommitCall)
   return absl::OkStatus();
 }
 
@@ -555,7 +633,25 @@ std::string AppendReactor::Detail() const {
                       " messages=", messages_processed_.load());
 }
 
+void AppendReactor::AnswerCommitCall(const absl::Status& status) {
+  // Off the registry first: a CommitAppend that finds this stream from now
+  // on cannot (NOT_FOUND), and one that found it before has left its call.
+  if (token_registered_) service_->open_appends().Remove(commit_token_, this);
+  CommitAppendCall* call;
+  std::optional<KvCacheService::RpcScope> scope;
+  {
+    absl::MutexLock lock(&mu_);
+    call = std::exchange(commit_call_, nullptr);
+    scope = commit_scope_;
+  }
+  if (call == nullptr) return;
+  if (status.ok()) *call->response() = std::move(committed_);
+  const auto detail = [&] { return absl::StrCat("commit_token=", Quote(commit_token_), " ", Detail()); };
+  call->Finish(scope->Done(FinishCall("CommitAppend", detail, status)));
+}
+
 void AppendReactor::Done(const absl::Status& status) {
+  AnswerCommitCall(status);
   const uint64_t rows = append_ != nullptr && status.ok() ? append_->rows_written() : 0;
   std::string end;
   if (status.ok() && end_.task != std::chrono::steady_clock::time_point() &&
@@ -566,7 +662,7 @@ void AppendReactor::Done(const absl::Status& status) {
     end = absl::StrCat(" end us: to_task=", us(end_.closed, end_.task), " events=", us(end_.task, end_.sources),
                        " write_commit=", us(end_.sources, end_.committed),
                        " to_respond=", us(end_.committed, std::chrono::steady_clock::now()),
-                       wrote_early_ ? " written_before_end=1" : "");
+                       wrote_early_ ? " written_before_end=1" : "", end_.by_call ? " by=CommitAppend" : "");
   }
   LogCall("Append", absl::StrCat(Detail(), " rows=", rows, end), status);
   if (counted_) {

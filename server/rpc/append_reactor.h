@@ -64,6 +64,17 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
 
   void OnWatchdogTick(absl::Time now) override;
 
+  // ---- CommitAppend (a stream whose first message named a commit_token) ----
+  // `call` asks to commit this stream after its first `messages` messages;
+  // it is answered when the stream ends (Done), with the stream's own
+  // status and response. Called by OpenAppends::Take, under the registry's
+  // mutex (the stream cannot end meanwhile). True when the commit is due
+  // now: the caller then calls StartCommit once it has let go of the
+  // registry (the commit may run in place). Otherwise the last of those
+  // messages starts it when it comes, or the stream's end answers the call.
+  bool OnCommitRequested(CommitAppendCall* call, uint32_t messages, KvCacheService::RpcScope scope);
+  void StartCommit();
+
  private:
   AppendReactor(KvCacheService* service, cq::QueueThreads* queue) : ReaderCall(queue), service_(service) {}
 
@@ -94,6 +105,15 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // (the pool's, or the service's control executor before any message named
   // a pool); later messages are ignored.
   void FailLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The first message's commit_token, into the service's OpenAppends.
+  absl::Status RegisterCommitToken(const std::string& token);
+  // CommitAppend's commit is due: its call came and every message it named
+  // is posted to the worker. Marks the commit started (the caller posts it).
+  bool TakeDueCommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the commit task started and counted in queued_.
+  void StartCommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers the CommitAppend call, if one waits, with the stream's end.
+  void AnswerCommitCall(const absl::Status& status);
 
   // ---- worker side ----
   // Stages the slot's message, then Release (OffWorker).
@@ -149,6 +169,7 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   int queued_ ABSL_GUARDED_BY(mu_) = 0;           // tasks of this reactor on a worker
   int starting_reads_ ABSL_GUARDED_BY(mu_) = 0;   // reads decided on, StartRead not yet returned
   bool doomed_ ABSL_GUARDED_BY(mu_) = false;      // a failure is known; its rollback task is queued
+  absl::Status doom_status_ ABSL_GUARDED_BY(mu_);  // that failure (a commit that comes first reports it)
   bool finishing_ ABSL_GUARDED_BY(mu_) = false;
   bool finish_taken_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status finish_status_ ABSL_GUARDED_BY(mu_);
@@ -175,12 +196,30 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // commit task (posted after it), then read in Done (after that task).
   struct EndTimes {
     std::chrono::steady_clock::time_point closed, task, sources, committed;
+    bool by_call = false;  // the commit was CommitAppend's (`closed`: when its last message was posted)
   } end_;
   // Regions the stream's messages named: held until the stream ends, so an
   // UnregisterRegion meanwhile never unmaps memory this append reads.
   RegionHold regions_held_;
   uint64_t row_bytes_ = 0;  // ckv + kpe bytes of the rows staged
   std::atomic<int> messages_processed_{0};
+  // CommitAppend. The token and whether this stream holds it in the
+  // service's OpenAppends: set by the first message's read, before any task
+  // is posted; read-only after (Done removes the token).
+  std::string commit_token_;
+  bool token_registered_ = false;
+  // The CommitAppend call waiting for this stream's end, and what it named.
+  CommitAppendCall* commit_call_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::optional<KvCacheService::RpcScope> commit_scope_ ABSL_GUARDED_BY(mu_);
+  int commit_after_ ABSL_GUARDED_BY(mu_) = 0;
+  // Messages whose Process task is posted (the commit goes behind the last).
+  int messages_posted_ ABSL_GUARDED_BY(mu_) = 0;
+  // The commit task is queued -- by a clean half-close or by CommitAppend;
+  // the other then adds nothing.
+  bool commit_started_ ABSL_GUARDED_BY(mu_) = false;
+  // The committed response, for the CommitAppend call (written by the
+  // commit task, read in Done after it).
+  v1::AppendResponse committed_;
 };
 
 }  // namespace mlakv::server

@@ -2,7 +2,7 @@
 // the server's completion queue, and how (cq/calls.h):
 //  * a handler that returns its status runs on the queue thread that took
 //    the call, which then finishes it;
-//  * a handler that takes the call (AppendBatch, ForkSequence, the region
+//  * a handler that takes the call (AppendBatch, ForkSequence, CommitAppend, the region
 //    registrations) finishes it itself, there or later from a worker;
 //  * the streams are call objects of their own (AppendReactor, ReadReactor,
 //    WatchEventsReactor).
@@ -87,6 +87,8 @@ void KvCacheService::Serve(cq::QueueThreads* queue) {
                                                                 call_handler(&KvCacheService::ForkSequence));
   ServeUnary<pb::MatchPrefixRequest, pb::MatchPrefixResponse>(async, queue, m, &S::RequestMatchPrefix,
                                                               inline_handler(&KvCacheService::MatchPrefix));
+  ServeUnary<pb::CommitAppendRequest, pb::AppendResponse>(async, queue, m, &S::RequestCommitAppend,
+                                                          call_handler(&KvCacheService::CommitAppend));
   AppendReactor::Serve(this, queue);
   ReadReactor::Serve(this, queue);
   WatchEventsReactor::Serve(this, queue);

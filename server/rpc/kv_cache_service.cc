@@ -99,7 +99,8 @@ std::vector<std::string> KvCacheService::SelfRecordedPaths() {
   static constexpr const char* kNames[kRpcMethods] = {
       "ListPools",        "GetPool",          "AppendBatch", "GetSequence",  "ListSequences", "GetPage",
       "FreeSequence",     "TruncateSequence", "UnregisterRegion", "ListRegions", "ExportPool", "AcquireLease",
-      "RenewLease",       "ReleaseLease",     "ListLeases",  "ForkSequence", "MatchPrefix"};
+      "RenewLease",       "ReleaseLease",     "ListLeases",  "ForkSequence", "MatchPrefix",
+      "CommitAppend"};
   std::vector<std::string> out;
   for (const char* name : kNames) out.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/", name));
   return out;

@@ -42,6 +42,7 @@
 #include "server/core/pool.h"
 #include "server/regions/region_registry.h"
 #include "server/core/serial_executor.h"
+#include "server/rpc/open_appends.h"
 #include "server/rpc/stream_watchdog.h"
 
 namespace mlakv::server {
@@ -64,6 +65,7 @@ using AppendBatchCall = cq::UnaryCall<v1::AppendBatchRequest, v1::AppendBatchRes
 using ForkSequenceCall = cq::UnaryCall<v1::ForkSequenceRequest, v1::ForkSequenceResponse>;
 using RegisterShmRegionCall = cq::UnaryCall<v1::RegisterShmRegionRequest, v1::Region>;
 using RegisterCudaRegionCall = cq::UnaryCall<v1::RegisterCudaRegionRequest, v1::Region>;
+using CommitAppendCall = cq::UnaryCall<v1::CommitAppendRequest, v1::AppendResponse>;
 
 class KvCacheService final {
  public:
@@ -76,7 +78,7 @@ class KvCacheService final {
     kRpcListPools, kRpcGetPool, kRpcAppendBatch, kRpcGetSequence, kRpcListSequences, kRpcGetPage,
     kRpcFreeSequence, kRpcTruncateSequence, kRpcUnregisterRegion, kRpcListRegions, kRpcExportPool,
     kRpcAcquireLease, kRpcRenewLease, kRpcReleaseLease, kRpcListLeases, kRpcForkSequence, kRpcMatchPrefix,
-    kRpcMethods
+    kRpcCommitAppend, kRpcMethods
   };
   // Their paths ("/mlakv.v1.KvCache/GetPool"), in RpcMethod order.
   static std::vector<std::string> SelfRecordedPaths();
@@ -140,6 +142,8 @@ class KvCacheService final {
   // ---- what the reactors share ----
   const Options& options() const { return options_; }
   StreamWatchdog& watchdog() { return *watchdog_; }
+  // The open Append streams CommitAppend can name.
+  OpenAppends& open_appends() { return open_appends_; }
   // Runs the rollback of a stream that timed out before it named a pool.
   SerialExecutor& control() { return *control_; }
   // The transport's side of an Append stream once a pool's worker has
@@ -195,6 +199,9 @@ class KvCacheService final {
   void ForkSequence(ForkSequenceCall* call);
   grpc::Status MatchPrefix(cq::CallContext* ctx, const v1::MatchPrefixRequest* req,
                            v1::MatchPrefixResponse* resp);
+  // Commits the open Append stream its commit_token names, answered when
+  // that stream ends (commit_append_call.cc).
+  void CommitAppend(CommitAppendCall* call);
 
  private:
   // The unary prelude: UNAVAILABLE while draining, INVALID_ARGUMENT for an
@@ -215,6 +222,7 @@ class KvCacheService final {
   std::vector<std::unique_ptr<SerialExecutor>> transport_;
   std::atomic<size_t> next_transport_{0};
   std::unique_ptr<StreamWatchdog> watchdog_;  // after control_: destroyed first
+  OpenAppends open_appends_;
 };
 
 }  // namespace mlakv::server
