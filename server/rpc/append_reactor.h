@@ -26,6 +26,14 @@
 // slices), the read that waited for it and Finish run on one of the
 // service's transport executors (KvCacheService::NextTransport).
 //
+// CommitAppend: a stream whose first message named a commit_token can be
+// committed by that unary call instead of its half-close (OpenAppends holds
+// it by token; the commit goes behind the last message the call names). The
+// call is answered in Done with the stream's own status and response; after
+// such a commit the stream's Finish (OK) waits for the read in flight to end
+// -- the client's half-close or cancel -- or for the idle timeout, so that
+// the two answers do not reach the client at once.
+//
 // Lifetime: the object waits for its method's next request from the moment
 // it is armed (OnStart when one came). Finish is called exactly once, and
 // only when no task of this reactor is queued on a worker and no StartRead
@@ -217,6 +225,11 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // The commit task is queued -- by a clean half-close or by CommitAppend;
   // the other then adds nothing.
   bool commit_started_ ABSL_GUARDED_BY(mu_) = false;
+  // Committed by CommitAppend: Done leaves the stream's Finish (OK) to the
+  // end of the read in flight -- the client's half-close -- or to the
+  // watchdog, append_idle_timeout after `committed_at_`.
+  bool finish_at_half_close_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time committed_at_ ABSL_GUARDED_BY(mu_);
   // The committed response, for the CommitAppend call (written by the
   // commit task, read in Done after it).
   v1::AppendResponse committed_;

@@ -152,6 +152,7 @@ class Client:
         self._cuda_lock = threading.Lock()
         self._shm_rows = []  # regions.ShmRows registered through this client
         self._layer_counts = {}  # pool name -> num_layers, looked up once for layer-wise saves
+        self._no_commit_append = False  # the server answered CommitAppend UNIMPLEMENTED: saves end their streams
         self.closed = False
 
     # -- lifetime ---------------------------------------------------------

@@ -15,7 +15,8 @@ pieces with no GPU, the same client against the same server in one run
     request thread's wake-up and the rest;
   * the tail of client.save() with 61 layers of host rows (bytes, sent in
     groups of 8): 100 ms after the last layer (every group written by then),
-    how long wait() takes.
+    how long wait() takes -- committed by CommitAppend from the waiting
+    thread (the default), and by the stream's end.
 
     MLAKV_SERVER=build/server/mlakv-server MLAKV_PY_GEN=build/client/python/gen \\
         PYTHONPATH=client/python python3 client/python/tests/stream_end_bench.py [--calls 300]
@@ -121,21 +122,26 @@ def run(target, calls, quiets):
 
     layer_rows = [(rng.standard_normal((64, 512)).astype(np.float16), rng.standard_normal((64, 64)).astype(np.float16))
                   for _ in range(LAYERS)]
-    tails = {False: [], True: []}
+    tails = {"call": [], "end": [], "poll": []}
     for i in range(max(calls // 10, 20)):
-        for poll in (False, True):
+        for how in tails:
             sid = "save-%d" % i
+            client._no_commit_append = how != "call"
             s = client.save(sid, layers_per_message=8, layerwise_min_tokens=1, **SCALES)
-            s._poll_wait = poll
+            s._poll_wait = how == "poll"
             for layer, (ckv, kpe) in enumerate(layer_rows):
                 s.layer(layer, ckv, kpe)
             time.sleep(0.1)  # every group sent and written (a 4k-token forward pass is ~40 ms on an H100)
             t0 = time.perf_counter()
             s.wait()
-            tails[poll].append(time.perf_counter() - t0)
+            tails[how].append(time.perf_counter() - t0)
+            if s.committed_by_call != (how == "call"):
+                raise AssertionError("save %s: committed_by_call %s" % (how, s.committed_by_call))
             free(sid)
-    rows["save of 61 x 64 host rows: wait() 100 ms after the last layer"] = tails[False]
-    rows["  the same, wait() polling its call"] = tails[True]
+    client._no_commit_append = False
+    rows["save of 61 x 64 host rows: wait() 100 ms after the last layer (CommitAppend)"] = tails["call"]
+    rows["  the same, committed by the stream's end"] = tails["end"]
+    rows["  the same, the stream's end, wait() polling its call"] = tails["poll"]
 
     print("stream_end_bench: %d calls each, target %s (cpu pool)" % (calls, target))
     for name, values in rows.items():

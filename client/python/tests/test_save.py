@@ -47,6 +47,7 @@ class LayerwiseSaveTest(ServerTestCase):
                     self.assertIsNotNone(s._future)
                     self.assertNotStored("lw-300")
         self.assertTrue(s.done())
+        self.assertTrue(s.committed_by_call, "the commit was the waiting thread's CommitAppend")
         seq = self.client.sequence("lw-300")
         self.assertEqual(seq.length, 300)
         for layer, (ckv, kpe) in enumerate(rows):
@@ -151,6 +152,51 @@ class LayerwiseSaveTest(ServerTestCase):
         self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         for sid in ("last-at-once", "last-at-once-blocking", "three"):
             self.client.free(sid)
+        self.assertEqual(self.client.pool().pages_used, 0)
+
+    def test_without_commit_append_the_streams_end_commits(self):
+        """CommitAppend is only a faster end: a server without it
+        (UNIMPLEMENTED, remembered for the client's life) or a commit call
+        that fails in transit leaves the stream to commit at its half-close."""
+        rows = prompt(10, 300)
+
+        class Refused(grpc.RpcError):
+            def __init__(self, code):
+                self._code = code
+
+            def code(self):
+                return self._code
+
+        real = self.client._stub.CommitAppend
+        calls = []
+
+        def failing(code):
+            def call(*args, **kwargs):
+                calls.append(code)
+                raise Refused(code)
+            return call
+
+        try:
+            for code, sid in ((grpc.StatusCode.UNAVAILABLE, "lost-commit"), (grpc.StatusCode.UNIMPLEMENTED, "old-server"),
+                              (None, "after-old-server")):
+                if code is not None:
+                    self.client._stub.CommitAppend = failing(code)
+                with self.client.save(sid, **SCALES) as s:
+                    for layer, (ckv, kpe) in enumerate(rows):
+                        s.layer(layer, ckv, kpe)
+                self.assertFalse(s.committed_by_call, sid)
+                self.assertEqual(self.client.sequence(sid).length, 300, sid)
+                self.client.free(sid)
+            self.assertEqual(calls, [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED],
+                             "after UNIMPLEMENTED the client no longer asks")
+        finally:
+            self.client._stub.CommitAppend = real
+            self.client._no_commit_append = False
+        with self.client.save("by-call-again", **SCALES) as s:
+            for layer, (ckv, kpe) in enumerate(rows):
+                s.layer(layer, ckv, kpe)
+        self.assertTrue(s.committed_by_call)
+        self.client.free("by-call-again")
         self.assertEqual(self.client.pool().pages_used, 0)
 
     def test_a_save_to_a_pool_that_does_not_exist_fails_naming_the_pool(self):

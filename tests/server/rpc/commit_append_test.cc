@@ -129,6 +129,47 @@ TEST_F(CommitAppendTest, CommitsAfterTheNamedMessagesAndTheStreamEndsWithTheSame
   EXPECT_EQ(Commit("token-1", 2).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+// Committed by CommitAppend, the stream's own end waits for the client:
+// its half-close (OK), a message more (FAILED_PRECONDITION, not written), a
+// cancel, or the idle timeout (OK). The commit stands in every case.
+TEST_F(CommitAppendTest, AfterTheCommitTheStreamEndsWhenTheClientEndsItAndTheCommitStands) {
+  Start("append_idle_timeout_seconds: 1");
+  const Rows rows = RandomRows(12, 14);
+  for (const std::string how : {"message", "cancel", "idle"}) {
+    SCOPED_TRACE(how);
+    grpc::ClientContext ctx;
+    v1::AppendResponse streamed;
+    auto writer = stub().Append(&ctx, &streamed);
+    ASSERT_TRUE(writer->Write(Message(how, rows, 0, how)));
+    ASSERT_TRUE(writer->Write(Message(how, rows, 1)));
+    v1::AppendResponse committed;
+    const grpc::Status s = Commit(how, 2, &committed);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    const absl::Time t0 = absl::Now();
+    grpc::Status end;
+    if (how == "message") {
+      writer->Write(Message(how, rows, 2));
+      end = writer->Finish();
+      EXPECT_EQ(end.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(end);
+      EXPECT_TRUE(absl::StrContains(end.error_message(), "was not written")) << Describe(end);
+    } else if (how == "cancel") {
+      absl::SleepFor(absl::Milliseconds(50));
+      ctx.TryCancel();
+      end = writer->Finish();
+      EXPECT_EQ(end.error_code(), grpc::StatusCode::CANCELLED) << Describe(end);
+    } else {
+      end = writer->Finish();  // never half-closed
+      EXPECT_TRUE(end.ok()) << Describe(end);
+      EXPECT_GE(absl::Now() - t0, absl::Milliseconds(500)) << "ended before the idle timeout";
+      EXPECT_LT(absl::Now() - t0, absl::Seconds(4));
+    }
+    v1::Sequence seq;
+    ASSERT_TRUE(GetSequence(how, &seq).ok());
+    EXPECT_EQ(seq.length(), 8u) << "the two messages CommitAppend named, nothing more";
+    Free(how);
+  }
+}
+
 TEST_F(CommitAppendTest, ACommitThatComesBeforeItsLastMessageWaitsForIt) {
   Start();
   const Rows rows = RandomRows(12, 2);
