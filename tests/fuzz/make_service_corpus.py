@@ -7,7 +7,8 @@ pool_transactions_fuzzer/: transaction scripts (tests/server/core/pool_model.h
 decodes them): begin / stage / commit cycles, rewrites, a full pool,
 truncates and frees, two transactions staged in one call.
 request_validation_fuzzer/: a selector byte (0 AppendBatch, 1 Append
-stream, 2 ReadSequence, 3 TruncateSequence, 4 FreeSequence, 5 GetPage) then
+stream, 2 ReadSequence, 3 TruncateSequence, 4 FreeSequence, 5 GetPage, ...,
+12 an Append stream committed by CommitAppend) then
 serialized requests, messages of a stream separated by ff fe fd; valid
 calls and near misses (holes, wrong byte counts, bad scales, expect_length,
 AppendBatch's compact form and its malformed variants).
@@ -92,6 +93,15 @@ def requests():
     write(t, "truncate", b"\x03" + pb.TruncateSequenceRequest(sequence="a", length=1).SerializeToString())
     write(t, "free", b"\x04" + pb.FreeSequenceRequest(sequence="b").SerializeToString())
     write(t, "page", b"\x05" + pb.GetPageRequest(page=3).SerializeToString())
+    # 12: an Append stream, then CommitAppend (the last part) while it is open.
+    c1 = pb.AppendRequest(sequence="c", row_count=1, dtype=pb.ROW_DTYPE_BFLOAT16, layers=[rows(1, 0)],
+                          commit_token="tok")
+    c2 = pb.AppendRequest(start=1, row_count=1, dtype=pb.ROW_DTYPE_BFLOAT16, layers=[rows(1, 0)])
+    for name, commit in (("commit_append", pb.CommitAppendRequest(commit_token="tok", messages=2)),
+                         ("commit_append_too_few", pb.CommitAppendRequest(commit_token="tok", messages=1)),
+                         ("commit_append_too_many", pb.CommitAppendRequest(messages=3)),
+                         ("commit_append_other_token", pb.CommitAppendRequest(commit_token="other", messages=2))):
+        write(t, name, b"\x0c" + c1.SerializeToString() + SEP + c2.SerializeToString() + SEP + commit.SerializeToString())
 
 
 if __name__ == "__main__":

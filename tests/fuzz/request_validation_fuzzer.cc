@@ -1,6 +1,7 @@
 // libFuzzer target: request validation of the service. The input is split
 // into protobuf messages for one of the calls that change or read a pool
-// (AppendBatch, an Append stream of up to four messages, ReadSequence,
+// (AppendBatch, an Append stream of up to four messages, one committed by
+// CommitAppend, ReadSequence,
 // TruncateSequence, FreeSequence, GetPage), sent to an in-process server
 // (cpu backend). Whatever comes: the server answers, the pool's invariants
 // hold, and a call that fails leaves the pool exactly as it was (pages,
@@ -8,9 +9,12 @@
 // are skipped (the raw Append path is covered by tests/faults/).
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -106,6 +110,52 @@ grpc::Status CallAppend(v1::KvCache::Stub& stub, const std::vector<std::string>&
   return writer->Finish();
 }
 
+// An Append stream of up to three messages (all parts but the last) that
+// CommitAppend (the last part, its token taken from the first message when
+// it names none) commits -- or fails to -- while the stream is open; then
+// its half-close. The stream's status is what the pool must agree with; a
+// commit answered OK must have committed the stream.
+grpc::Status CallCommitAppend(v1::KvCache::Stub& stub, const std::vector<std::string>& parts, bool* parsed) {
+  v1::CommitAppendRequest commit;
+  if (parts.size() < 2 || !commit.ParseFromString(parts.back())) {
+    *parsed = false;
+    return grpc::Status::OK;
+  }
+  std::vector<v1::AppendRequest> messages;
+  for (size_t i = 0; i + 1 < parts.size() && i < 3; ++i) {
+    if (!messages.emplace_back().ParseFromString(parts[i])) {
+      *parsed = false;
+      return grpc::Status::OK;
+    }
+  }
+  if (commit.commit_token().empty()) commit.set_commit_token(messages.front().commit_token());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::AppendResponse resp, committed;
+  auto writer = stub.Append(&ctx, &resp);
+  for (const auto& m : messages) {
+    if (!writer->Write(m)) break;
+  }
+  std::future<grpc::Status> call = std::async(std::launch::async, [&] {
+    grpc::ClientContext commit_ctx;
+    commit_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return stub.CommitAppend(&commit_ctx, commit, &committed);
+  });
+  // Let the commit arrive first, most of the time.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  writer->WritesDone();
+  const grpc::Status end = writer->Finish();
+  const grpc::Status by_call = call.get();
+  if (by_call.ok() && !end.ok()) Violation("CommitAppend answered OK but its stream ended " + end.error_message());
+  if (by_call.ok() && committed.SerializeAsString() != resp.SerializeAsString()) {
+    Violation("CommitAppend and its stream answered differently");
+  }
+  if (by_call.error_code() == grpc::StatusCode::INTERNAL || by_call.error_code() == grpc::StatusCode::UNKNOWN) {
+    Violation("INTERNAL/UNKNOWN from CommitAppend: " + by_call.error_message());
+  }
+  return end;
+}
+
 template <typename Request, typename Response, typename Method>
 grpc::Status CallUnary(v1::KvCache::Stub& stub, Method method, const std::string& bytes, bool* parsed) {
   Request req;
@@ -152,7 +202,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   bool parsed = true;
   grpc::Status status;
   bool mutates = true;
-  switch (data[0] % 12) {
+  switch (data[0] % 13) {
     case 0:
       status = CallUnary<v1::AppendBatchRequest, v1::AppendBatchResponse>(*f.stub, &v1::KvCache::Stub::AppendBatch,
                                                                            parts[0], &parsed);
@@ -204,6 +254,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       status = CallUnary<v1::ReleaseLeaseRequest, v1::ReleaseLeaseResponse>(*f.stub, &v1::KvCache::Stub::ReleaseLease,
                                                                              parts[0], &parsed);
       break;
+    case 12: status = CallCommitAppend(*f.stub, parts, &parsed); break;
   }
   if (!parsed) return 0;
   if (absl::Status inv = pool.CheckInvariants(); !inv.ok()) Violation(inv.ToString());

@@ -103,7 +103,7 @@ reflection=$(grep -o 'grpc\.reflection\.v1[a-z]*\.ServerReflection' "$work/out" 
 echo "== 2. list methods"
 bufc --list-methods "$url"
 for m in ListPools GetPool Append AppendBatch GetSequence ListSequences GetPage ReadSequence FreeSequence \
-         TruncateSequence AcquireLease RenewLease ReleaseLease ListLeases ForkSequence MatchPrefix; do
+         TruncateSequence AcquireLease RenewLease ReleaseLease ListLeases ForkSequence MatchPrefix CommitAppend; do
   expect_text "mlakv.v1.KvCache/$m"
 done
 
