@@ -306,6 +306,8 @@ def main():
                     "or at wait() (0); each is measured")
     ap.add_argument("--wait", default="future", help="comma-separated: future (wait() sleeps on the call) and/or "
                     "poll (wait() polls it; an experiment); each is measured")
+    ap.add_argument("--commit", default="call", help="comma-separated: call (wait() commits by CommitAppend) and/or "
+                    "end (by the stream's end, as against a server without CommitAppend); each is measured")
     ap.add_argument("--server_end", action="store_true", help="run the server at --log_level debug and print, per "
                     "size, the medians of where the end of each measured save went on the server (the half-close to "
                     "the commit task, the producer's events, the write and commit); a diagnostic: the debug log "
@@ -332,10 +334,14 @@ def main():
             check_two_streams(client, torch, 1024)
             print("byte-exact: layers written on two streams in turn, each fenced on its own", flush=True)
             for tokens in [int(x) for x in a.tokens.split(",")]:
-                for per_message, at_once, poll in [(int(x), y != "0", w == "poll")
-                                                   for x in a.layers_per_message.split(",")
-                                                   for y in a.last_at_once.split(",") for w in a.wait.split(",")]:
+                for per_message, at_once, poll, commit in [(int(x), y != "0", w == "poll", c)
+                                                           for x in a.layers_per_message.split(",")
+                                                           for y in a.last_at_once.split(",") for w in a.wait.split(",")
+                                                           for c in a.commit.split(",")]:
+                    client._no_commit_append = commit == "end"
                     r = measure(client, torch, tokens, a.runs, per_message, at_once, poll)
+                    r["commit"] = commit
+                    client._no_commit_append = False
                     results["sizes"].append(r)
                     print(json.dumps({k: v for k, v in r.items() if not k.endswith("_all_ms")}), flush=True)
             if a.stream_end:
