@@ -69,7 +69,13 @@ void AppendReactor::OnReadDone(bool ok) {
       finish_at_half_close_ = false;
       end_committed = true;
     } else {
-      if (finishing_ || doomed_) return;  // the stream is being finished; this read is dropped
+      if (finishing_ || doomed_) {
+        // The stream is being finished; this read is dropped. A message
+        // after a commit by CommitAppend, which Done may not have seen yet
+        // waiting to finish the stream, is what the stream then ends with.
+        if (ok) message_after_finish_ = true;
+        return;
+      }
       if (ok) index = ++messages_received_;
       if (ok && commit_call_ != nullptr && index > commit_after_) {
         FailLocked(absl::FailedPreconditionError(
@@ -80,10 +86,7 @@ void AppendReactor::OnReadDone(bool ok) {
     }
   }
   if (end_committed) {
-    Finish(ok ? grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                             "a message came on the Append stream after CommitAppend had committed it; that message "
-                             "was not written (the commit of the messages CommitAppend named stands)")
-              : grpc::Status::OK);
+    Finish(ok ? MessageAfterCommitStatus() : grpc::Status::OK);
   } else if (ok) {
     OnMessage(got, index);
   } else {
@@ -701,6 +704,7 @@ void AppendReactor::Done(const absl::Status& status) {
                            .bytes = status.ok() ? row_bytes_ : 0,
                            .seconds = absl::ToDoubleSeconds(absl::Now() - started_)});
   }
+  bool message_after_commit = false;
   if (status.ok() && end_.by_call) {
     // Committed by CommitAppend: the stream's own end waits for the client's
     // half-close (or a cancel, or the idle timeout), so that its answer does
@@ -708,14 +712,23 @@ void AppendReactor::Done(const absl::Status& status) {
     // stream's answer is a Python callback on the channel's thread, which
     // took the interpreter from the caller returning from CommitAppend
     // (~0.2-0.35 ms a save on the development VM, docs/performance.md).
+    // The read may have ended already, the call being answered above: a
+    // message then was dropped (OnReadDone) and is what the stream ends with.
     absl::MutexLock lock(&mu_);
     if (reading_ >= 0) {
       finish_at_half_close_ = true;
       committed_at_ = absl::Now();
       return;
     }
+    message_after_commit = message_after_finish_;
   }
-  Finish(ToGrpcStatus(status));
+  Finish(message_after_commit ? MessageAfterCommitStatus() : ToGrpcStatus(status));
+}
+
+grpc::Status AppendReactor::MessageAfterCommitStatus() {
+  return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                      "a message came on the Append stream after CommitAppend had committed it; that message was not "
+                      "written (the commit of the messages CommitAppend named stands)");
 }
 
 void AppendReactor::OnDone() {

@@ -155,6 +155,8 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // this reactor is left on a worker and no StartRead is about to be made.
   std::optional<absl::Status> TakeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Done(const absl::Status& status);
+  // How a stream committed by CommitAppend ends when a message comes after it.
+  static grpc::Status MessageAfterCommitStatus();
   // Done, from a worker task: off the worker when it has more to do.
   void FinishOffWorker(absl::Status status);
   // Runs `step` (the transport's side of a worker task) on the stream's
@@ -230,6 +232,8 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // watchdog, append_idle_timeout after `committed_at_`.
   bool finish_at_half_close_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time committed_at_ ABSL_GUARDED_BY(mu_);
+  // A message was read (and dropped) after the stream began finishing.
+  bool message_after_finish_ ABSL_GUARDED_BY(mu_) = false;
   // The committed response, for the CommitAppend call (written by the
   // commit task, read in Done after it).
   v1::AppendResponse committed_;
