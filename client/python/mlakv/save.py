@@ -33,10 +33,11 @@ CommitAppend call made by its own thread, naming the stream (a commit_token
 in its first message) and the messages sent, once the stream's thread has
 sent them all: a blocking unary call is polled by the thread that makes it,
 where the stream's end took a wake-up of gRPC's request thread, of its
-channel's thread and of the caller (0.6-0.9 ms of the tail on the
-development VM). A server without CommitAppend, or a commit call that
-fails, leaves the commit to the stream's end, whose status is the truth
-either way. A layer the client
+channel's thread and of the caller (on the development VM wait() 100 ms
+after the last layer took 1.24-1.43 ms this way against 2.37-2.58 ms; on
+a fast GPU host the two are even, docs/performance.md). A server without
+CommitAppend, or a commit call that fails, leaves the commit to the
+stream's end, whose status is the truth either way. A layer the client
 rejects (shape, dtype), a failed message, a body that raised, or a stream the
 server ended: nothing of the save is written, and wait() (or leaving the
 block) raises mlakv.Error naming the layer.
