@@ -91,18 +91,6 @@ class CommitAppendTest : public ::testing::Test, public ServiceFixture {
     grpc::ClientContext ctx;
     ASSERT_TRUE(stub().FreeSequence(&ctx, free, &freed).ok());
   }
-  // Blocks the pool's worker until the returned notification is notified.
-  std::unique_ptr<absl::Notification> BlockWorker() {
-    auto release = std::make_unique<absl::Notification>();
-    absl::Notification* r = release.get();
-    absl::Notification started;
-    pool().worker().Post([r, &started] {
-      started.Notify();
-      r->WaitForNotification();
-    });
-    started.WaitForNotification();
-    return release;
-  }
 };
 
 TEST_F(CommitAppendTest, CommitsAfterTheNamedMessagesAndTheStreamEndsWithTheSameAnswer) {

@@ -28,18 +28,6 @@ class ServiceFaults : public ::testing::Test, public ServiceFixture {
     EXPECT_EQ(GetPool().pages_used(), 0u);
     EXPECT_TRUE(pool().CheckInvariants().ok()) << pool().CheckInvariants();
   }
-  // Blocks the pool's worker until the returned notification is notified.
-  std::unique_ptr<absl::Notification> BlockWorker() {
-    auto release = std::make_unique<absl::Notification>();
-    absl::Notification* r = release.get();
-    absl::Notification started;
-    pool().worker().Post([r, &started] {
-      started.Notify();
-      r->WaitForNotification();
-    });
-    started.WaitForNotification();
-    return release;
-  }
 };
 
 TEST_F(ServiceFaults, SecondMessageWithInvalidUtf8RollsTheStreamBack) {

@@ -88,6 +88,18 @@ Stored ServiceFixture::Read(const std::string& sequence, uint32_t layer, uint32_
   return out;
 }
 
+std::unique_ptr<absl::Notification> ServiceFixture::BlockWorker() {
+  auto release = std::make_unique<absl::Notification>();
+  absl::Notification* r = release.get();
+  absl::Notification started;
+  pool().worker().Post([r, &started] {
+    started.Notify();
+    r->WaitForNotification();
+  });
+  started.WaitForNotification();
+  return release;
+}
+
 v1::Pool ServiceFixture::GetPool() {
   grpc::ClientContext ctx;
   v1::Pool pool;

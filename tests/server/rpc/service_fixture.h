@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "kernels/quantize_rows.h"
 #include "kernels/tensor_view.h"
 #include "mlakv/v1/kv_cache.grpc.pb.h"
@@ -137,6 +138,9 @@ class ServiceFixture {
   Stored Read(const std::string& sequence, uint32_t layer, uint32_t start, uint32_t count, bool dequantize = false,
               uint32_t tokens_per_message = 0, const std::string& pool = "");
   v1::Pool GetPool();
+  // Blocks the pool's worker until the returned notification is notified
+  // (calls queue up behind it).
+  std::unique_ptr<absl::Notification> BlockWorker();
   grpc::Status GetSequence(const std::string& id, v1::Sequence* out);
   // UnregisterRegion of `name` (its response into `out` when given).
   grpc::Status Unregister(const std::string& name, v1::UnregisterRegionResponse* out = nullptr);
