@@ -486,7 +486,8 @@ class Client:
              block_hashes: Optional[Sequence[bytes]] = None, block_hashes_first_page: int = 0, pin: bool = False,
              layerwise_min_tokens: int = _save.DEFAULT_LAYERWISE_MIN_TOKENS,
              layers_per_message: int = _save.DEFAULT_LAYERS_PER_MESSAGE,
-             num_layers: Optional[int] = None, view: Optional[str] = None) -> "_save.LayerwiseSave":
+             num_layers: Optional[int] = None, view: Optional[str] = None,
+             commit_by_call: bool = False) -> "_save.LayerwiseSave":
         """A layer-wise save (mlakv.save.LayerwiseSave): `with c.save(seq) as s:
         s.layer(l, ckv, kpe)` for each layer, each call returning at once; leaving
         the block commits every layer atomically (one Append stream) or raises
@@ -496,13 +497,17 @@ class Client:
         num_layers: how many layers the save gives (default: the pool's, from
         one GetPool per pool for the client's life) -- once that many are given,
         the rest go at once instead of at wait(); view: what the response's
-        sequence carries, as for append."""
+        sequence carries, as for append; commit_by_call: wait() commits by a
+        CommitAppend call from its own thread instead of ending the stream
+        (faster on hosts where gRPC Python's thread hand-overs are slow; even
+        on a fast GPU host; docs/client.md)."""
         return _save.LayerwiseSave(self, sequence, start=start, pool=pool, dtype=dtype, ckv_scale=ckv_scale,
                                    kpe_scale=kpe_scale, expect_length=expect_length,
                                    expect_generation=expect_generation, reserve_tokens=reserve_tokens,
                                    block_hashes=block_hashes, block_hashes_first_page=block_hashes_first_page,
                                    pin=pin, layerwise_min_tokens=layerwise_min_tokens,
-                                   layers_per_message=layers_per_message, num_layers=num_layers, view=view)
+                                   layers_per_message=layers_per_message, num_layers=num_layers, view=view,
+                                   commit_by_call=commit_by_call)
 
     def append_batch(self, items: Iterable[Any], pool: str = "", ckv_scale: Optional[float] = None,
                      kpe_scale: Optional[float] = None, dtype: Optional[str] = None,

@@ -28,14 +28,15 @@ How each s.layer() returns at once:
     interleave with the forward pass either.
 
 The save is one Append stream, so it is atomic: the server commits when the
-save ends cleanly and rolls everything back otherwise. wait() commits with a
-CommitAppend call made by its own thread, naming the stream (a commit_token
+save ends cleanly and rolls everything back otherwise. With
+commit_by_call=True, wait() commits with a CommitAppend call made by its own thread, naming the stream (a commit_token
 in its first message) and the messages sent, once the stream's thread has
 sent them all: a blocking unary call is polled by the thread that makes it,
 where the stream's end took a wake-up of gRPC's request thread, of its
 channel's thread and of the caller (on the development VM wait() 100 ms
 after the last layer took 1.24-1.43 ms this way against 2.37-2.58 ms; on
-a fast GPU host the two are even, docs/performance.md). A server without
+a fast GPU host the two are even, docs/performance.md -- hence not the
+default). A server without
 CommitAppend, or a commit call that fails, leaves the commit to the
 stream's end, whose status is the truth either way. A layer the client
 rejects (shape, dtype), a failed message, a body that raised, or a stream the
@@ -98,7 +99,7 @@ class LayerwiseSave:
     def __init__(self, client, sequence, *, start=0, pool="", dtype=None, ckv_scale=None, kpe_scale=None,
                  expect_length=None, expect_generation=None, reserve_tokens=0, block_hashes=None,
                  block_hashes_first_page=0, pin=False, layerwise_min_tokens=DEFAULT_LAYERWISE_MIN_TOKENS,
-                 layers_per_message=DEFAULT_LAYERS_PER_MESSAGE, num_layers=None, view=None):
+                 layers_per_message=DEFAULT_LAYERS_PER_MESSAGE, num_layers=None, view=None, commit_by_call=False):
         if not sequence:
             raise client_error("save: sequence id is empty")
         if int(layers_per_message) < 1:
@@ -132,6 +133,7 @@ class LayerwiseSave:
         self._lock = threading.Lock()
         # CommitAppend: the stream's name, and how far its thread has got --
         # groups handed to it and groups whose messages it has all sent.
+        self._commit_by_call_on = bool(commit_by_call)
         self._token = uuid.uuid4().hex
         self._sent_all = threading.Condition(self._lock)
         self._groups_queued = 0
@@ -269,7 +271,7 @@ class LayerwiseSave:
         (its status is the truth either way; CommitAppend only ends it
         sooner)."""
         c = self._client
-        if c._no_commit_append:
+        if not self._commit_by_call_on or c._no_commit_append:
             return None
         with self._lock:
             # The messages of the groups queued are built on the stream's

@@ -165,7 +165,8 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True, poll_wa
 
     def loop_saving(sid):
         t0 = time.perf_counter()
-        s = client.save(sid, layers_per_message=per_message, num_layers=None if last_at_once else 1 << 30, **SCALES)
+        s = client.save(sid, layers_per_message=per_message, num_layers=None if last_at_once else 1 << 30,
+                        commit_by_call=True, **SCALES)
         s._poll_wait = poll_wait
         in_layer.append(loop.run(s))
         torch.cuda.synchronize()  # the last layer's compute is done
@@ -183,7 +184,8 @@ def measure(client, torch, tokens, runs, per_message, last_at_once=True, poll_wa
         once wait() has returned (the GPU idle by then, so it completes as
         soon as it is submitted: a few us late, never early)."""
         t0 = time.perf_counter()
-        s = client.save(sid, layers_per_message=per_message, num_layers=None if last_at_once else 1 << 30, **SCALES)
+        s = client.save(sid, layers_per_message=per_message, num_layers=None if last_at_once else 1 << 30,
+                        commit_by_call=True, **SCALES)
         s._poll_wait = poll_wait
         loop.run(s)
         last = torch.cuda.Event(enable_timing=True)

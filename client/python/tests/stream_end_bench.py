@@ -127,7 +127,7 @@ def run(target, calls, quiets):
         for how in tails:
             sid = "save-%d" % i
             client._no_commit_append = how != "call"
-            s = client.save(sid, layers_per_message=8, layerwise_min_tokens=1, **SCALES)
+            s = client.save(sid, layers_per_message=8, layerwise_min_tokens=1, commit_by_call=True, **SCALES)
             s._poll_wait = how == "poll"
             for layer, (ckv, kpe) in enumerate(layer_rows):
                 s.layer(layer, ckv, kpe)

@@ -38,7 +38,7 @@ class LayerwiseSaveTest(ServerTestCase):
 
     def test_a_61_layer_save_stores_what_the_blocking_appends_store(self):
         rows = prompt(1, 300)
-        with self.client.save("lw-300", **SCALES) as s:
+        with self.client.save("lw-300", commit_by_call=True, **SCALES) as s:
             for layer, (ckv, kpe) in enumerate(rows):
                 s.layer(layer, ckv, kpe)
                 if layer == 0:
@@ -181,7 +181,7 @@ class LayerwiseSaveTest(ServerTestCase):
                               (None, "after-old-server")):
                 if code is not None:
                     self.client._stub.CommitAppend = failing(code)
-                with self.client.save(sid, **SCALES) as s:
+                with self.client.save(sid, commit_by_call=True, **SCALES) as s:
                     for layer, (ckv, kpe) in enumerate(rows):
                         s.layer(layer, ckv, kpe)
                 self.assertFalse(s.committed_by_call, sid)
@@ -192,7 +192,7 @@ class LayerwiseSaveTest(ServerTestCase):
         finally:
             self.client._stub.CommitAppend = real
             self.client._no_commit_append = False
-        with self.client.save("by-call-again", **SCALES) as s:
+        with self.client.save("by-call-again", commit_by_call=True, **SCALES) as s:
             for layer, (ckv, kpe) in enumerate(rows):
                 s.layer(layer, ckv, kpe)
         self.assertTrue(s.committed_by_call)
