@@ -6,12 +6,17 @@ cuda_region_test.py). Not a test module itself (no test_ prefix).
         server_args = ("--allow_ipc",)
 """
 
+import faulthandler
 import unittest
 
 import numpy as np
 
 import mlakv
 from server_process import ServerProcess
+
+# ctest kills the suite at 300 s; a run still going at 270 s prints every
+# thread's Python stack first (stderr), so that a hang says where it waited.
+faulthandler.dump_traceback_later(270, exit=False)
 
 CALL_TIMEOUT_S = 60.0
 
