@@ -1,6 +1,7 @@
 #include "client/append_wire.h"
 
 #include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream.h>
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/support/slice.h>
 
@@ -89,7 +90,75 @@ class SliceWriter {
   std::vector<grpc::Slice> slices_;
 };
 
+// What protobuf writes, as slices: into blocks of our own, except what it
+// writes aliased (WriteAliasedRaw: with aliasing enabled, a string or bytes
+// field that does not fit the room left in the current block), which becomes
+// a slice of the caller's bytes holding a copy of the owner.
+class AliasingSliceStream final : public google::protobuf::io::ZeroCopyOutputStream {
+ public:
+  explicit AliasingSliceStream(const std::shared_ptr<const void>& owner) : owner_(owner) {}
+
+  bool Next(void** data, int* size) override {
+    CloseBlock();
+    block_ = grpc::Slice(kBlockBytes);
+    used_ = kBlockBytes;
+    *data = const_cast<uint8_t*>(block_.begin());  // ours until it is sent
+    *size = static_cast<int>(kBlockBytes);
+    bytes_ += kBlockBytes;
+    return true;
+  }
+  void BackUp(int count) override {
+    used_ -= static_cast<size_t>(count);
+    bytes_ -= count;
+  }
+  int64_t ByteCount() const override { return bytes_; }
+  bool AllowsAliasing() const override { return true; }
+  bool WriteAliasedRaw(const void* data, int size) override {
+    CloseBlock();
+    if (size > 0) {
+      auto* hold = new std::shared_ptr<const void>(owner_);
+      slices_.emplace_back(const_cast<void*>(data), static_cast<size_t>(size), &Release, hold);
+      bytes_ += size;
+    }
+    return true;
+  }
+
+  // After the CodedOutputStream over this one is gone (it backs up what it
+  // did not use when destroyed).
+  grpc::ByteBuffer Finish() {
+    CloseBlock();
+    return grpc::ByteBuffer(slices_.data(), slices_.size());
+  }
+
+ private:
+  static constexpr size_t kBlockBytes = 8192;
+  static void Release(void* hold) { delete static_cast<std::shared_ptr<const void>*>(hold); }
+  void CloseBlock() {
+    if (used_ > 0) slices_.push_back(block_.sub(0, used_));
+    block_ = grpc::Slice();
+    used_ = 0;
+  }
+
+  const std::shared_ptr<const void>& owner_;
+  grpc::Slice block_;
+  size_t used_ = 0;  // bytes of block_ written (or handed out and not backed up)
+  int64_t bytes_ = 0;
+  std::vector<grpc::Slice> slices_;
+};
+
 }  // namespace
+
+grpc::ByteBuffer SerializeReferencingBytes(const google::protobuf::MessageLite& message,
+                                           const std::shared_ptr<const void>& owner) {
+  message.ByteSizeLong();  // caches the sizes SerializeWithCachedSizes writes
+  AliasingSliceStream stream(owner);
+  {
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.EnableAliasing(true);
+    message.SerializeWithCachedSizes(&coded);
+  }
+  return stream.Finish();
+}
 
 absl::StatusOr<grpc::ByteBuffer> SerializeAppendRequest(const v1::AppendRequest& head,
                                                         std::span<const LayerRowBytes> rows,

@@ -16,6 +16,7 @@
 //              tag(3, LEN) varint(|kpe|) kpe   (left out when empty)
 #pragma once
 
+#include <google/protobuf/message_lite.h>
 #include <grpcpp/support/byte_buffer.h>
 
 #include <memory>
@@ -45,5 +46,18 @@ struct LayerRowBytes {
 absl::StatusOr<grpc::ByteBuffer> SerializeAppendRequest(const v1::AppendRequest& head,
                                                         std::span<const LayerRowBytes> rows,
                                                         const std::shared_ptr<const void>& rows_owner = nullptr);
+
+// Any message serialized by protobuf with its large bytes and string fields
+// (those longer than the room left in the writer's current 8 KiB block: a
+// compact AppendBatch's 61 entries of 256 rows, 295 KB each) referenced
+// where they are instead of copied -- protobuf's aliasing
+// (CodedOutputStream::EnableAliasing) over a stream of grpc::Slices. Every
+// reference slice holds a copy of `owner`, which must keep the message's
+// bytes fields alive and unchanged until gRPC's transport has written them
+// (possibly after the call returns; the message's other fields may change
+// once this returns: they were copied). The bytes on the wire are exactly
+// message.SerializeAsString()'s (tests/client/append_wire_test.cc).
+grpc::ByteBuffer SerializeReferencingBytes(const google::protobuf::MessageLite& message,
+                                           const std::shared_ptr<const void>& owner);
 
 }  // namespace mlakv

@@ -14,6 +14,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 
@@ -235,7 +236,10 @@ KvCacheClient::KvCacheClient(Options options, std::shared_ptr<grpc::Channel> cha
       stub_(v1::KvCache::NewStub(channel_)),
       append_method_name_(absl::StrCat("/", v1::KvCache::service_full_name(), "/Append")),
       append_method_(std::make_unique<grpc::internal::RpcMethod>(
-          append_method_name_.c_str(), grpc::internal::RpcMethod::CLIENT_STREAMING, channel_)) {}
+          append_method_name_.c_str(), grpc::internal::RpcMethod::CLIENT_STREAMING, channel_)),
+      append_batch_method_name_(absl::StrCat("/", v1::KvCache::service_full_name(), "/AppendBatch")),
+      append_batch_method_(std::make_unique<grpc::internal::RpcMethod>(
+          append_batch_method_name_.c_str(), grpc::internal::RpcMethod::NORMAL_RPC, channel_)) {}
 
 void KvCacheClient::PrepareContext(grpc::ClientContext& context, absl::Duration timeout) const {
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
@@ -409,6 +413,18 @@ absl::StatusOr<v1::AppendResponse> KvCacheClient::Append(const AppendRows& appen
 
 absl::StatusOr<v1::AppendBatchResponse> KvCacheClient::AppendBatch(const v1::AppendBatchRequest& request) {
   return Call(&v1::KvCache::Stub::AppendBatch, request);
+}
+
+absl::StatusOr<v1::AppendBatchResponse> KvCacheClient::AppendBatch(
+    std::shared_ptr<const v1::AppendBatchRequest> request) {
+  if (request == nullptr) return absl::InternalError("AppendBatch: no request (a caller's bug)");
+  const grpc::ByteBuffer message = SerializeReferencingBytes(*request, request);
+  grpc::ClientContext context;
+  PrepareContext(context, options_.timeout);
+  v1::AppendBatchResponse response;
+  MLAKV_RETURN_IF_ERROR(FromGrpcStatus(grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::AppendBatchResponse>(
+      channel_.get(), *append_batch_method_, &context, message, &response)));
+  return response;
 }
 
 absl::StatusOr<v1::Region> KvCacheClient::RegisterShmRegion(const std::string& name, const std::string& shm_name,

@@ -197,6 +197,11 @@ class KvCacheClient {
   // and region strides before sending.
   absl::StatusOr<v1::AppendResponse> Append(const AppendRows& append);
   absl::StatusOr<v1::AppendBatchResponse> AppendBatch(const v1::AppendBatchRequest& request);
+  // The same call with the request's rows (its bytes fields) sent from where
+  // they are, not copied into the message gRPC sends (client/append_wire.h
+  // SerializeReferencingBytes): `request` is held until gRPC's transport has
+  // written them, and its bytes fields must not change meanwhile.
+  absl::StatusOr<v1::AppendBatchResponse> AppendBatch(std::shared_ptr<const v1::AppendBatchRequest> request);
 
   // The stored (raw) bytes of tokens [start, start + count) of one layer;
   // count 0 reads to the layer's length.
@@ -281,6 +286,9 @@ class KvCacheClient {
   // Append by hand (ByteBuffer messages, client/append_wire.h): its method.
   std::string append_method_name_;
   std::unique_ptr<grpc::internal::RpcMethod> append_method_;
+  // AppendBatch with a ByteBuffer request (rows by reference).
+  std::string append_batch_method_name_;
+  std::unique_ptr<grpc::internal::RpcMethod> append_batch_method_;
 };
 
 // grpc::Status -> absl::Status: the same code and message.

@@ -46,7 +46,9 @@ struct LoadGenerator::Worker {
   // that Append sends them by reference (AppendRows::rows_owner) and gRPC may
   // hold them past the run.
   std::shared_ptr<const std::pair<std::string, std::string>> random_rows;
-  v1::AppendBatchRequest batch;            // prebuilt AppendBatch; only starts change
+  // Prebuilt AppendBatch; only starts change. Shared: its rows are sent by
+  // reference (KvCacheClient::AppendBatch), and gRPC may hold them past the call.
+  std::shared_ptr<v1::AppendBatchRequest> batch = std::make_shared<v1::AppendBatchRequest>();
   std::vector<double> latency_us;
   std::map<std::string, int64_t> errors_by_code;
   std::map<std::string, std::string> first_error_message;
@@ -140,11 +142,11 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
   const std::string& ckv = worker.random_rows->first;
   const std::string& kpe = worker.random_rows->second;
 
-  worker.batch.set_pool(options_.pool);
-  worker.batch.set_dtype(options_.dtype);
-  worker.batch.set_view(options_.view);
+  worker.batch->set_pool(options_.pool);
+  worker.batch->set_dtype(options_.dtype);
+  worker.batch->set_view(options_.view);
   for (uint32_t s = 0; s < sequences; ++s) {
-    v1::SequenceRows* seq = worker.batch.add_sequences();
+    v1::SequenceRows* seq = worker.batch->add_sequences();
     seq->set_sequence(SequenceId(index, s));
     seq->set_row_count(rows);
     const size_t row0 = decode ? s : 0;
@@ -160,7 +162,7 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
   // The compact form: each layer's rows of all the step's sequences in one
   // entry (sequence s's row is row s of the buffer).
   for (uint32_t layer = 0; layer < options_.layers && decode && options_.compact; ++layer) {
-    v1::LayerRows* l = worker.batch.add_batch_layers();
+    v1::LayerRows* l = worker.batch->add_batch_layers();
     l->set_layer(layer);
     l->set_ckv(ckv);
     l->set_kpe(kpe);
@@ -204,8 +206,9 @@ void LoadGenerator::RunWorker(int index, const std::atomic<bool>& stop, std::ato
     absl::Status status;
     size_t response_bytes = 0;  // measured after the clock stops
     if (use_batch) {
-      for (v1::SequenceRows& seq : *worker.batch.mutable_sequences()) seq.set_start(position);
-      absl::StatusOr<v1::AppendBatchResponse> response = client.AppendBatch(worker.batch);
+      for (v1::SequenceRows& seq : *worker.batch->mutable_sequences()) seq.set_start(position);
+      absl::StatusOr<v1::AppendBatchResponse> response =
+          client.AppendBatch(std::shared_ptr<const v1::AppendBatchRequest>(worker.batch));
       status = response.status();
       if (response.ok()) response_bytes = response->ByteSizeLong();
     } else {

@@ -2,6 +2,7 @@
 
 #include <array>
 #include <deque>
+#include <optional>
 #include <string>
 #include <limits>
 
@@ -108,9 +109,22 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
     if (la.rows && la.rows->on_device()) {
       return absl::InternalError("cpu backend: rows in device memory (the region registry refuses them; a bug)");
     }
+    // Rows of every segment in one run of the layer (la.rows: a compact
+    // AppendBatch's entry) that are in pieces: gathered once for the layer,
+    // then read per segment from there, instead of a gather per segment (a
+    // decode step's 61 layers x 256 sequences).
+    std::optional<RowSource> layer_rows;
+    if (la.rows && (la.rows->ckv_pieces != nullptr || la.rows->kpe_pieces != nullptr)) {
+      uint64_t n = 0;
+      for (const AppendSegment& seg : la.segments) n += static_cast<uint64_t>(std::max<int32_t>(seg.count, 0));
+      const uint64_t esize = DTypeSize(la.dtype);
+      layer_rows = RowSource{.ckv = HostRows(*la.rows, true, n * kCkvDim * esize, &gathered),
+                             .kpe = HostRows(*la.rows, false, n * kKpeDim * esize, &gathered)};
+    }
     for (const AppendSegment& seg : la.segments) {
       if (seg.count <= 0) continue;
-      const RowSource rows = SegmentRows(la, seg, layer_indptr.back());
+      const RowSource rows = layer_rows ? layer_rows->From(static_cast<uint64_t>(layer_indptr.back()), DTypeSize(la.dtype))
+                                        : SegmentRows(la, seg, layer_indptr.back());
       if (rows.on_device()) {
         return absl::InternalError("cpu backend: rows in device memory (the region registry refuses them; a bug)");
       }

@@ -10,6 +10,13 @@ namespace mlakv::server {
 namespace {
 
 constexpr uint32_t kLayersField = v1::AppendRequest::kLayersFieldNumber;
+constexpr uint32_t kBatchSequencesField = v1::AppendBatchRequest::kSequencesFieldNumber;
+constexpr uint32_t kBatchLayersField = v1::AppendBatchRequest::kBatchLayersFieldNumber;
+constexpr uint32_t kSequenceLayersField = v1::SequenceRows::kLayersFieldNumber;
+// A sequences entry shorter than this is copied whole into what protobuf
+// parses (its rows, if any, with it): taking apart each of a decode step's
+// 256 small entries field by field costs more than the copy saves.
+constexpr uint64_t kSplitSequenceMinBytes = 1024;
 constexpr uint32_t kCkvField = v1::LayerRows::kCkvFieldNumber;
 constexpr uint32_t kKpeField = v1::LayerRows::kKpeFieldNumber;
 constexpr uint64_t kMaxLength = INT32_MAX - 16;
@@ -158,6 +165,32 @@ bool SplitLayer(SliceReader& r, uint64_t n, std::string* out, LayerPieces* rows)
   return r.remaining() == end;
 }
 
+// An embedded message field whose body was rebuilt into `body`.
+void PutMessageField(uint32_t field, const std::string& body, std::string* out) {
+  PutVarint(uint64_t{field} << 3 | kLengthDelimited, out);
+  PutVarint(body.size(), out);
+  *out += body;
+}
+
+// A SequenceRows of `n` bytes: its fields into `out`, each layers entry
+// rebuilt without its rows, which go to `rows` (one per entry, in order).
+bool SplitSequence(SliceReader& r, uint64_t n, std::string* out, std::vector<LayerPieces>* rows) {
+  const uint64_t end = r.remaining() - n;
+  std::string layer;
+  while (r.remaining() > end) {
+    const bool ok = CopyField(r, end, out, [&](uint32_t field, uint64_t len, bool* handled) {
+      if (field != kSequenceLayersField) return true;
+      *handled = true;
+      layer.clear();
+      if (!SplitLayer(r, len, &layer, &rows->emplace_back())) return false;
+      PutMessageField(kSequenceLayersField, layer, out);
+      return true;
+    });
+    if (!ok) return false;
+  }
+  return r.remaining() == end;
+}
+
 }  // namespace
 
 bool ParseLeavingRows(const std::vector<grpc::Slice>& slices, v1::AppendRequest* message,
@@ -172,9 +205,7 @@ bool ParseLeavingRows(const std::vector<grpc::Slice>& slices, v1::AppendRequest*
       *handled = true;
       layer.clear();
       if (!SplitLayer(r, len, &layer, &rows->emplace_back())) return false;
-      PutVarint(uint64_t{kLayersField} << 3 | kLengthDelimited, &stripped);
-      PutVarint(layer.size(), &stripped);
-      stripped += layer;
+      PutMessageField(kLayersField, layer, &stripped);
       return true;
     });
     if (!ok) return false;
@@ -193,6 +224,65 @@ bool ParseAppendMessage(grpc::ByteBuffer* raw, ReceivedAppend* out) {
   grpc::ByteBuffer whole(out->slices.data(), out->slices.size());
   out->slices.clear();
   return grpc::SerializationTraits<v1::AppendRequest>::Deserialize(&whole, &out->message).ok();
+}
+
+bool ParseBatchLeavingRows(const std::vector<grpc::Slice>& slices, v1::AppendBatchRequest* message,
+                           std::vector<LayerPieces>* batch_rows, std::vector<std::vector<LayerPieces>>* sequence_rows) {
+  batch_rows->clear();
+  sequence_rows->clear();
+  SliceReader r(slices);
+  std::string stripped, part;
+  stripped.reserve(1024);
+  while (r.remaining() > 0) {
+    const bool ok = CopyField(r, 0, &stripped, [&](uint32_t field, uint64_t len, bool* handled) {
+      if (field == kBatchSequencesField && len < kSplitSequenceMinBytes) {
+        sequence_rows->emplace_back();  // copied whole: any rows it has stay in the message
+        return true;
+      }
+      if (field != kBatchLayersField && field != kBatchSequencesField) return true;
+      *handled = true;
+      part.clear();
+      const bool split = field == kBatchLayersField ? SplitLayer(r, len, &part, &batch_rows->emplace_back())
+                                                    : SplitSequence(r, len, &part, &sequence_rows->emplace_back());
+      if (!split) return false;
+      PutMessageField(field, part, &stripped);
+      return true;
+    });
+    if (!ok) return false;
+  }
+  if (!message->ParseFromString(stripped) || message->batch_layers_size() != static_cast<int>(batch_rows->size()) ||
+      message->sequences_size() != static_cast<int>(sequence_rows->size())) {
+    return false;
+  }
+  for (int i = 0; i < message->sequences_size(); ++i) {
+    const size_t split = (*sequence_rows)[i].size();  // 0: left whole (or no layers)
+    if (split != 0 && static_cast<int>(split) != message->sequences(i).layers_size()) return false;
+  }
+  return true;
+}
+
+bool ParseAppendBatchMessage(grpc::ByteBuffer* raw, ReceivedAppendBatch* out, size_t split_min_bytes) {
+  out->Clear();
+  out->wire_bytes = raw->Length();
+  if (out->wire_bytes < split_min_bytes) {
+    // Small (a decode step by reference is ~9 KB): protobuf's parse alone
+    // is faster than the reading that takes rows apart plus a parse of the
+    // rest, and the few rows it may carry are cheap to copy.
+    return grpc::SerializationTraits<v1::AppendBatchRequest>::Deserialize(raw, &out->message).ok();
+  }
+  if (!raw->Dump(&out->slices).ok()) return false;
+  raw->Clear();
+  if (ParseBatchLeavingRows(out->slices, &out->message, &out->batch_rows, &out->sequence_rows)) {
+    out->taken_apart = true;
+    return true;
+  }
+  // Not taken apart: the plain parse decides (and then holds the rows itself).
+  const size_t wire_bytes = out->wire_bytes;
+  std::vector<grpc::Slice> slices = std::move(out->slices);
+  out->Clear();
+  out->wire_bytes = wire_bytes;
+  grpc::ByteBuffer whole(slices.data(), slices.size());
+  return grpc::SerializationTraits<v1::AppendBatchRequest>::Deserialize(&whole, &out->message).ok();
 }
 
 }  // namespace mlakv::server

@@ -19,8 +19,11 @@
 #pragma once
 
 #include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/impl/serialization_traits.h>
 #include <grpcpp/support/slice.h>
+#include <grpcpp/support/status.h>
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -53,6 +56,54 @@ struct ReceivedAppend {
 // the bytes are not a valid AppendRequest (as protobuf's parse would say).
 bool ParseAppendMessage(grpc::ByteBuffer* raw, ReceivedAppend* out);
 
+// An AppendBatch request as received, the same way: the rows of its layer
+// entries -- batch_layers (the compact form: 61 entries of a decode step's
+// 256 rows each, 18 MB of bytes) and every sequence's layers -- left in the
+// slices, everything else parsed by protobuf. The server's AppendBatch
+// takes its request as this type (grpc::SerializationTraits below), so a
+// request's rows are copied once, into the backend's staging, not twice.
+struct ReceivedAppendBatch {
+  std::vector<grpc::Slice> slices;  // keep the pieces' bytes alive
+  v1::AppendBatchRequest message;   // rows' ckv and kpe empty where taken apart
+  // Whether the rows below are set (else the plain parse holds them in
+  // `message`): batch_rows[k] for message.batch_layers(k), sequence_rows[i][j]
+  // for message.sequences(i).layers(j) -- or sequence_rows[i] empty when
+  // that entry was small and left whole (its rows, if any, in `message`).
+  bool taken_apart = false;
+  std::vector<LayerPieces> batch_rows;
+  std::vector<std::vector<LayerPieces>> sequence_rows;
+  size_t wire_bytes = 0;  // the request's size on the wire
+
+  void Clear() {
+    slices.clear();
+    message.Clear();
+    taken_apart = false;
+    batch_rows.clear();
+    sequence_rows.clear();
+    wire_bytes = 0;
+  }
+  // The rows of batch_layers(k) / of sequences(i).layers(), or null / empty
+  // when they are in `message`.
+  const LayerPieces* batch_pieces(int k) const { return taken_apart ? &batch_rows[k] : nullptr; }
+  std::span<const LayerPieces> sequence_pieces(int i) const {
+    return taken_apart ? std::span<const LayerPieces>(sequence_rows[i]) : std::span<const LayerPieces>();
+  }
+};
+
+// Requests smaller than this are parsed the plain way.
+inline constexpr size_t kSplitBatchMinBytes = 64 * 1024;
+
+// Parses `raw` (consumed) into `out`; false when the bytes are not a valid
+// AppendBatchRequest (as protobuf's parse would say). A request of fewer than
+// `split_min_bytes` bytes is parsed the plain way (tests pass 0).
+bool ParseAppendBatchMessage(grpc::ByteBuffer* raw, ReceivedAppendBatch* out,
+                             size_t split_min_bytes = kSplitBatchMinBytes);
+
+// The rows-out reading alone: false when it does not take the message apart
+// (the caller then parses the plain way) or protobuf refuses what is left.
+bool ParseBatchLeavingRows(const std::vector<grpc::Slice>& slices, v1::AppendBatchRequest* message,
+                           std::vector<LayerPieces>* batch_rows, std::vector<std::vector<LayerPieces>>* sequence_rows);
+
 // The rows-out reading alone over `slices`: false when it does not take the
 // message apart (the caller then parses the plain way) or protobuf refuses
 // what is left.
@@ -60,3 +111,22 @@ bool ParseLeavingRows(const std::vector<grpc::Slice>& slices, v1::AppendRequest*
                       std::vector<LayerPieces>* rows);
 
 }  // namespace mlakv::server
+
+// The server's AppendBatch request type: gRPC's completion-queue API
+// deserializes a request through SerializationTraits of the type it is asked
+// to fill (KvCacheAsyncService::RequestAppendBatchReceived). A request that
+// does not parse is refused by gRPC as a protobuf one is (INTERNAL, before
+// the handler).
+template <>
+class grpc::SerializationTraits<mlakv::server::ReceivedAppendBatch, void> {
+ public:
+  static grpc::Status Serialize(const mlakv::server::ReceivedAppendBatch&, grpc::ByteBuffer*, bool*) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "a received AppendBatch is never sent");
+  }
+  static grpc::Status Deserialize(grpc::ByteBuffer* buffer, mlakv::server::ReceivedAppendBatch* out) {
+    if (!mlakv::server::ParseAppendBatchMessage(buffer, out)) {
+      return grpc::Status(grpc::StatusCode::INTERNAL, "AppendBatchRequest does not parse");
+    }
+    return grpc::Status::OK;
+  }
+};

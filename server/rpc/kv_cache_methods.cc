@@ -39,6 +39,16 @@ void ServeUnary(KvCacheAsyncService* async, cq::QueueThreads* queue, std::vector
 
 }  // namespace
 
+// gRPC numbers a service's methods in the order the proto declares them
+// (the generated RequestXxx pass that number), which is the method
+// descriptor's index.
+KvCacheAsyncService::KvCacheAsyncService()
+    : append_batch_index_(v1::AppendBatchRequest::descriptor()
+                              ->file()
+                              ->FindServiceByName("KvCache")
+                              ->FindMethodByName("AppendBatch")
+                              ->index()) {}
+
 void KvCacheService::Serve(cq::QueueThreads* queue) {
   // A handler that returns its status.
   auto inline_handler = [this](auto handler) {
@@ -54,8 +64,8 @@ void KvCacheService::Serve(cq::QueueThreads* queue) {
   ServeUnary<pb::ListPoolsRequest, pb::ListPoolsResponse>(async, queue, m, &S::RequestListPools,
                                                           inline_handler(&KvCacheService::ListPools));
   ServeUnary<pb::GetPoolRequest, pb::Pool>(async, queue, m, &S::RequestGetPool, inline_handler(&KvCacheService::GetPool));
-  ServeUnary<pb::AppendBatchRequest, pb::AppendBatchResponse>(async, queue, m, &S::RequestAppendBatch,
-                                                              call_handler(&KvCacheService::AppendBatch));
+  ServeUnary<ReceivedAppendBatch, pb::AppendBatchResponse>(async, queue, m, &S::RequestAppendBatchReceived,
+                                                           call_handler(&KvCacheService::AppendBatch));
   ServeUnary<pb::GetSequenceRequest, pb::Sequence>(async, queue, m, &S::RequestGetSequence,
                                                    inline_handler(&KvCacheService::GetSequence));
   ServeUnary<pb::ListSequencesRequest, pb::ListSequencesResponse>(async, queue, m, &S::RequestListSequences,

@@ -309,7 +309,7 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
   RpcScope scope = StartRpc(kRpcAppendBatch);
   using Clock = std::chrono::steady_clock;
   const Clock::time_point t_entered = Clock::now();
-  const v1::AppendBatchRequest* req = &call->request();
+  const v1::AppendBatchRequest* req = &call->request().message;
   auto detail = [req] { return absl::StrCat(PoolDetail(req->pool()), " sequences=", req->sequences_size()); };
   // Shape checks that need no pool state, before the call is queued.
   struct Checked {
@@ -319,7 +319,7 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
   };
   absl::StatusOr<Checked> checked = [&]() -> absl::StatusOr<Checked> {
     MLAKV_ASSIGN_OR_RETURN(Pool * pool, Prelude(req->pool()));
-    if (const size_t bytes = req->ByteSizeLong(); bytes > options_.max_message_bytes) {
+    if (const size_t bytes = call->request().wire_bytes; bytes > options_.max_message_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat("AppendBatch request is ", bytes,
                                                        " bytes, over this server's max_message_bytes of ",
                                                        options_.max_message_bytes, "; send fewer rows per call"));
@@ -361,7 +361,8 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
     // unless the task is short (kKeepTurnRowLayers).
     if (!short_task) cq::QueueThreads::LetAnotherPoll();
     v1::AppendBatchResponse* resp = call->response();
-    const v1::AppendBatchRequest* req = &call->request();
+    const ReceivedAppendBatch& received = call->request();
+    const v1::AppendBatchRequest* req = &received.message;
     cq::CallContext* ctx = call->context();
     Pool* p = c.pool;
     uint64_t row_bytes = 0;
@@ -385,19 +386,20 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
       CompactBatchRows compact;
       std::vector<SequenceRowsIn>& rows = compact.sequences;
       if (req->batch_layers_size() > 0) {  // the compact form: each layer's rows of all sequences in one entry
-        MLAKV_RETURN_IF_ERROR(ToCompactBatchRows(*req, *options_.regions, *p, &hold, &compact));
+        MLAKV_RETURN_IF_ERROR(ToCompactBatchRows(received, *options_.regions, *p, &hold, &compact));
         std::vector<const std::string*> ids;
         ids.reserve(req->sequences_size());
         for (const v1::SequenceRows& s : req->sequences()) ids.push_back(&s.sequence());
         MLAKV_RETURN_IF_ERROR(append.Begin(ids));
       } else {
         rows.reserve(req->sequences_size());
-        for (const v1::SequenceRows& s : req->sequences()) {
+        for (int i = 0; i < req->sequences_size(); ++i) {
+          const v1::SequenceRows& s = req->sequences(i);
           MLAKV_RETURN_IF_ERROR(append.Begin(s.sequence()));
           const std::optional<uint32_t> expect =
               s.has_expect_length() ? std::optional<uint32_t>(s.expect_length()) : std::nullopt;
-          MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn r, ToRows(s.sequence(), s.start(), s.row_count(), s.layers(), 0,
-                                                          expect, *options_.regions, *p, &hold));
+          MLAKV_ASSIGN_OR_RETURN(SequenceRowsIn r, ToRows(s.sequence(), s.start(), s.row_count(), s.layers(), 0, expect,
+                                                          *options_.regions, *p, &hold, received.sequence_pieces(i)));
           AddCacheFields(s, &r);
           rows.push_back(std::move(r));
         }

@@ -42,6 +42,7 @@
 #include "server/core/pool.h"
 #include "server/regions/region_registry.h"
 #include "server/core/serial_executor.h"
+#include "server/rpc/append_wire.h"
 #include "server/rpc/open_appends.h"
 #include "server/rpc/stream_watchdog.h"
 
@@ -57,11 +58,26 @@ struct AppendOutcome {
   double seconds = 0;        // from the call's start to its status
 };
 
-// Every method on the completion-queue API; Append raw.
-using KvCacheAsyncService = v1::KvCache::WithRawMethod_Append<v1::KvCache::AsyncService>;
+// Every method on the completion-queue API; Append raw; AppendBatch's
+// request received with its rows left in the transport's slices
+// (ReceivedAppendBatch, server/rpc/append_wire.h).
+class KvCacheAsyncService final : public v1::KvCache::WithRawMethod_Append<v1::KvCache::AsyncService> {
+ public:
+  KvCacheAsyncService();
+  // The generated RequestAppendBatch, filling a ReceivedAppendBatch.
+  void RequestAppendBatchReceived(grpc::ServerContext* context, ReceivedAppendBatch* request,
+                                  grpc::ServerAsyncResponseWriter<v1::AppendBatchResponse>* response,
+                                  grpc::CompletionQueue* new_call_cq, grpc::ServerCompletionQueue* notification_cq,
+                                  void* tag) {
+    RequestAsyncUnary(append_batch_index_, context, request, response, new_call_cq, notification_cq, tag);
+  }
+
+ private:
+  const int append_batch_index_;  // gRPC's index of the method: its place in the proto's service
+};
 
 // The unary calls whose handlers finish them later, from a worker.
-using AppendBatchCall = cq::UnaryCall<v1::AppendBatchRequest, v1::AppendBatchResponse>;
+using AppendBatchCall = cq::UnaryCall<ReceivedAppendBatch, v1::AppendBatchResponse>;
 using ForkSequenceCall = cq::UnaryCall<v1::ForkSequenceRequest, v1::ForkSequenceResponse>;
 using RegisterShmRegionCall = cq::UnaryCall<v1::RegisterShmRegionRequest, v1::Region>;
 using RegisterCudaRegionCall = cq::UnaryCall<v1::RegisterCudaRegionRequest, v1::Region>;

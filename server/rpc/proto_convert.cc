@@ -215,8 +215,9 @@ absl::StatusOr<SequenceRowsIn> ToRows(const std::string& sequence, uint32_t star
   return r;
 }
 
-absl::Status ToCompactBatchRows(const v1::AppendBatchRequest& req, const RegionRegistry& regions, const Pool& pool,
+absl::Status ToCompactBatchRows(const ReceivedAppendBatch& received, const RegionRegistry& regions, const Pool& pool,
                                 RegionHold* hold, CompactBatchRows* out) {
+  const v1::AppendBatchRequest& req = received.message;
   constexpr uint64_t kCkvRow = format::kCkvDim * 2, kKpeRow = format::kKpeDim * 2;
   if (req.batch_layers_size() > pool.num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat(req.batch_layers_size(), " batch_layers entries but pool ",
@@ -241,8 +242,8 @@ absl::Status ToCompactBatchRows(const v1::AppendBatchRequest& req, const RegionR
   for (int k = 0; k < req.batch_layers_size(); ++k) {
     const v1::LayerRows& lr = req.batch_layers(k);
     const auto who = [&] { return absl::StrCat("batch_layers[", k, "] (layer ", lr.layer(), ")"); };  // for errors
-    MLAKV_RETURN_IF_ERROR(regions.ResolveRows(who, ToLayerRowsRequest(lr), static_cast<uint32_t>(total), pool.device(),
-                                              &whole[k], hold));
+    MLAKV_RETURN_IF_ERROR(regions.ResolveRows(who, ToLayerRowsRequest(lr, received.batch_pieces(k)),
+                                              static_cast<uint32_t>(total), pool.device(), &whole[k], hold));
     if (whole[k].ckv_bytes != total * kCkvRow || whole[k].kpe_bytes != total * kKpeRow) {
       return absl::InvalidArgumentError(absl::StrCat(
           who(), ": holds ", whole[k].ckv_bytes, " ckv and ", whole[k].kpe_bytes, " kpe bytes; the batch's ", total,

@@ -87,7 +87,9 @@ SequenceRef RefOf(const Request& req) {
 // exactly sum(row_count) rows; one SequenceRowsIn per `sequences` entry (none
 // may carry `layers`) naming its row offset in them (shared_layers). The
 // sequences point into `layers`: keep the struct whole (moving it is fine,
-// the vectors keep their storage; copying it is not).
+// the vectors keep their storage; copying it is not). Bytes rows are read
+// where the request left them (its pieces, or its message), which must
+// outlive the struct.
 struct CompactBatchRows {
   std::vector<LayerRows> layers;
   std::vector<SequenceRowsIn> sequences;
@@ -97,7 +99,7 @@ struct CompactBatchRows {
   CompactBatchRows(CompactBatchRows&&) = default;
   CompactBatchRows& operator=(CompactBatchRows&&) = default;
 };
-absl::Status ToCompactBatchRows(const v1::AppendBatchRequest& req, const RegionRegistry& regions, const Pool& pool,
+absl::Status ToCompactBatchRows(const ReceivedAppendBatch& received, const RegionRegistry& regions, const Pool& pool,
                                 RegionHold* hold, CompactBatchRows* out);
 
 // A registered region as the wire describes it.

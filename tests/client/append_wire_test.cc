@@ -5,6 +5,9 @@
 // field set, rows around the varint length boundaries, empty row fields,
 // region references, zero layers, and random shapes; and that a head that
 // breaks the function's contract is refused rather than written wrongly.
+// SerializeReferencingBytes (any message, large bytes fields referenced)
+// must write exactly protobuf's own bytes, reference the large fields where
+// they are, and hold its owner until gRPC lets the slices go.
 #include "client/append_wire.h"
 
 #include <google/protobuf/util/message_differencer.h>
@@ -12,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -204,6 +208,77 @@ TEST(SerializeAppendRequest, AHeadThatBreaksTheContractIsRefused) {
   head.mutable_layers(0)->clear_ckv();
   EXPECT_EQ(SerializeAppendRequest(head, {}).status().code(), absl::StatusCode::kInternal);  // one row set short
   EXPECT_TRUE(SerializeAppendRequest(head, one).ok());
+}
+
+// A compact AppendBatch of `layers` entries of `rows` rows, and sequences
+// with small per-sequence rows.
+std::shared_ptr<v1::AppendBatchRequest> Batch(int layers, int rows, int sequences) {
+  auto m = std::make_shared<v1::AppendBatchRequest>();
+  m->set_pool("default");
+  m->set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  for (int i = 0; i < sequences; ++i) {
+    v1::SequenceRows* s = m->add_sequences();
+    s->set_sequence("seq-" + std::to_string(i));
+    s->set_row_count(1);
+    s->set_start(static_cast<uint32_t>(i) * 1000);
+    if (i % 3 == 2) {
+      v1::LayerRows* l = s->add_layers();
+      l->set_ckv(Bytes(1024, 90 + i));
+      l->set_kpe(Bytes(128, 190 + i));
+    }
+  }
+  for (int k = 0; k < layers; ++k) {
+    v1::LayerRows* l = m->add_batch_layers();
+    l->set_layer(k);
+    l->set_ckv(Bytes(static_cast<size_t>(rows) * 1024, 10 + k));
+    l->set_kpe(Bytes(static_cast<size_t>(rows) * 128, 50 + k));
+    l->set_ckv_scale(0.5f);
+  }
+  return m;
+}
+
+TEST(SerializeReferencingBytes, WritesProtobufsOwnBytes) {
+  for (const auto& [layers, rows, sequences] : std::vector<std::tuple<int, int, int>>{
+           {0, 0, 0}, {1, 1, 1}, {3, 7, 5}, {61, 256, 256}, {2, 8, 0}, {0, 0, 40}, {5, 300, 3}}) {
+    SCOPED_TRACE(::testing::Message() << layers << " x " << rows << ", " << sequences << " sequences");
+    std::shared_ptr<v1::AppendBatchRequest> m = Batch(layers, rows, sequences);
+    const grpc::ByteBuffer wire = SerializeReferencingBytes(*m, m);
+    EXPECT_EQ(wire.Length(), m->ByteSizeLong());
+    EXPECT_TRUE(Flatten(wire) == m->SerializeAsString()) << "the bytes differ";
+  }
+}
+
+TEST(SerializeReferencingBytes, LargeFieldsAreTheCallersBytesHeldUntilGrpcLetsGo) {
+  std::shared_ptr<v1::AppendBatchRequest> m = Batch(4, 256, 8);  // 256 KiB + 32 KiB per entry
+  const std::shared_ptr<const void> owner = m;
+  {
+    const grpc::ByteBuffer wire = SerializeReferencingBytes(*m, owner);
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(wire.Dump(&slices).ok());
+    for (const v1::LayerRows& l : m->batch_layers()) {
+      for (const std::string* bytes : {&l.ckv(), &l.kpe()}) {
+        int found = 0;
+        for (const grpc::Slice& s : slices) {
+          found += reinterpret_cast<const char*>(s.begin()) == bytes->data() && s.size() == bytes->size();
+        }
+        EXPECT_EQ(found, 1) << "a large field copied, not referenced";
+      }
+    }
+    const long held = owner.use_count() - 2;  // less `m` and `owner`
+    EXPECT_EQ(held, 8) << "one hold per referenced field";
+    grpc::ByteBuffer copy(wire);  // gRPC taking its own reference
+    slices.clear();
+    EXPECT_EQ(owner.use_count() - 2, held);
+  }
+  EXPECT_EQ(owner.use_count(), 2) << "every reference slice gave its owner back";
+  // The message's other fields may change once it returned: they were copied.
+  const grpc::ByteBuffer wire = SerializeReferencingBytes(*m, owner);
+  const std::string before = m->SerializeAsString();
+  m->mutable_sequences(0)->set_start(123456);
+  m->set_pool("another pool");
+  v1::AppendBatchRequest sent;
+  ASSERT_TRUE(sent.ParseFromString(Flatten(wire)));
+  EXPECT_EQ(sent.SerializeAsString(), before);
 }
 
 }  // namespace

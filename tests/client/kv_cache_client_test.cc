@@ -131,6 +131,13 @@ class ScriptedKvCache final : public v1::KvCache::Service {
     *response = fork_;
     return status_;
   }
+  grpc::Status AppendBatch(grpc::ServerContext* ctx, const v1::AppendBatchRequest* request,
+                           v1::AppendBatchResponse* response) override {
+    Record(ctx, "AppendBatch", *request);
+    absl::MutexLock lock(&mu_);
+    response->set_rows_written(static_cast<uint64_t>(request->sequences_size()) * 7);
+    return status_;
+  }
   grpc::Status MatchPrefix(grpc::ServerContext* ctx, const v1::MatchPrefixRequest* request,
                            v1::MatchPrefixResponse* response) override {
     Record(ctx, "MatchPrefix", *request);
@@ -410,6 +417,54 @@ TEST(KvCacheClientOwnerTest, ACancelledAppendKeepsTheRowsAliveUntilTheTransportL
     EXPECT_TRUE(watch.expired()) << "gRPC still holds the rows 10 s after the call ended";
   }
   server->Shutdown();
+}
+
+// AppendBatch with the request shared: its rows go out from where they are
+// (client/append_wire.h SerializeReferencingBytes), and the server receives
+// exactly the request, with the call's deadline; a status keeps its code and
+// message; the request is given back once gRPC is done with its bytes.
+TEST_F(KvCacheClientTest, AnAppendBatchByReferenceArrivesAsIsAndGivesItsRequestBack) {
+  auto client = Client(4u << 20, absl::Seconds(7));
+  auto request = std::make_shared<v1::AppendBatchRequest>();
+  request->set_pool("p");
+  request->set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  for (int i = 0; i < 3; ++i) {
+    v1::SequenceRows* s = request->add_sequences();
+    s->set_sequence("s" + std::to_string(i));
+    s->set_start(5);
+    s->set_row_count(16);
+  }
+  for (uint32_t layer = 0; layer < 4; ++layer) {  // 48 rows a layer: 48 KiB of ckv, 6 KiB of kpe
+    v1::LayerRows* l = request->add_batch_layers();
+    l->set_layer(layer);
+    l->set_ckv(Rows(48, kCkvRowBytes, static_cast<char>('a' + layer)));
+    l->set_kpe(Rows(48, kKpeRowBytes, static_cast<char>('A' + layer)));
+  }
+  std::weak_ptr<v1::AppendBatchRequest> watch = request;
+  absl::StatusOr<v1::AppendBatchResponse> answer =
+      client->AppendBatch(std::shared_ptr<const v1::AppendBatchRequest>(request));
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->rows_written(), 21u);
+  std::vector<v1::AppendBatchRequest> got = service_.requests<v1::AppendBatchRequest>("AppendBatch");
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].SerializeAsString(), request->SerializeAsString());
+  const std::vector<double> deadlines = service_.deadlines();
+  ASSERT_FALSE(deadlines.empty());
+  EXPECT_GT(deadlines.back(), 5.0);
+  EXPECT_LE(deadlines.back(), 7.1);
+  service_.Answer(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "scripted: no pages"));
+  answer = client->AppendBatch(std::shared_ptr<const v1::AppendBatchRequest>(request));
+  ASSERT_FALSE(answer.ok());
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(answer.status().message(), "scripted: no pages");
+  EXPECT_EQ(client->AppendBatch(std::shared_ptr<const v1::AppendBatchRequest>()).status().code(),
+            absl::StatusCode::kInternal);
+  request.reset();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!watch.expired() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(watch.expired()) << "gRPC still holds the request 10 s after the calls ended";
 }
 
 TEST_F(KvCacheClientTest, AMessageHoldsAtLeastOneRowAndZeroRowsIsOneMessage) {

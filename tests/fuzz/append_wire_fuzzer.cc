@@ -1,7 +1,8 @@
-// The Append message parse that leaves the rows in the received slices
-// (server/rpc/append_wire.h), against protobuf's plain parse: for any bytes,
-// cut into slices anywhere, both accept or both refuse, and what both accept
-// is the same message once the rows are put back.
+// The Append message and AppendBatch request parses that leave the rows in
+// the received slices (server/rpc/append_wire.h), against protobuf's plain
+// parse: for any bytes, cut into slices anywhere, read as either message,
+// both accept or both refuse, and what both accept is the same message once
+// the rows are put back.
 //
 // Input: byte 0 = number of cuts (mod 8), then one byte per cut (its place,
 // scaled to the message), then the message's bytes.
@@ -21,9 +22,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<size_t> cuts;
   for (size_t i = 0; i < cuts_n; ++i) cuts.push_back(bytes.size() * data[1 + i] / 255);
   std::sort(cuts.begin(), cuts.end());
-  const mlakv::server::testing::WireVerdict v =
-      mlakv::server::testing::CompareWithPlainParse(mlakv::server::testing::CutInto(bytes, cuts));
-  if (v.plain_ok != v.split_ok) std::abort();
-  if (v.plain_ok && !v.same) std::abort();
+  const std::vector<grpc::Slice> slices = mlakv::server::testing::CutInto(bytes, cuts);
+  for (const mlakv::server::testing::WireVerdict& v : {mlakv::server::testing::CompareWithPlainParse(slices),
+                                                        mlakv::server::testing::CompareBatchWithPlainParse(slices)}) {
+    if (v.plain_ok != v.split_ok) std::abort();
+    if (v.plain_ok && !v.same) std::abort();
+  }
   return 0;
 }

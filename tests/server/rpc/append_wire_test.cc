@@ -1,6 +1,7 @@
 // ParseAppendMessage (server/rpc/append_wire.h) leaves an Append message's
-// rows in the slices they arrived in, and must give exactly what protobuf's
-// plain parse gives: for messages cut into slices anywhere (a varint, a tag
+// rows in the slices they arrived in, and ParseAppendBatchMessage an
+// AppendBatch request's (batch_layers' and every sequence's layers'); both
+// must give exactly what protobuf's plain parse gives: for messages cut into slices anywhere (a varint, a tag
 // or a row split between two slices), with fields in any order, a bytes
 // field given twice, unknown fields, and for every truncation of a message
 // and a handful of malformed ones, where both must refuse alike.
@@ -16,6 +17,7 @@
 namespace mlakv::server {
 namespace {
 
+using testing::CompareBatchWithPlainParse;
 using testing::CompareWithPlainParse;
 using testing::CutInto;
 
@@ -169,6 +171,204 @@ TEST(ParseAppendMessage, MalformedAndUnusualMessagesGetTheSameVerdict) {
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(i);
     const testing::WireVerdict v = CompareWithPlainParse(CutInto(cases[i], {}));
+    EXPECT_EQ(v.split_ok, v.plain_ok);
+    if (v.plain_ok) EXPECT_TRUE(v.same) << v.difference;
+  }
+}
+
+// An AppendBatch with both ways of carrying rows (the server refuses the
+// mix later; the parse must still take both apart): `compact` batch_layers
+// entries of 4 rows, and sequences of which the odd ones carry 2 layers.
+v1::AppendBatchRequest Batch(int compact, int sequences, uint64_t seed) {
+  v1::AppendBatchRequest m;
+  m.set_pool("default");
+  m.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  m.set_view(v1::SEQUENCE_VIEW_COMPACT);
+  for (int i = 0; i < sequences; ++i) {
+    v1::SequenceRows* s = m.add_sequences();
+    s->set_sequence("seq-" + std::to_string(i));
+    s->set_start(7);
+    s->set_row_count(1);
+    s->set_expect_length(7);
+    s->add_block_hashes("h");
+    for (int l = 0; i % 2 == 1 && l < 2; ++l) {
+      v1::LayerRows* r = s->add_layers();
+      r->set_layer(l);
+      r->set_ckv(Bytes(1024, seed * 41 + i * 3 + l));
+      r->set_kpe(Bytes(128, seed * 43 + i * 3 + l));
+    }
+  }
+  for (int k = 0; k < compact; ++k) {
+    v1::LayerRows* r = m.add_batch_layers();
+    r->set_layer(k);
+    r->set_ckv(Bytes(4 * 1024, seed * 47 + k));
+    r->set_kpe(Bytes(4 * 128, seed * 53 + k));
+    r->set_ckv_scale(0.25f);
+  }
+  return m;
+}
+
+void ExpectBatchAgrees(const std::vector<grpc::Slice>& slices, bool want_taken_apart) {
+  const testing::WireVerdict v = CompareBatchWithPlainParse(slices);
+  ASSERT_TRUE(v.plain_ok);
+  ASSERT_TRUE(v.split_ok);
+  EXPECT_EQ(v.took_apart, want_taken_apart);
+  EXPECT_TRUE(v.same) << v.difference;
+}
+
+TEST(ParseAppendBatchMessage, RowsStayInTheSlicesWhereverTheRequestIsCut) {
+  const std::string wire = Batch(3, 4, 1).SerializeAsString();
+  for (size_t cut = 1; cut < wire.size(); cut += 11) {
+    SCOPED_TRACE(cut);
+    ExpectBatchAgrees(CutInto(wire, {cut}), true);
+  }
+  std::mt19937_64 rng(9);
+  for (int trial = 0; trial < 100; ++trial) {
+    std::vector<size_t> cuts;
+    for (int i = 0; i < 20; ++i) cuts.push_back(rng() % (wire.size() + 1));
+    std::sort(cuts.begin(), cuts.end());
+    ExpectBatchAgrees(CutInto(wire, cuts), true);
+  }
+  // Only the compact form, only per-sequence rows, and no rows at all.
+  ExpectBatchAgrees(CutInto(Batch(2, 0, 2).SerializeAsString(), {300, 5000}), true);
+  ExpectBatchAgrees(CutInto(Batch(0, 3, 3).SerializeAsString(), {40}), true);
+  v1::AppendBatchRequest empty;
+  ExpectBatchAgrees(CutInto(empty.SerializeAsString(), {}), true);
+}
+
+TEST(ParseAppendBatchMessage, TheRowsArePiecesOfTheSlicesNotCopies) {
+  const std::string wire = Batch(2, 2, 4).SerializeAsString();
+  std::vector<grpc::Slice> slices = CutInto(wire, {100, 3000, 6000, 9000});
+  grpc::ByteBuffer raw(slices.data(), slices.size());
+  ReceivedAppendBatch received;
+  ASSERT_TRUE(ParseAppendBatchMessage(&raw, &received, /*split_min_bytes=*/0));
+  ASSERT_TRUE(received.taken_apart);
+  ASSERT_EQ(received.batch_rows.size(), 2u);
+  ASSERT_EQ(received.sequence_rows.size(), 2u);
+  EXPECT_TRUE(received.sequence_rows[0].empty());
+  ASSERT_EQ(received.sequence_rows[1].size(), 2u);
+  EXPECT_EQ(received.wire_bytes, wire.size());
+  std::vector<const BytePieces*> all = {&received.batch_rows[0].ckv, &received.batch_rows[1].kpe,
+                                        &received.sequence_rows[1][1].ckv};
+  for (const BytePieces* pieces : all) {
+    ASSERT_GT(pieces->size(), 0u);
+    for (const std::string_view part : pieces->parts) {
+      bool inside = false;
+      for (const grpc::Slice& s : received.slices) {
+        const char* b = reinterpret_cast<const char*>(s.begin());
+        inside |= part.data() >= b && part.data() + part.size() <= b + s.size();
+      }
+      EXPECT_TRUE(inside) << "a piece outside the received slices";
+    }
+  }
+  EXPECT_EQ(received.message.batch_layers(0).ckv(), "");
+  EXPECT_EQ(received.message.sequences(1).layers(1).kpe(), "");
+  EXPECT_EQ(raw.Length(), 0u) << "the slices moved to the parse";
+}
+
+TEST(ParseAppendBatchMessage, FieldsInAnyOrderRepeatedBytesAndUnknownFields) {
+  auto field = [](uint32_t number, uint32_t type) {
+    std::string t;
+    uint64_t tag = uint64_t{number} << 3 | type;
+    while (tag >= 0x80) {
+      t.push_back(static_cast<char>(tag | 0x80));
+      tag >>= 7;
+    }
+    t.push_back(static_cast<char>(tag));
+    return t;
+  };
+  auto len = [&](uint32_t number, const std::string& body) {
+    std::string out = field(number, 2);
+    uint64_t n = body.size();
+    while (n >= 0x80) {
+      out.push_back(static_cast<char>(n | 0x80));
+      n >>= 7;
+    }
+    out.push_back(static_cast<char>(n));
+    return out + body;
+  };
+  const std::string first = Bytes(700, 5), second = Bytes(400, 6), kpe = Bytes(50, 7);
+  // A layer entry with ckv twice (the last wins) and unknown fields; the
+  // sequence holding it is over the 1 KiB below which entries stay whole.
+  const std::string layer = len(2, first) + field(1, 0) + "\x02" + len(2, second) + len(3, kpe) + field(99, 0) +
+                            "\x2a" + len(97, "unknown");
+  // A sequence whose layers entry comes before its id, with an unknown field.
+  const std::string sequence = len(4, layer) + len(1, "s") + field(3, 0) + "\x01" + field(77, 5) + "wxyz" + len(4, "");
+  // The top: batch_layers before sequences, interleaved, unknown fields.
+  const std::string top = len(5, layer) + len(3, sequence) + field(600, 1) + std::string(8, 'q') + len(5, len(3, kpe)) +
+                          len(3, len(1, "t")) + len(1, "default") + field(4, 0) + "\x02";
+  ExpectBatchAgrees(CutInto(top, {}), true);
+  ExpectBatchAgrees(CutInto(top, {3, 19, 280, 400, 700}), true);
+}
+
+// What is small stays whole: a request under kSplitBatchMinBytes is parsed
+// by protobuf alone (a decode step by reference: its ~9 KB would take twice
+// as long to take apart and parse again), and in a large one a sequences
+// entry under 1 KiB is copied whole, its rows with it; only the large ones
+// and every batch_layers entry are taken apart.
+TEST(ParseAppendBatchMessage, SmallRequestsAndSmallEntriesStayWhole) {
+  const std::string small = Batch(2, 3, 10).SerializeAsString();
+  ASSERT_LT(small.size(), kSplitBatchMinBytes);
+  const testing::WireVerdict v = CompareBatchWithPlainParse(CutInto(small, {50}), kSplitBatchMinBytes);
+  ASSERT_TRUE(v.split_ok);
+  EXPECT_FALSE(v.took_apart);
+  EXPECT_TRUE(v.same) << v.difference;
+
+  v1::AppendBatchRequest large = Batch(3, 4, 8);  // sequences 1 and 3 with 2 x 1,152 bytes of rows
+  v1::SequenceRows* tiny = large.add_sequences();  // rows of 100 bytes: under 1 KiB
+  tiny->set_sequence("tiny");
+  tiny->add_layers()->set_ckv(Bytes(100, 77));
+  while (large.ByteSizeLong() < kSplitBatchMinBytes) {
+    large.mutable_batch_layers(0)->mutable_ckv()->append(Bytes(8192, large.ByteSizeLong()));
+  }
+  const std::string wire = large.SerializeAsString();
+  std::vector<grpc::Slice> slices = CutInto(wire, {1000, 30000});
+  grpc::ByteBuffer raw(slices.data(), slices.size());
+  ReceivedAppendBatch received;
+  ASSERT_TRUE(ParseAppendBatchMessage(&raw, &received));  // the server's threshold
+  ASSERT_TRUE(received.taken_apart);
+  ASSERT_EQ(received.sequence_rows.size(), 5u);
+  EXPECT_TRUE(received.sequence_rows[0].empty());  // no layers
+  EXPECT_EQ(received.sequence_rows[1].size(), 2u);  // 2,304 bytes of rows: taken apart
+  EXPECT_TRUE(received.sequence_rows[4].empty());  // "tiny": left whole
+  EXPECT_EQ(received.message.sequences(4).layers(0).ckv(), Bytes(100, 77));
+  EXPECT_EQ(received.message.sequences(1).layers(0).ckv(), "");
+  EXPECT_EQ(received.message.batch_layers(0).ckv(), "");
+  ExpectBatchAgrees(CutInto(wire, {1000, 30000}), true);
+  EXPECT_TRUE(CompareBatchWithPlainParse(CutInto(wire, {7}), kSplitBatchMinBytes).same);
+}
+
+TEST(ParseAppendBatchMessage, EveryTruncationIsJudgedAsProtobufJudgesIt) {
+  const std::string wire = Batch(1, 2, 8).SerializeAsString();
+  int refused = 0;
+  for (size_t n = 0; n < wire.size(); n += (n < 200 || n > wire.size() - 200) ? 1 : 37) {
+    SCOPED_TRACE(n);
+    const testing::WireVerdict v = CompareBatchWithPlainParse(CutInto(wire.substr(0, n), {n / 3}));
+    EXPECT_EQ(v.split_ok, v.plain_ok);
+    if (v.plain_ok) EXPECT_TRUE(v.same) << v.difference;
+    refused += !v.plain_ok;
+  }
+  EXPECT_GT(refused, 0);
+}
+
+TEST(ParseAppendBatchMessage, MalformedAndUnusualRequestsGetTheSameVerdict) {
+  const std::vector<std::string> cases = {
+      std::string("\x2a\x05\x12\x10", 4),            // a batch_layers entry whose ckv runs past its end
+      std::string("\x1a\x04\x22\x02\x12\x05", 6),    // a sequence's layer whose ckv runs past the layer
+      std::string("\x1a\x02\x23\x24", 4),            // a group inside a sequence
+      std::string("\x1a\x04\x22\x02\x1b\x1c", 6),    // a group inside a sequence's layer
+      std::string("\x0a\x02\xc3\x28", 4),            // a pool that is not UTF-8
+      std::string("\x1a\x04\x0a\x02\xc3\x28", 6),    // a sequence id that is not UTF-8
+      std::string("\x28\x05", 2),                    // batch_layers as a varint (an unknown field)
+      std::string("\x18\x05", 2),                    // sequences as a varint
+      std::string("\x1a\x02\x20\x05", 4),            // a sequence's layers as a varint
+      std::string("\x2a\x82\x80\x80\x80\x80\x00\x08\x01", 9),  // a 6-byte length
+      std::string("\x1a\x03\x22\x01\x80", 5),        // a varint cut at the layer's end
+      std::string("\x00\x01", 2),                    // field number 0
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(i);
+    const testing::WireVerdict v = CompareBatchWithPlainParse(CutInto(cases[i], {}));
     EXPECT_EQ(v.split_ok, v.plain_ok);
     if (v.plain_ok) EXPECT_TRUE(v.same) << v.difference;
   }
