@@ -3,6 +3,7 @@
 //
 //   rpc_floor_bench [--samples 5000] [--rounds 5] [--alone sync|callback|async]
 //                   [--external NAME=HOST:PORT,...] [--in_turn_only] [--rpc_threads N]
+//                   [--quiet_ms 1,10,100 [--quiet_calls 30]]
 //   rpc_floor_bench --serve sync --port P
 //
 // Four servers on loopback TCP (127.0.0.1, a port each), one client channel
@@ -29,9 +30,12 @@
 // nothing else in the process. --external NAME=ADDR,... adds servers running
 // in processes of their own (mlakv-server builds, and `rpc_floor_bench
 // --serve sync --port P`: the minimal sync server in its own process) to the
-// rounds in turn; --in_turn_only stops after those rounds.
+// rounds in turn; --in_turn_only stops after those rounds. --quiet_ms then
+// times every variant's call after each quiet spell given (the client
+// sleeping, every server idle): what a layer-wise save's commit meets.
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -42,6 +46,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "bench/bench_stats.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -68,6 +73,10 @@ ABSL_FLAG(int, port, 0, "--serve: the port");
 ABSL_FLAG(bool, in_turn_only, false, "time the servers alone in turn, then stop (skip the mixed rounds)");
 ABSL_FLAG(int, rpc_threads, 0, "mlakv-server's completion-queue threads (0: its default, KvCacheServer::Options)");
 ABSL_FLAG(int, async_threads, 2, "--alone async: threads polling the completion queues");
+ABSL_FLAG(std::vector<std::string>, quiet_ms, {},
+          "after the rounds, also time each variant's call after each of these quiet spells (ms of the client "
+          "sleeping, every server idle), the variants in turn call by call");
+ABSL_FLAG(int, quiet_calls, 30, "--quiet_ms: calls per variant per quiet spell");
 ABSL_FLAG(int, async_queues, 0,
           "--alone async: completion queues the threads share out (0: one queue per thread; 1: every thread on one "
           "queue)");
@@ -635,6 +644,28 @@ int Main() {
   print("sync Health/Check, alone in the process", alone_us);
   print("sync Health/Check, beside an idle callback server", beside_us);
   for (const Variant& v : variants) print(v.name, v.us);
+  // A call after a quiet spell: what the end of a layer-wise save meets
+  // (its commit follows tens of ms of the forward pass; issue 18). Each
+  // variant's call after the same sleep, in turn, so a host's drift and its
+  // idle states hit all alike; against the minimal sync server's.
+  for (const std::string& q : absl::GetFlag(FLAGS_quiet_ms)) {
+    double quiet_ms = 0;
+    if (!absl::SimpleAtod(q, &quiet_ms) || quiet_ms < 0) Die("--quiet_ms: not a number of ms: " + q);
+    std::vector<std::vector<double>> after(variants.size());
+    for (int i = 0; i < absl::GetFlag(FLAGS_quiet_calls); ++i) {
+      for (size_t k = 0; k < variants.size(); ++k) {
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(quiet_ms));
+        after[k].push_back(TimeOne(variants[k].call));
+      }
+    }
+    const double quiet_floor = Summarize(after[0]).p50;
+    std::printf("after %.1f ms of quiet (%d calls each, in turn):\n", quiet_ms, absl::GetFlag(FLAGS_quiet_calls));
+    for (size_t k = 0; k < variants.size(); ++k) {
+      const Summary s = Summarize(after[k]);
+      std::printf("  %-52s p50 %7.1f us  p90 %7.1f   p50 / sync after the same quiet %.2fx\n", variants[k].name,
+                  s.p50, s.p90, s.p50 / quiet_floor);
+    }
+  }
   (*mlakv)->Shutdown(absl::Seconds(1));
   (*bare)->Shutdown(absl::Seconds(1));
   sync_server->Shutdown();
