@@ -29,6 +29,21 @@ inline std::string Join(const BytePieces& pieces) {
   return out;
 }
 
+// The same bytes when serialized again: every field, unknown ones and the
+// bit patterns of floats included (a NaN scale is not equal to itself, so
+// a field-by-field comparison would call two identical parses different;
+// found by the fuzzer). The differences, for a message, when not.
+inline void CompareSerialized(const google::protobuf::Message& plain, const google::protobuf::Message& rebuilt,
+                              WireVerdict* v) {
+  v->same = plain.SerializeAsString() == rebuilt.SerializeAsString();
+  if (!v->same) {
+    google::protobuf::util::MessageDifferencer differencer;
+    differencer.ReportDifferencesToString(&v->difference);
+    differencer.Compare(plain, rebuilt);
+    if (v->difference.empty()) v->difference = "unknown fields differ";
+  }
+}
+
 inline WireVerdict CompareWithPlainParse(const std::vector<grpc::Slice>& slices) {
   WireVerdict v;
   grpc::ByteBuffer plain_buffer(slices.data(), slices.size());
@@ -48,17 +63,7 @@ inline WireVerdict CompareWithPlainParse(const std::vector<grpc::Slice>& slices)
     rebuilt.mutable_layers(static_cast<int>(i))->set_ckv(Join(received.rows[i].ckv));
     rebuilt.mutable_layers(static_cast<int>(i))->set_kpe(Join(received.rows[i].kpe));
   }
-  // The same bytes when serialized again: every field, unknown ones and the
-  // bit patterns of floats included (a NaN scale is not equal to itself, so
-  // a field-by-field comparison would call two identical parses different;
-  // found by the fuzzer).
-  v.same = plain.SerializeAsString() == rebuilt.SerializeAsString();
-  if (!v.same) {
-    google::protobuf::util::MessageDifferencer differencer;
-    differencer.ReportDifferencesToString(&v.difference);
-    differencer.Compare(plain, rebuilt);
-    if (v.difference.empty()) v.difference = "unknown fields differ";
-  }
+  CompareSerialized(plain, rebuilt, &v);
   return v;
 }
 
@@ -114,13 +119,7 @@ inline WireVerdict CompareBatchWithPlainParse(const std::vector<grpc::Slice>& sl
     v.difference = "pieces offered for a request parsed the plain way";
     return v;
   }
-  v.same = plain.SerializeAsString() == rebuilt.SerializeAsString();
-  if (!v.same) {
-    google::protobuf::util::MessageDifferencer differencer;
-    differencer.ReportDifferencesToString(&v.difference);
-    differencer.Compare(plain, rebuilt);
-    if (v.difference.empty()) v.difference = "unknown fields differ";
-  }
+  CompareSerialized(plain, rebuilt, &v);
   return v;
 }
 

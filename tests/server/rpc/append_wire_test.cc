@@ -94,36 +94,40 @@ TEST(ParseAppendMessage, TheRowsArePiecesOfTheSlicesNotCopies) {
   EXPECT_EQ(raw.Length(), 0u) << "the slices moved to the parse";
 }
 
+// Wire-format pieces for hand-built messages: a field's tag, and a
+// length-delimited field with its body.
+std::string Tag(uint32_t number, uint32_t type) {
+  std::string t;
+  uint64_t tag = uint64_t{number} << 3 | type;
+  while (tag >= 0x80) {
+    t.push_back(static_cast<char>(tag | 0x80));
+    tag >>= 7;
+  }
+  t.push_back(static_cast<char>(tag));
+  return t;
+}
+
+std::string Len(uint32_t number, const std::string& body) {
+  std::string out = Tag(number, 2);
+  uint64_t n = body.size();
+  while (n >= 0x80) {
+    out.push_back(static_cast<char>(n | 0x80));
+    n >>= 7;
+  }
+  out.push_back(static_cast<char>(n));
+  return out + body;
+}
+
 TEST(ParseAppendMessage, FieldsInAnyOrderRepeatedBytesAndUnknownFields) {
   // The client's order (rows after the scales), protobuf's order, a ckv
   // field given twice (the last wins), unknown fields of every wire type
   // but groups at both levels, and a layer entry with no rows.
-  auto field = [](uint32_t number, uint32_t type) {
-    std::string t;
-    uint64_t tag = uint64_t{number} << 3 | type;
-    while (tag >= 0x80) {
-      t.push_back(static_cast<char>(tag | 0x80));
-      tag >>= 7;
-    }
-    t.push_back(static_cast<char>(tag));
-    return t;
-  };
-  auto len = [&](uint32_t number, const std::string& body) {
-    std::string out = field(number, 2);
-    uint64_t n = body.size();
-    while (n >= 0x80) {
-      out.push_back(static_cast<char>(n | 0x80));
-      n >>= 7;
-    }
-    out.push_back(static_cast<char>(n));
-    return out + body;
-  };
   const std::string first = Bytes(300, 1), second = Bytes(200, 2), kpe = Bytes(50, 3);
-  std::string layer = field(1, 0) + "\x05" + len(2, first) + field(4, 5) + std::string("\x00\x00\x80\x3e", 4) +
-                      len(2, second) + len(3, kpe) + field(99, 0) + "\x2a" + field(98, 1) + std::string(8, 'x') +
-                      len(97, "unknown bytes");
-  std::string top = len(2, "seq") + len(6, layer) + field(4, 0) + "\x03" + len(6, "") + field(500, 5) + "abcd" +
-                    len(6, len(3, kpe) + field(1, 0) + "\x01");
+  std::string layer = Tag(1, 0) + "\x05" + Len(2, first) + Tag(4, 5) + std::string("\x00\x00\x80\x3e", 4) +
+                      Len(2, second) + Len(3, kpe) + Tag(99, 0) + "\x2a" + Tag(98, 1) + std::string(8, 'x') +
+                      Len(97, "unknown bytes");
+  std::string top = Len(2, "seq") + Len(6, layer) + Tag(4, 0) + "\x03" + Len(6, "") + Tag(500, 5) + "abcd" +
+                    Len(6, Len(3, kpe) + Tag(1, 0) + "\x01");
   ExpectAgree(CutInto(top, {}), true);
   ExpectAgree(CutInto(top, {5, 17, 333, 500}), true);
   ExpectAgree(CutInto(Message(2, 100, 10, 3).SerializeAsString(), {}), true);  // protobuf's own order
@@ -267,36 +271,16 @@ TEST(ParseAppendBatchMessage, TheRowsArePiecesOfTheSlicesNotCopies) {
 }
 
 TEST(ParseAppendBatchMessage, FieldsInAnyOrderRepeatedBytesAndUnknownFields) {
-  auto field = [](uint32_t number, uint32_t type) {
-    std::string t;
-    uint64_t tag = uint64_t{number} << 3 | type;
-    while (tag >= 0x80) {
-      t.push_back(static_cast<char>(tag | 0x80));
-      tag >>= 7;
-    }
-    t.push_back(static_cast<char>(tag));
-    return t;
-  };
-  auto len = [&](uint32_t number, const std::string& body) {
-    std::string out = field(number, 2);
-    uint64_t n = body.size();
-    while (n >= 0x80) {
-      out.push_back(static_cast<char>(n | 0x80));
-      n >>= 7;
-    }
-    out.push_back(static_cast<char>(n));
-    return out + body;
-  };
   const std::string first = Bytes(700, 5), second = Bytes(400, 6), kpe = Bytes(50, 7);
   // A layer entry with ckv twice (the last wins) and unknown fields; the
   // sequence holding it is over the 1 KiB below which entries stay whole.
-  const std::string layer = len(2, first) + field(1, 0) + "\x02" + len(2, second) + len(3, kpe) + field(99, 0) +
-                            "\x2a" + len(97, "unknown");
+  const std::string layer = Len(2, first) + Tag(1, 0) + "\x02" + Len(2, second) + Len(3, kpe) + Tag(99, 0) +
+                            "\x2a" + Len(97, "unknown");
   // A sequence whose layers entry comes before its id, with an unknown field.
-  const std::string sequence = len(4, layer) + len(1, "s") + field(3, 0) + "\x01" + field(77, 5) + "wxyz" + len(4, "");
+  const std::string sequence = Len(4, layer) + Len(1, "s") + Tag(3, 0) + "\x01" + Tag(77, 5) + "wxyz" + Len(4, "");
   // The top: batch_layers before sequences, interleaved, unknown fields.
-  const std::string top = len(5, layer) + len(3, sequence) + field(600, 1) + std::string(8, 'q') + len(5, len(3, kpe)) +
-                          len(3, len(1, "t")) + len(1, "default") + field(4, 0) + "\x02";
+  const std::string top = Len(5, layer) + Len(3, sequence) + Tag(600, 1) + std::string(8, 'q') + Len(5, Len(3, kpe)) +
+                          Len(3, Len(1, "t")) + Len(1, "default") + Tag(4, 0) + "\x02";
   ExpectBatchAgrees(CutInto(top, {}), true);
   ExpectBatchAgrees(CutInto(top, {3, 19, 280, 400, 700}), true);
 }
