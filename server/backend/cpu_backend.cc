@@ -123,8 +123,9 @@ absl::Status CpuBackend::Append(std::span<const LayerAppend> layers) {
     }
     for (const AppendSegment& seg : la.segments) {
       if (seg.count <= 0) continue;
-      const RowSource rows = layer_rows ? layer_rows->From(static_cast<uint64_t>(layer_indptr.back()), DTypeSize(la.dtype))
-                                        : SegmentRows(la, seg, layer_indptr.back());
+      const RowSource rows = layer_rows
+                                 ? layer_rows->From(static_cast<uint64_t>(layer_indptr.back()), DTypeSize(la.dtype))
+                                 : SegmentRows(la, seg, layer_indptr.back());
       if (rows.on_device()) {
         return absl::InternalError("cpu backend: rows in device memory (the region registry refuses them; a bug)");
       }
