@@ -172,23 +172,32 @@ void PutMessageField(uint32_t field, const std::string& body, std::string* out) 
   *out += body;
 }
 
-// A SequenceRows of `n` bytes: its fields into `out`, each layers entry
-// rebuilt without its rows, which go to `rows` (one per entry, in order).
-bool SplitSequence(SliceReader& r, uint64_t n, std::string* out, std::vector<LayerPieces>* rows) {
-  const uint64_t end = r.remaining() - n;
+// The fields of a message from the reader's position to `end` bytes before
+// its end (an AppendRequest: end 0; a SequenceRows entry) into `out`, each
+// `layers_field` entry rebuilt without its rows, which go to `rows` (one per
+// entry, in order).
+bool SplitLayersOf(SliceReader& r, uint64_t end, uint32_t layers_field, std::string* out,
+                   std::vector<LayerPieces>* rows) {
   std::string layer;
   while (r.remaining() > end) {
     const bool ok = CopyField(r, end, out, [&](uint32_t field, uint64_t len, bool* handled) {
-      if (field != kSequenceLayersField) return true;
+      if (field != layers_field) return true;
       *handled = true;
       layer.clear();
       if (!SplitLayer(r, len, &layer, &rows->emplace_back())) return false;
-      PutMessageField(kSequenceLayersField, layer, out);
+      PutMessageField(layers_field, layer, out);
       return true;
     });
     if (!ok) return false;
   }
   return r.remaining() == end;
+}
+
+// `slices` parsed the plain way into `message` (which then holds the rows).
+template <class Message>
+bool ParsePlain(const std::vector<grpc::Slice>& slices, Message* message) {
+  grpc::ByteBuffer whole(slices.data(), slices.size());
+  return grpc::SerializationTraits<Message>::Deserialize(&whole, message).ok();
 }
 
 }  // namespace
@@ -197,20 +206,10 @@ bool ParseLeavingRows(const std::vector<grpc::Slice>& slices, v1::AppendRequest*
                       std::vector<LayerPieces>* rows) {
   rows->clear();
   SliceReader r(slices);
-  std::string stripped, layer;
+  std::string stripped;
   stripped.reserve(256);
-  while (r.remaining() > 0) {
-    const bool ok = CopyField(r, 0, &stripped, [&](uint32_t field, uint64_t len, bool* handled) {
-      if (field != kLayersField) return true;
-      *handled = true;
-      layer.clear();
-      if (!SplitLayer(r, len, &layer, &rows->emplace_back())) return false;
-      PutMessageField(kLayersField, layer, &stripped);
-      return true;
-    });
-    if (!ok) return false;
-  }
-  return message->ParseFromString(stripped) && message->layers_size() == static_cast<int>(rows->size());
+  return SplitLayersOf(r, 0, kLayersField, &stripped, rows) && message->ParseFromString(stripped) &&
+         message->layers_size() == static_cast<int>(rows->size());
 }
 
 bool ParseAppendMessage(grpc::ByteBuffer* raw, ReceivedAppend* out) {
@@ -219,11 +218,9 @@ bool ParseAppendMessage(grpc::ByteBuffer* raw, ReceivedAppend* out) {
   raw->Clear();
   if (ParseLeavingRows(out->slices, &out->message, &out->rows)) return true;
   // Not taken apart: the plain parse decides (and then holds the rows itself).
-  out->rows.clear();
-  out->message.Clear();
-  grpc::ByteBuffer whole(out->slices.data(), out->slices.size());
-  out->slices.clear();
-  return grpc::SerializationTraits<v1::AppendRequest>::Deserialize(&whole, &out->message).ok();
+  const std::vector<grpc::Slice> slices = std::move(out->slices);
+  out->Clear();
+  return ParsePlain(slices, &out->message);
 }
 
 bool ParseBatchLeavingRows(const std::vector<grpc::Slice>& slices, v1::AppendBatchRequest* message,
@@ -242,8 +239,10 @@ bool ParseBatchLeavingRows(const std::vector<grpc::Slice>& slices, v1::AppendBat
       if (field != kBatchLayersField && field != kBatchSequencesField) return true;
       *handled = true;
       part.clear();
-      const bool split = field == kBatchLayersField ? SplitLayer(r, len, &part, &batch_rows->emplace_back())
-                                                    : SplitSequence(r, len, &part, &sequence_rows->emplace_back());
+      const bool split =
+          field == kBatchLayersField
+              ? SplitLayer(r, len, &part, &batch_rows->emplace_back())
+              : SplitLayersOf(r, r.remaining() - len, kSequenceLayersField, &part, &sequence_rows->emplace_back());
       if (!split) return false;
       PutMessageField(field, part, &stripped);
       return true;
@@ -278,11 +277,10 @@ bool ParseAppendBatchMessage(grpc::ByteBuffer* raw, ReceivedAppendBatch* out, si
   }
   // Not taken apart: the plain parse decides (and then holds the rows itself).
   const size_t wire_bytes = out->wire_bytes;
-  std::vector<grpc::Slice> slices = std::move(out->slices);
+  const std::vector<grpc::Slice> slices = std::move(out->slices);
   out->Clear();
   out->wire_bytes = wire_bytes;
-  grpc::ByteBuffer whole(slices.data(), slices.size());
-  return grpc::SerializationTraits<v1::AppendBatchRequest>::Deserialize(&whole, &out->message).ok();
+  return ParsePlain(slices, &out->message);
 }
 
 }  // namespace mlakv::server
