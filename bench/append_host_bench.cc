@@ -3,6 +3,7 @@
 //
 //   append_host_bench [--sequences 256] [--layers 61] [--steps 400]        a decode step
 //   append_host_bench --sequences 1 --layers 1 --rows 262144 --view full   a prefill chunk
+//   append_host_bench --view compact --steps 400 --passes 80               a decode step, long enough to profile
 //
 // One cpu pool of --layers layers, page size 64, whose backend's Append does
 // nothing (NoWriteBackend below): what remains is exactly what the handler
@@ -51,6 +52,9 @@ ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step)");
 ABSL_FLAG(int, steps, 400, "steps (calls) timed");
 ABSL_FLAG(int, rows, 1, "rows per sequence per step (> 1: fresh sequences every step)");
 ABSL_FLAG(std::string, view, "basic", "the response's view: basic, compact, lengths or full");
+ABSL_FLAG(int, passes, 1,
+          "times the --steps steps are run, every sequence freed (untimed) between passes: more samples (and a "
+          "longer profile) from the same pool");
 
 namespace mlakv::bench {
 namespace {
@@ -148,104 +152,116 @@ int Run() {
     lr->mutable_kpe_ref()->set_offset(static_cast<uint64_t>(l) * batch_rows * 128);
   }
   std::vector<uint64_t> slots(static_cast<size_t>(sequences) * layers, 0);
-  for (int step = 0; step < steps + 20; ++step) {  // the first 20 warm up
-    for (v1::AppendBatchRequest* r : {&req, &by_reference}) {
-      for (int s = 0; s < sequences; ++s) {
-        v1::SequenceRows* sr = r->mutable_sequences(s);
-        sr->set_start(fresh ? 0 : step);
-        if (step > 0 && !fresh) sr->set_expect_length(step);
-      }
-    }
-    const Clock::time_point t0 = Clock::now();
-    // What the handler holds until it returns (destroyed in "release").
-    struct CallState {
-      explicit CallState(Pool* p) : append(p) {}
-      AtomicAppend append;
-      server::RegionHold hold;
-      server::CompactBatchRows compact;
-    };
-    auto call = std::make_unique<CallState>(pool->get());
-    AtomicAppend& append = call->append;
-    server::CompactBatchRows& compact = call->compact;
-    if (absl::Status st = server::ToCompactBatchRows(received, regions, **pool, &call->hold, &compact); !st.ok()) {
-      Fail("rows", st);
-    }
-    const std::vector<SequenceRowsIn>* rows = &compact.sequences;
-    std::vector<const std::string*> ids;
-    for (const v1::SequenceRows& s : req.sequences()) ids.push_back(&s.sequence());
-    if (absl::Status st = append.Begin(ids); !st.ok()) Fail("begin", st);
-    std::vector<const SequenceRowsIn*> ptrs;
-    for (const SequenceRowsIn& r : *rows) ptrs.push_back(&r);
-    const Clock::time_point t1 = Clock::now();
-    if (absl::Status st = append.Stage(ptrs, DType::kBFloat16); !st.ok()) Fail("stage", st);
-    const Clock::time_point t2 = Clock::now();
-    absl::StatusOr<std::vector<SequenceSnapshot>> after = append.Commit([] { return absl::OkStatus(); }, server::SnapshotPagesFor(view));
-    if (!after.ok()) Fail("commit", after.status());
-    const Clock::time_point t3 = Clock::now();
-    v1::AppendBatchResponse resp;
-    for (size_t i = 0; i < after->size(); ++i) {
-      v1::Sequence* out = resp.add_sequences();
-      server::ToProto("bench", (*after)[i], out, view, append.transaction(i).original_pages());
-      if (server::NamesSequence(view)) out->set_server_id("mlakv-0.mlakv.serving");  // as the handler (a pod's name)
-    }
-    const Clock::time_point t3b = Clock::now();
-    call.reset();
-    after = absl::StatusOr<std::vector<SequenceSnapshot>>();
-    const Clock::time_point t4 = Clock::now();
-    // What the wire adds for the same step by reference: the request and the
-    // response serialized and parsed once each (as client and server do),
-    // with the request's rows carried as region references, not bytes.
-    Clock::time_point w[5], plain[2];
-    {
-      std::string request_wire, response_wire;
-      w[0] = Clock::now();
-      by_reference.SerializeToString(&request_wire);  // client
-      // The server receives it as slices and parses it leaving any rows
-      // there (ReceivedAppendBatch); protobuf's plain parse is timed beside.
-      grpc::Slice slice(request_wire.data(), request_wire.size(), grpc::Slice::STATIC_SLICE);
-      grpc::ByteBuffer received_wire(&slice, 1);
-      w[1] = Clock::now();
-      server::ReceivedAppendBatch parsed;  // server
-      if (!server::ParseAppendBatchMessage(&received_wire, &parsed)) Die("append_host_bench", "request parse");
-      w[2] = Clock::now();
-      resp.SerializeToString(&response_wire);  // server
-      w[3] = Clock::now();
-      v1::AppendBatchResponse parsed_resp;  // client
-      if (!parsed_resp.ParseFromString(response_wire)) Die("append_host_bench", "response parse");
-      w[4] = Clock::now();
-      request_bytes = request_wire.size();
-      response_bytes = response_wire.size();
-      plain[0] = Clock::now();
-      v1::AppendBatchRequest plain_parsed;
-      if (!plain_parsed.ParseFromString(request_wire)) Die("append_host_bench", "request parse");
-      plain[1] = Clock::now();
-    }
-    // The reference: one pass over every (sequence, layer) pair.
-    const Clock::time_point t4c = Clock::now();
-    for (size_t i = 0; i < slots.size(); ++i) slots[i] += i ^ static_cast<size_t>(step);
-    const Clock::time_point t5 = Clock::now();
-    if (fresh) {
+  const int passes = std::max(1, absl::GetFlag(FLAGS_passes));
+  for (int pass = 0; pass < passes; ++pass) {
+    if (pass > 0 && !fresh) {  // every sequence back to empty, untimed
       for (const v1::SequenceRows& s : req.sequences()) {
         if (absl::StatusOr<server::FreeResult> f = (*pool)->FreeSequence(s.sequence()); !f.ok()) Fail("free", f.status());
       }
     }
-    if (step < 20) continue;
-    total.push_back(Us(t0, t4));
-    prepare.push_back(Us(t0, t1));
-    stage.push_back(Us(t1, t2));
-    commit.push_back(Us(t2, t3));
-    respond.push_back(Us(t3, t3b));
-    release.push_back(Us(t3b, t4));
-    reference.push_back(Us(t4c, t5));
-    wire_server.push_back(Us(w[1], w[3]));
-    server_parse.push_back(Us(w[1], w[2]));
-    plain_parse.push_back(Us(plain[0], plain[1]));
-    wire_client.push_back(Us(w[0], w[1]) + Us(w[3], w[4]));
+    for (int step = 0; step < steps + 20; ++step) {  // the first 20 of the first pass warm up
+      for (v1::AppendBatchRequest* r : {&req, &by_reference}) {
+        for (int s = 0; s < sequences; ++s) {
+          v1::SequenceRows* sr = r->mutable_sequences(s);
+          sr->set_start(fresh ? 0 : step);
+          if (step > 0 && !fresh) {
+            sr->set_expect_length(step);
+          } else {
+            sr->clear_expect_length();
+          }
+        }
+      }
+      const Clock::time_point t0 = Clock::now();
+      // What the handler holds until it returns (destroyed in "release").
+      struct CallState {
+        explicit CallState(Pool* p) : append(p) {}
+        AtomicAppend append;
+        server::RegionHold hold;
+        server::CompactBatchRows compact;
+      };
+      auto call = std::make_unique<CallState>(pool->get());
+      AtomicAppend& append = call->append;
+      server::CompactBatchRows& compact = call->compact;
+      if (absl::Status st = server::ToCompactBatchRows(received, regions, **pool, &call->hold, &compact); !st.ok()) {
+        Fail("rows", st);
+      }
+      const std::vector<SequenceRowsIn>* rows = &compact.sequences;
+      std::vector<const std::string*> ids;
+      for (const v1::SequenceRows& s : req.sequences()) ids.push_back(&s.sequence());
+      if (absl::Status st = append.Begin(ids); !st.ok()) Fail("begin", st);
+      std::vector<const SequenceRowsIn*> ptrs;
+      for (const SequenceRowsIn& r : *rows) ptrs.push_back(&r);
+      const Clock::time_point t1 = Clock::now();
+      if (absl::Status st = append.Stage(ptrs, DType::kBFloat16); !st.ok()) Fail("stage", st);
+      const Clock::time_point t2 = Clock::now();
+      absl::StatusOr<std::vector<SequenceSnapshot>> after = append.Commit([] { return absl::OkStatus(); }, server::SnapshotPagesFor(view));
+      if (!after.ok()) Fail("commit", after.status());
+      const Clock::time_point t3 = Clock::now();
+      v1::AppendBatchResponse resp;
+      for (size_t i = 0; i < after->size(); ++i) {
+        v1::Sequence* out = resp.add_sequences();
+        server::ToProto("bench", (*after)[i], out, view, append.transaction(i).original_pages());
+        if (server::NamesSequence(view)) out->set_server_id("mlakv-0.mlakv.serving");  // as the handler (a pod's name)
+      }
+      const Clock::time_point t3b = Clock::now();
+      call.reset();
+      after = absl::StatusOr<std::vector<SequenceSnapshot>>();
+      const Clock::time_point t4 = Clock::now();
+      // What the wire adds for the same step by reference: the request and the
+      // response serialized and parsed once each (as client and server do),
+      // with the request's rows carried as region references, not bytes.
+      Clock::time_point w[5], plain[2];
+      {
+        std::string request_wire, response_wire;
+        w[0] = Clock::now();
+        by_reference.SerializeToString(&request_wire);  // client
+        // The server receives it as slices and parses it leaving any rows
+        // there (ReceivedAppendBatch); protobuf's plain parse is timed beside.
+        grpc::Slice slice(request_wire.data(), request_wire.size(), grpc::Slice::STATIC_SLICE);
+        grpc::ByteBuffer received_wire(&slice, 1);
+        w[1] = Clock::now();
+        server::ReceivedAppendBatch parsed;  // server
+        if (!server::ParseAppendBatchMessage(&received_wire, &parsed)) Die("append_host_bench", "request parse");
+        w[2] = Clock::now();
+        resp.SerializeToString(&response_wire);  // server
+        w[3] = Clock::now();
+        v1::AppendBatchResponse parsed_resp;  // client
+        if (!parsed_resp.ParseFromString(response_wire)) Die("append_host_bench", "response parse");
+        w[4] = Clock::now();
+        request_bytes = request_wire.size();
+        response_bytes = response_wire.size();
+        plain[0] = Clock::now();
+        v1::AppendBatchRequest plain_parsed;
+        if (!plain_parsed.ParseFromString(request_wire)) Die("append_host_bench", "request parse");
+        plain[1] = Clock::now();
+      }
+      // The reference: one pass over every (sequence, layer) pair.
+      const Clock::time_point t4c = Clock::now();
+      for (size_t i = 0; i < slots.size(); ++i) slots[i] += i ^ static_cast<size_t>(step);
+      const Clock::time_point t5 = Clock::now();
+      if (fresh) {
+        for (const v1::SequenceRows& s : req.sequences()) {
+          if (absl::StatusOr<server::FreeResult> f = (*pool)->FreeSequence(s.sequence()); !f.ok()) Fail("free", f.status());
+        }
+      }
+      if (pass == 0 && step < 20) continue;
+      total.push_back(Us(t0, t4));
+      prepare.push_back(Us(t0, t1));
+      stage.push_back(Us(t1, t2));
+      commit.push_back(Us(t2, t3));
+      respond.push_back(Us(t3, t3b));
+      release.push_back(Us(t3b, t4));
+      reference.push_back(Us(t4c, t5));
+      wire_server.push_back(Us(w[1], w[3]));
+      server_parse.push_back(Us(w[1], w[2]));
+      plain_parse.push_back(Us(plain[0], plain[1]));
+      wire_client.push_back(Us(w[0], w[1]) + Us(w[3], w[4]));
+    }
   }
   if (absl::Status st = (*pool)->CheckInvariants(); !st.ok()) Fail("invariants", st);
-  std::printf("AppendBatch host work: %d sequences x %d rows x %d layers, %d steps, view %s (segments handed to the "
+  std::printf("AppendBatch host work: %d sequences x %d rows x %d layers, %d steps x %d passes, view %s (segments handed to the "
               "backend: %llu, layers with a placement of their own: %llu)\n",
-              sequences, rows_per, layers, steps, absl::GetFlag(FLAGS_view).c_str(), static_cast<unsigned long long>(backend->appended_segments),
+              sequences, rows_per, layers, steps, passes, absl::GetFlag(FLAGS_view).c_str(), static_cast<unsigned long long>(backend->appended_segments),
               static_cast<unsigned long long>(backend->separate_placements));
   auto line = [](const char* what, std::vector<double> v) {
     const Summary s = Summarize(std::move(v));
