@@ -22,7 +22,7 @@
 // and one launch per layer) and a device copy of the step's bytes (the
 // kernel's byte floor: 1512 bytes read + written per row), each timed from an
 // L2 cleared by an untimed write of twice its size. The steps
-// alternate between the response views BASIC and COMPACT (--basic_only:
+// rotate through the response views BASIC, COMPACT and PACKED (--basic_only:
 // BASIC alone, for a server that predates COMPACT). --shm: the rows in a
 // host shared-memory region instead (no GPU here; the kernel comparison is
 // skipped), for a server with a cpu pool. --spin: each AppendBatch of the
@@ -146,7 +146,8 @@ bool RegisterShmRows(mlakv::v1::KvCache::Stub& stub, const std::string& name, co
 }
 
 void PrintSteps(int sequences, int layers, size_t rows, int repeats, const std::vector<double>& step_us,
-                const std::vector<double>& compact_us, const std::vector<double>& get_pool_us, bool with_compact) {
+                const std::vector<double>& compact_us, const std::vector<double>& packed_us,
+                const std::vector<double>& get_pool_us, bool with_compact) {
   std::printf("decode step by reference: %d sequences x 1 token x %d layers (%zu rows), %d steps\n", sequences,
               layers, rows, repeats);
   std::printf("  AppendBatch compact end to end: p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f); GetPool p50 %.1f us\n",
@@ -156,6 +157,9 @@ void PrintSteps(int sequences, int layers, size_t rows, int repeats, const std::
     std::printf("    the same, view COMPACT (steps interleaved): p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f)\n",
                 Median(compact_us), Percentile(compact_us, 0.9), Percentile(compact_us, 0.99),
                 *std::min_element(compact_us.begin(), compact_us.end()));
+    std::printf("    the same, view PACKED (steps interleaved): p50 %.1f us, p90 %.1f us, p99 %.1f us (min %.1f)\n",
+                Median(packed_us), Percentile(packed_us, 0.9), Percentile(packed_us, 0.99),
+                *std::min_element(packed_us.begin(), packed_us.end()));
   }
 }
 
@@ -223,12 +227,17 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
     lr->mutable_kpe_ref()->set_region("ipc-decode");
     lr->mutable_kpe_ref()->set_offset(ckv_bytes + static_cast<uint64_t>(l) * sequences * 128);
   }
-  // Steps alternate between the response's views BASIC and COMPACT (no
-  // names), so that both meet the same host state.
-  std::vector<double> step_us, compact_us, get_pool_us;
-  for (int t = 0; t < (with_compact ? 2 : 1) * repeats + 5; ++t) {
-    const bool compact = with_compact && t % 2 == 1;
-    req.set_view(compact ? mlakv::v1::SEQUENCE_VIEW_COMPACT : mlakv::v1::SEQUENCE_VIEW_BASIC);
+  // Steps rotate through the response's views BASIC, COMPACT (no names) and
+  // PACKED (parallel arrays, no Sequence messages), so that all meet the
+  // same host state.
+  std::vector<double> step_us, compact_us, packed_us, get_pool_us;
+  const int views = with_compact ? 3 : 1;
+  for (int t = 0; t < views * repeats + 5; ++t) {
+    const int v = t % views;
+    const bool compact = v == 1, packed = v == 2;
+    req.set_view(packed    ? mlakv::v1::SEQUENCE_VIEW_PACKED
+                 : compact ? mlakv::v1::SEQUENCE_VIEW_COMPACT
+                           : mlakv::v1::SEQUENCE_VIEW_BASIC);
     for (mlakv::v1::SequenceRows& seq : *req.mutable_sequences()) {
       seq.set_start(static_cast<uint32_t>(t));
       seq.set_expect_length(static_cast<uint32_t>(t));
@@ -243,15 +252,21 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
                    s.error_message().c_str());
       return 1;
     }
-    if (resp.sequences_size() != sequences || resp.sequences(0).id().empty() != compact ||
-        resp.sequences(0).length() != static_cast<uint32_t>(t + 1)) {
+    const bool as_expected =
+        packed ? resp.sequences_size() == 0 && resp.packed().lengths_size() == sequences &&
+                     resp.packed().lengths(0) == static_cast<uint32_t>(t + 1)
+               : resp.sequences_size() == sequences && resp.sequences(0).id().empty() == compact &&
+                     resp.sequences(0).length() == static_cast<uint32_t>(t + 1);
+    if (!as_expected) {
       const bool any = resp.sequences_size() > 0;
-      std::fprintf(stderr, "AppendBatch (compact, step %d): unexpected response: %d sequences, first id '%s' length %u\n",
+      std::fprintf(stderr,
+                   "AppendBatch (compact, step %d): unexpected response: %d sequences, first id '%s' length %u; "
+                   "%d packed lengths\n",
                    t, resp.sequences_size(), any ? resp.sequences(0).id().c_str() : "",
-                   any ? resp.sequences(0).length() : 0u);
+                   any ? resp.sequences(0).length() : 0u, resp.packed().lengths_size());
       return 1;
     }
-    if (t >= 5) (compact ? compact_us : step_us).push_back(Us(t0, t1));
+    if (t >= 5) (packed ? packed_us : compact ? compact_us : step_us).push_back(Us(t0, t1));
     mlakv::v1::GetPoolRequest preq;
     mlakv::v1::Pool presp;
     grpc::ClientContext pctx;
@@ -268,7 +283,7 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
   }
   UnregisterRegion(stub, "ipc-decode");
   if (shm) {
-    PrintSteps(sequences, layers, rows, repeats, step_us, compact_us, get_pool_us, with_compact);
+    PrintSteps(sequences, layers, rows, repeats, step_us, compact_us, packed_us, get_pool_us, with_compact);
     return 0;
   }
 
@@ -358,7 +373,7 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
       copy.push_back(c);
     }
   }
-  PrintSteps(sequences, layers, rows, repeats, step_us, compact_us, get_pool_us, with_compact);
+  PrintSteps(sequences, layers, rows, repeats, step_us, compact_us, packed_us, get_pool_us, with_compact);
   std::printf("  kernel, all layers in one launch: %.1f us; one launch per layer: %.1f us; copy of the step's bytes: "
               "%.1f us (one launch / copy = %.2fx; each timed from an L2 cleared by a %zu MB write)\n",
               Median(one_launch), Median(per_layer), Median(copy), Median(one_launch) / Median(copy),

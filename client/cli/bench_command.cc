@@ -36,8 +36,9 @@ ABSL_FLAG(bool, compact, false,
           "every sequence's row)");
 ABSL_FLAG(std::string, view, "full",
           "bench: what each response's sequences carry: full (the whole page table and per-layer lengths), basic "
-          "(only the pages the request allocated, no per-layer lengths), compact (basic without the names) or lengths "
-          "(compact without the page table)");
+          "(only the pages the request allocated, no per-layer lengths), compact (basic without the names), lengths "
+          "(compact without the page table) or packed (--mode decode: every sequence in parallel arrays of one "
+          "message)");
 
 namespace mlakv::cli {
 namespace {
@@ -76,9 +77,15 @@ absl::StatusOr<LoadOptions> OptionsFromFlags() {
     options.view = v1::SEQUENCE_VIEW_COMPACT;
   } else if (view == "lengths") {
     options.view = v1::SEQUENCE_VIEW_LENGTHS;
+  } else if (view == "packed") {
+    if (options.mode != LoadOptions::Mode::kDecode) {
+      return absl::InvalidArgumentError(
+          "--view packed answers an AppendBatch (--mode decode); an Append stream answers one sequence");
+    }
+    options.view = v1::SEQUENCE_VIEW_PACKED;
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat("--view ", Quote(view), " is not full, basic, compact or lengths"));
+        absl::StrCat("--view ", Quote(view), " is not full, basic, compact, lengths or packed"));
   }
   if (absl::GetFlag(FLAGS_rows_per_message) < 1 || absl::GetFlag(FLAGS_layers) < 1 ||
       absl::GetFlag(FLAGS_sequences) < 1 || absl::GetFlag(FLAGS_concurrency) < 1) {

@@ -135,6 +135,11 @@ void AppendReactor::OnMessage(int got, int index) {
       if (named.ok()) named = CheckFieldLength("sequence", first.sequence(), kMaxSequenceIdBytes);
       absl::StatusOr<v1::SequenceView> view = ToView(first.view());
       if (named.ok()) named = view.status();
+      if (named.ok() && *view == v1::SEQUENCE_VIEW_PACKED) {
+        named = absl::InvalidArgumentError(
+            "view SEQUENCE_VIEW_PACKED answers an AppendBatch's sequences; an Append stream answers one sequence: ask "
+            "for SEQUENCE_VIEW_COMPACT or SEQUENCE_VIEW_LENGTHS");
+      }
       absl::StatusOr<Pool*> pool = named.ok() ? service_->FindPool(first.pool()) : absl::StatusOr<Pool*>(named);
       if (!pool.ok()) {
         FailLocked(pool.status());

@@ -430,13 +430,15 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
       hold.gathered.clear();
       // The response must fit the send limit: refused now, before the commit,
       // rather than failing at the client after every sequence was written.
-      uint64_t bound = 64;
+      const bool packed = c.view == v1::SEQUENCE_VIEW_PACKED;
+      uint64_t bound = 64 + (packed ? kPackedSequencesFixedBytes : 0);
       for (size_t i = 0; i < append.size(); ++i) {
         const AppendTransaction& txn = append.transaction(i);
         const size_t pages = txn.original_pages() + txn.pages_allocated();
-        bound += SequenceProtoBytesBound(txn.sequence_id().size(), p->name().size(),
-                                         PagesDescribed(c.view, pages, txn.pages_allocated()), p->num_pages(),
-                                         OnlyNewPages(c.view) ? 0 : p->num_layers());
+        bound += packed ? PackedSequenceBytesBound(txn.pages_allocated(), p->num_pages())
+                        : SequenceProtoBytesBound(txn.sequence_id().size(), p->name().size(),
+                                                  PagesDescribed(c.view, pages, txn.pages_allocated()),
+                                                  p->num_pages(), OnlyNewPages(c.view) ? 0 : p->num_layers());
       }
       auto last_check = [&]() -> absl::Status {
         MLAKV_RETURN_IF_ERROR(hold.CheckNoFaults("AppendBatch"));
@@ -456,10 +458,21 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
       const uint32_t pages = append.pages_allocated();
       MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append.Commit(last_check, SnapshotPagesFor(c.view)));
       t_committed = Clock::now();
-      for (size_t i = 0; i < after.size(); ++i) {
-        v1::Sequence* out = resp->add_sequences();
-        ToProto(p->name(), after[i], out, c.view, first_new[i]);
-        if (NamesSequence(c.view)) out->set_server_id(options_.server_id);
+      if (packed) {  // one message of parallel arrays (SEQUENCE_VIEW_PACKED)
+        v1::PackedSequences* out = resp->mutable_packed();
+        const int n = static_cast<int>(after.size());
+        out->mutable_lengths()->Reserve(n);
+        out->mutable_kv_indices_offsets()->Reserve(n);
+        out->mutable_new_page_counts()->Reserve(n);
+        out->mutable_generations()->Reserve(n);
+        out->mutable_new_pages()->Reserve(static_cast<int>(pages));
+        for (size_t i = 0; i < after.size(); ++i) AddPacked(after[i], first_new[i], out);
+      } else {
+        for (size_t i = 0; i < after.size(); ++i) {
+          v1::Sequence* out = resp->add_sequences();
+          ToProto(p->name(), after[i], out, c.view, first_new[i]);
+          if (NamesSequence(c.view)) out->set_server_id(options_.server_id);
+        }
       }
       resp->set_rows_written(rows_written);
       resp->set_pages_allocated(pages);

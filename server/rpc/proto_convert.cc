@@ -41,10 +41,12 @@ absl::StatusOr<v1::SequenceView> ToView(v1::SequenceView view) {
     case v1::SEQUENCE_VIEW_BASIC: return v1::SEQUENCE_VIEW_BASIC;
     case v1::SEQUENCE_VIEW_COMPACT: return v1::SEQUENCE_VIEW_COMPACT;
     case v1::SEQUENCE_VIEW_LENGTHS: return v1::SEQUENCE_VIEW_LENGTHS;
+    case v1::SEQUENCE_VIEW_PACKED: return v1::SEQUENCE_VIEW_PACKED;
     default:
       return absl::InvalidArgumentError(absl::StrCat("view ", static_cast<int>(view),
                                                      " is not a SequenceView; use SEQUENCE_VIEW_FULL, "
-                                                     "SEQUENCE_VIEW_BASIC, SEQUENCE_VIEW_COMPACT or SEQUENCE_VIEW_LENGTHS"));
+                                                     "SEQUENCE_VIEW_BASIC, SEQUENCE_VIEW_COMPACT, SEQUENCE_VIEW_LENGTHS or "
+                                                     "SEQUENCE_VIEW_PACKED (AppendBatch only)"));
   }
 }
 
@@ -140,6 +142,22 @@ uint64_t VarintBytes(uint64_t v) {
 }
 
 }  // namespace
+
+void AddPacked(const SequenceSnapshot& s, size_t first_new_page, v1::PackedSequences* out) {
+  const size_t offset = s.kv_indices_offset, end = offset + s.kv_indices.size();
+  const size_t first = std::clamp(first_new_page, offset, end);
+  out->add_lengths(s.length);
+  out->add_kv_indices_offsets(static_cast<uint32_t>(first));
+  out->add_new_page_counts(static_cast<uint32_t>(end - first));
+  out->add_generations(s.generation);
+  for (size_t i = first; i < end; ++i) out->add_new_pages(static_cast<uint32_t>(s.kv_indices[i - offset]));
+}
+
+uint64_t PackedSequenceBytesBound(size_t new_pages, uint32_t num_pages) {
+  // Four varints of at most 5 bytes (10 for the generation), and each new
+  // page's id below num_pages.
+  return 5 + 5 + 5 + 10 + VarintBytes(num_pages == 0 ? 0 : num_pages - 1) * static_cast<uint64_t>(new_pages);
+}
 
 uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, uint32_t num_pages, size_t layers) {
   // Strings and packed fields: a tag, a length varint and the bytes; the

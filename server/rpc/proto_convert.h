@@ -22,12 +22,13 @@ absl::StatusOr<std::optional<DType>> ToDType(v1::RowDType dtype);
 absl::StatusOr<v1::SequenceView> ToView(v1::SequenceView view);
 
 // What a view (as ToView returns it) carries: only the pages the call
-// allocated (BASIC, COMPACT), no page table (LENGTHS), the per-layer lengths
-// (FULL only), and the names (pool, id, server_id; not COMPACT or LENGTHS).
+// allocated (BASIC, COMPACT, PACKED), no page table (LENGTHS), the per-layer
+// lengths (FULL only), and the names (pool, id, server_id; not COMPACT,
+// LENGTHS or PACKED). PACKED is answered by AddPacked, not ToProto.
 inline bool OnlyNewPages(v1::SequenceView view) { return view != v1::SEQUENCE_VIEW_FULL; }
 inline bool CarriesPages(v1::SequenceView view) { return view != v1::SEQUENCE_VIEW_LENGTHS; }
 inline bool NamesSequence(v1::SequenceView view) {
-  return view != v1::SEQUENCE_VIEW_COMPACT && view != v1::SEQUENCE_VIEW_LENGTHS;
+  return view != v1::SEQUENCE_VIEW_COMPACT && view != v1::SEQUENCE_VIEW_LENGTHS && view != v1::SEQUENCE_VIEW_PACKED;
 }
 // Page ids a response in `view` carries for a sequence of `pages` pages of
 // which the call allocated `allocated`.
@@ -59,6 +60,18 @@ inline constexpr size_t kMaxServerIdBytes = 256;
 // id and pool name have those byte counts (for refusing, before a commit, a
 // response over the send limit).
 uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t pages, uint32_t num_pages, size_t layers);
+
+// One sequence's entries in a PackedSequences message (SEQUENCE_VIEW_PACKED):
+// its length, new pages' offset and count, generation, and the pages the
+// call allocated (those from `first_new_page` on), appended to `out`.
+void AddPacked(const SequenceSnapshot& s, size_t first_new_page, v1::PackedSequences* out);
+// At most how many bytes one sequence adds to a PackedSequences message with
+// `new_pages` new pages below `num_pages`, its arrays' tags and lengths
+// counted apart (PackedSequencesFixedBytes).
+uint64_t PackedSequenceBytesBound(size_t new_pages, uint32_t num_pages);
+// The tags and length varints of a PackedSequences message's five arrays and
+// of the message itself inside AppendBatchResponse, at most.
+inline constexpr uint64_t kPackedSequencesFixedBytes = 6 * (1 + 5);
 
 void ToProto(const std::string& pool, const LeaseSnapshot& lease, v1::Lease* out);
 

@@ -71,7 +71,7 @@ TEST_F(BenchCli, DecodeStepRunsCleanAndFreesItsSequences) {
 // page ids of the steps that allocate a page).
 TEST_F(BenchCli, DecodeStepViewShrinksTheResponses) {
   std::map<std::string, int64_t> bytes;
-  for (const std::string view : {"full", "basic", "compact", "lengths"}) {
+  for (const std::string view : {"full", "basic", "compact", "lengths", "packed"}) {
     const nlohmann::json j = RunBench(*server_, {"--mode", "decode", "--sequences", "16", "--layers", "2",
                                                  "--requests", "10", "--duration_s", "0", "--view", view});
     EXPECT_EQ(j["errors"], 0) << j.dump();
@@ -82,11 +82,19 @@ TEST_F(BenchCli, DecodeStepViewShrinksTheResponses) {
   EXPECT_GT(bytes["basic"], bytes["compact"]);
   EXPECT_GT(bytes["compact"], bytes["lengths"]);
   EXPECT_GT(bytes["lengths"], 0);
+  EXPECT_GT(bytes["compact"], bytes["packed"]);  // one message of arrays instead of 16 Sequence messages
+  EXPECT_GT(bytes["packed"], 0);
   EXPECT_EQ(PagesUsed(), 0u);
 
   const CommandResult bad = server_->RunCli({"bench", "--view", "tiny\n", "--requests", "1"}, absl::Seconds(30));
   EXPECT_NE(bad.exit_code, 0) << bad.Describe();
-  EXPECT_NE(bad.err.find("--view 'tiny\\n' is not full, basic, compact or lengths"), std::string::npos) << bad.Describe();
+  EXPECT_NE(bad.err.find("--view 'tiny\\n' is not full, basic, compact, lengths or packed"), std::string::npos)
+      << bad.Describe();
+  // PACKED answers AppendBatch only: the append mode's streams refuse it, so the CLI does first.
+  const CommandResult stream = server_->RunCli({"bench", "--view", "packed", "--requests", "1"}, absl::Seconds(30));
+  EXPECT_NE(stream.exit_code, 0) << stream.Describe();
+  EXPECT_NE(stream.err.find("--view packed answers an AppendBatch (--mode decode)"), std::string::npos)
+      << stream.Describe();
 }
 
 TEST_F(BenchCli, RecyclesSequencesWhenThePoolShareIsFull) {

@@ -18,17 +18,21 @@ def _scale(value):
 
 # What a response's sequences carry (AppendRequest.view, AppendBatchRequest.view).
 _VIEWS = {None: pb.SEQUENCE_VIEW_UNSPECIFIED, "full": pb.SEQUENCE_VIEW_FULL, "basic": pb.SEQUENCE_VIEW_BASIC,
-          "compact": pb.SEQUENCE_VIEW_COMPACT, "lengths": pb.SEQUENCE_VIEW_LENGTHS}
+          "compact": pb.SEQUENCE_VIEW_COMPACT, "lengths": pb.SEQUENCE_VIEW_LENGTHS,
+          "packed": pb.SEQUENCE_VIEW_PACKED}
 
 
 def _view(view):
     """The SequenceView of a view name: None or "full" (the whole page table and
     per-layer lengths), "basic" (lengths, capacity and only the pages the call
     allocated), "compact" (basic without the pool, id and server_id strings),
-    "lengths" (compact without the page table)."""
+    "lengths" (compact without the page table), "packed" (AppendBatch only: no
+    Sequence messages, response.packed holds every sequence's length, new
+    pages' offset and count, generation and the new pages, as parallel arrays)."""
     if view is None or (isinstance(view, str) and view.lower() in _VIEWS):
         return _VIEWS[view if view is None else view.lower()]
-    raise client_error("view %r is not one of \"full\", \"basic\", \"compact\", \"lengths\"" % (view,))
+    raise client_error("view %r is not one of \"full\", \"basic\", \"compact\", \"lengths\", \"packed\""
+                       % (view,))
 
 
 def _block_hashes(hashes, what="block_hashes"):

@@ -579,7 +579,10 @@ class Client:
         row_counts: rows of each sequence (default 1 each: a decode step).
         view: what each response entry carries (as append; default "compact":
           the sequences in request order without their names, and in
-          kv_indices only the pages the step allocated).
+          kv_indices only the pages the step allocated; "packed": the same
+          numbers as parallel arrays in response.packed -- lengths,
+          kv_indices_offsets, new_page_counts, generations, new_pages -- and
+          no response.sequences, the cheapest answer to a large step).
         Returns mlakv.pb.AppendBatchResponse; the whole step is atomic.
         """
         ids = [str(s) for s in sequences]

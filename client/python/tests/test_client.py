@@ -363,6 +363,13 @@ class AppendBatchTest(ServerTestCase):
                                          view="compact")
         # v-full's step fits its last page (no new page); v-new's allocates its first.
         self.assertEqual([(q.id, q.length, len(q.kv_indices)) for q in batch.sequences], [("", 0, 0), ("", 0, 1)])
+        # packed: the same numbers in parallel arrays, no Sequence messages.
+        packed = self.client.append_batch([("v-full", {0: random_rows(rng, 1)}), ("v-new2", {0: random_rows(rng, 1)})],
+                                          view="packed")
+        self.assertEqual(len(packed.sequences), 0)
+        self.assertEqual((list(packed.packed.new_page_counts), list(packed.packed.kv_indices_offsets)), ([0, 1], [3, 0]))
+        self.assertEqual(list(packed.packed.new_pages), list(self.client.sequence("v-new2").kv_indices))
+        self.assertEqual(len(packed.packed.generations), 2)
         with self.client.save("v-saved", view="basic", layerwise_min_tokens=0) as s:
             s.layer(0, *random_rows(rng, 5))
         saved = s.wait().sequence
@@ -378,7 +385,7 @@ class AppendBatchTest(ServerTestCase):
                      lambda: self.client.save("v-x", view="none")):
             e = self.assertCode(grpc.StatusCode.INVALID_ARGUMENT, call)
             self.assertIn("is not one of", e.message)
-        self.assertEqual(self.client.sequence("v-full").layer_lengths[0], 132)  # the refused calls wrote nothing
+        self.assertEqual(self.client.sequence("v-full").layer_lengths[0], 133)  # the refused calls wrote nothing
         for s in ("v-full", "v-new", "v-saved", "v-lengths"):
             self.client.free(s)
 

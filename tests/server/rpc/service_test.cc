@@ -639,6 +639,90 @@ TEST_F(ServiceTest, TheCompactViewIsTheBasicViewWithoutTheNames) {
   EXPECT_EQ(GetSequence("c10", &none).error_code(), grpc::StatusCode::NOT_FOUND);
 }
 
+// SEQUENCE_VIEW_PACKED answers an AppendBatch with no Sequence messages:
+// parallel arrays in request order carrying what COMPACT carries for each
+// sequence (length, where the new pages start, how many, the generation) and
+// the new pages back to back -- the tail of each page table. An Append stream
+// refuses it and writes nothing.
+TEST_F(ServiceTest, ThePackedViewAnswersEverySequenceInParallelArrays) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 4 num_pages: 256");
+  const std::vector<uint32_t> prefix = {0, 3, 4, 7, 8}, step = {5, 1, 2, 0, 9};  // new pages for some, none for others
+  for (const char* who : {"c", "p"}) {
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      if (prefix[i] == 0) continue;
+      const grpc::Status s = AppendRows(who + std::to_string(i), 0, RandomRows(prefix[i], 540 + i), {0, 1},
+                                        kCkvScale, kKpeScale);
+      ASSERT_TRUE(s.ok()) << Describe(s);
+    }
+  }
+  uint32_t total = 0;
+  for (uint32_t n : step) total += n;
+  const Rows rows = RandomRows(total, 550);
+  v1::AppendBatchResponse compact, packed;
+  for (v1::AppendBatchResponse* out : {&compact, &packed}) {
+    const bool is_packed = out == &packed;
+    v1::AppendBatchRequest req;
+    req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+    req.set_view(is_packed ? v1::SEQUENCE_VIEW_PACKED : v1::SEQUENCE_VIEW_COMPACT);
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      v1::SequenceRows* sr = req.add_sequences();
+      sr->set_sequence((is_packed ? "p" : "c") + std::to_string(i));
+      sr->set_start(prefix[i]);
+      sr->set_row_count(step[i]);
+    }
+    for (uint32_t l : {0u, 1u}) {
+      v1::LayerRows* lr = req.add_batch_layers();
+      lr->set_layer(l);
+      lr->set_ckv(rows.ckv_bytes());
+      lr->set_kpe(rows.kpe_bytes());
+    }
+    grpc::ClientContext ctx;
+    const grpc::Status s = stub().AppendBatch(&ctx, req, out);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
+  EXPECT_EQ(packed.sequences_size(), 0);
+  EXPECT_FALSE(compact.has_packed());
+  EXPECT_EQ(packed.rows_written(), compact.rows_written());
+  EXPECT_EQ(packed.pages_allocated(), compact.pages_allocated());
+  EXPECT_EQ(packed.pages_allocated(), 6u);  // pages of 4: sequence 0 2 new, 2 1, 4 3 (8 -> 17 tokens)
+  const v1::PackedSequences& a = packed.packed();
+  ASSERT_EQ(a.lengths_size(), static_cast<int>(prefix.size()));
+  ASSERT_EQ(a.kv_indices_offsets_size(), static_cast<int>(prefix.size()));
+  ASSERT_EQ(a.new_page_counts_size(), static_cast<int>(prefix.size()));
+  ASSERT_EQ(a.generations_size(), static_cast<int>(prefix.size()));
+  EXPECT_EQ(a.new_pages_size(), 6);
+  int next = 0;  // into new_pages
+  for (size_t i = 0; i < prefix.size(); ++i) {
+    const int k = static_cast<int>(i);
+    const v1::Sequence& c = compact.sequences(k);
+    EXPECT_EQ(a.lengths(k), prefix[i] + step[i]) << i;
+    EXPECT_EQ(a.lengths(k), c.length()) << i;
+    EXPECT_EQ(a.kv_indices_offsets(k), c.kv_indices_offset()) << i;
+    EXPECT_EQ(a.new_page_counts(k), static_cast<uint32_t>(c.kv_indices_size())) << i;
+    v1::Sequence stored;
+    ASSERT_TRUE(GetSequence("p" + std::to_string(i), &stored).ok());
+    EXPECT_EQ(a.generations(k), stored.generation()) << i;
+    EXPECT_NE(a.generations(k), 0u) << i;
+    ASSERT_EQ(a.kv_indices_offsets(k) + a.new_page_counts(k), static_cast<uint32_t>(stored.kv_indices_size())) << i;
+    for (uint32_t j = 0; j < a.new_page_counts(k); ++j) {
+      ASSERT_LT(next, a.new_pages_size());
+      EXPECT_EQ(a.new_pages(next++), stored.kv_indices(static_cast<int>(a.kv_indices_offsets(k) + j))) << i << " " << j;
+    }
+  }
+  EXPECT_EQ(next, a.new_pages_size());
+  // An Append stream answers one sequence: PACKED is refused, nothing written.
+  v1::AppendRequest m = AppendMessage("p9", 0, RandomRows(6, 560), 0, 6, {0, 1}, kCkvScale, kKpeScale);
+  m.set_view(v1::SEQUENCE_VIEW_PACKED);
+  const grpc::Status refused = Append({m});
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(refused);
+  EXPECT_TRUE(absl::StrContains(refused.error_message(), "SEQUENCE_VIEW_PACKED")) << Describe(refused);
+  EXPECT_TRUE(absl::StrContains(refused.error_message(), "SEQUENCE_VIEW_COMPACT")) << Describe(refused);
+  v1::Sequence none;
+  EXPECT_EQ(GetSequence("p9", &none).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(pool().CheckInvariants().ok());
+}
+
 // Every malformed compact batch is refused before anything is written, with
 // a message that says what to send instead.
 TEST_F(ServiceTest, AppendBatchCompactFormErrorsWriteNothing) {
