@@ -75,6 +75,37 @@ class ServiceTest : public ::testing::Test, public ServiceFixture {
     ASSERT_TRUE(got.status.ok()) << Describe(got.status);
     EXPECT_EQ(mlakv::testing::DescribeMismatch(expect, got.rows), "") << "layer " << layer;
   }
+  // Sequences `name`0, `name`1, ... holding prefix[i] tokens in layers 0 and
+  // 1 (none when 0), then one compact AppendBatch (view `view`) of step[i]
+  // more rows for each; its response in `out`, expected OK.
+  void PrefixThenStep(const std::string& name, const std::vector<uint32_t>& prefix, const std::vector<uint32_t>& step,
+                      v1::SequenceView view, int seed, v1::AppendBatchResponse* out) {
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      if (prefix[i] == 0) continue;
+      ASSERT_NO_FATAL_FAILURE(MustAppend(name + std::to_string(i), 0, RandomRows(prefix[i], seed + i), {0, 1}));
+    }
+    uint32_t total = 0;
+    for (uint32_t n : step) total += n;
+    const Rows rows = RandomRows(total, seed + 100);
+    v1::AppendBatchRequest req;
+    req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+    req.set_view(view);
+    for (size_t i = 0; i < prefix.size(); ++i) {
+      v1::SequenceRows* sr = req.add_sequences();
+      sr->set_sequence(name + std::to_string(i));
+      sr->set_start(prefix[i]);
+      sr->set_row_count(step[i]);
+    }
+    for (uint32_t l : {0u, 1u}) {
+      v1::LayerRows* lr = req.add_batch_layers();
+      lr->set_layer(l);
+      lr->set_ckv(rows.ckv_bytes());
+      lr->set_kpe(rows.kpe_bytes());
+    }
+    grpc::ClientContext ctx;
+    const grpc::Status s = stub().AppendBatch(&ctx, req, out);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
 };
 
 // ---- happy paths ---------------------------------------------------------------
@@ -524,38 +555,10 @@ TEST_F(ServiceTest, TheCompactViewIsTheBasicViewWithoutTheNames) {
   StopServer();
   StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 4 num_pages: 256");
   const std::vector<uint32_t> prefix = {0, 3, 4, 7}, step = {5, 1, 2, 0};  // new pages for some, none for others
-  for (const char* who : {"b", "c", "l"}) {
-    for (size_t i = 0; i < prefix.size(); ++i) {
-      if (prefix[i] == 0) continue;
-      const grpc::Status s = AppendRows(who + std::to_string(i), 0, RandomRows(prefix[i], 500 + i), {0, 1},
-                                        kCkvScale, kKpeScale);
-      ASSERT_TRUE(s.ok()) << Describe(s);
-    }
-  }
-  uint32_t total = 0;
-  for (uint32_t n : step) total += n;
-  const Rows rows = RandomRows(total, 520);
   v1::AppendBatchResponse responses[3];
   const v1::SequenceView views[3] = {v1::SEQUENCE_VIEW_BASIC, v1::SEQUENCE_VIEW_COMPACT, v1::SEQUENCE_VIEW_LENGTHS};
   for (int v = 0; v < 3; ++v) {
-    v1::AppendBatchRequest req;
-    req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
-    req.set_view(views[v]);
-    for (size_t i = 0; i < prefix.size(); ++i) {
-      v1::SequenceRows* sr = req.add_sequences();
-      sr->set_sequence(std::string(v == 0 ? "b" : v == 1 ? "c" : "l") + std::to_string(i));
-      sr->set_start(prefix[i]);
-      sr->set_row_count(step[i]);
-    }
-    for (uint32_t l : {0u, 1u}) {
-      v1::LayerRows* lr = req.add_batch_layers();
-      lr->set_layer(l);
-      lr->set_ckv(rows.ckv_bytes());
-      lr->set_kpe(rows.kpe_bytes());
-    }
-    grpc::ClientContext ctx;
-    const grpc::Status s = stub().AppendBatch(&ctx, req, &responses[v]);
-    ASSERT_TRUE(s.ok()) << Describe(s);
+    ASSERT_NO_FATAL_FAILURE(PrefixThenStep(v == 0 ? "b" : v == 1 ? "c" : "l", prefix, step, views[v], 500, &responses[v]));
   }
   const v1::AppendBatchResponse& basic = responses[0];
   const v1::AppendBatchResponse& compact = responses[1];
@@ -648,39 +651,9 @@ TEST_F(ServiceTest, ThePackedViewAnswersEverySequenceInParallelArrays) {
   StopServer();
   StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 4 num_pages: 256");
   const std::vector<uint32_t> prefix = {0, 3, 4, 7, 8}, step = {5, 1, 2, 0, 9};  // new pages for some, none for others
-  for (const char* who : {"c", "p"}) {
-    for (size_t i = 0; i < prefix.size(); ++i) {
-      if (prefix[i] == 0) continue;
-      const grpc::Status s = AppendRows(who + std::to_string(i), 0, RandomRows(prefix[i], 540 + i), {0, 1},
-                                        kCkvScale, kKpeScale);
-      ASSERT_TRUE(s.ok()) << Describe(s);
-    }
-  }
-  uint32_t total = 0;
-  for (uint32_t n : step) total += n;
-  const Rows rows = RandomRows(total, 550);
   v1::AppendBatchResponse compact, packed;
-  for (v1::AppendBatchResponse* out : {&compact, &packed}) {
-    const bool is_packed = out == &packed;
-    v1::AppendBatchRequest req;
-    req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
-    req.set_view(is_packed ? v1::SEQUENCE_VIEW_PACKED : v1::SEQUENCE_VIEW_COMPACT);
-    for (size_t i = 0; i < prefix.size(); ++i) {
-      v1::SequenceRows* sr = req.add_sequences();
-      sr->set_sequence((is_packed ? "p" : "c") + std::to_string(i));
-      sr->set_start(prefix[i]);
-      sr->set_row_count(step[i]);
-    }
-    for (uint32_t l : {0u, 1u}) {
-      v1::LayerRows* lr = req.add_batch_layers();
-      lr->set_layer(l);
-      lr->set_ckv(rows.ckv_bytes());
-      lr->set_kpe(rows.kpe_bytes());
-    }
-    grpc::ClientContext ctx;
-    const grpc::Status s = stub().AppendBatch(&ctx, req, out);
-    ASSERT_TRUE(s.ok()) << Describe(s);
-  }
+  ASSERT_NO_FATAL_FAILURE(PrefixThenStep("c", prefix, step, v1::SEQUENCE_VIEW_COMPACT, 540, &compact));
+  ASSERT_NO_FATAL_FAILURE(PrefixThenStep("p", prefix, step, v1::SEQUENCE_VIEW_PACKED, 540, &packed));
   EXPECT_EQ(packed.sequences_size(), 0);
   EXPECT_FALSE(compact.has_packed());
   EXPECT_EQ(packed.rows_written(), compact.rows_written());
