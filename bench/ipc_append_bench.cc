@@ -23,7 +23,8 @@
 // kernel's byte floor: 1512 bytes read + written per row), each timed from an
 // L2 cleared by an untimed write of twice its size. The steps
 // rotate through the response views BASIC, COMPACT and PACKED (--basic_only:
-// BASIC alone, for a server that predates COMPACT). --shm: the rows in a
+// BASIC alone, for a server that predates COMPACT; a server that predates
+// PACKED refuses the third view: time it with the bench of its own tree). --shm: the rows in a
 // host shared-memory region instead (no GPU here; the kernel comparison is
 // skipped), for a server with a cpu pool. --spin: each AppendBatch of the
 // steps waited for by polling its own completion queue without sleeping.

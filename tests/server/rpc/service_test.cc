@@ -75,6 +75,15 @@ class ServiceTest : public ::testing::Test, public ServiceFixture {
     ASSERT_TRUE(got.status.ok()) << Describe(got.status);
     EXPECT_EQ(mlakv::testing::DescribeMismatch(expect, got.rows), "") << "layer " << layer;
   }
+  // An Append of `m` in a view it may not take: INVALID_ARGUMENT naming each
+  // of `views` (what to ask for), and its sequence not created.
+  void ExpectViewRefused(const v1::AppendRequest& m, std::initializer_list<const char*> views) {
+    const grpc::Status refused = Append({m});
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(refused);
+    for (const char* view : views) EXPECT_TRUE(absl::StrContains(refused.error_message(), view)) << Describe(refused);
+    v1::Sequence none;
+    EXPECT_EQ(GetSequence(m.sequence(), &none).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
   // Sequences `name`0, `name`1, ... holding prefix[i] tokens in layers 0 and
   // 1 (none when 0), then one compact AppendBatch (view `view`) of step[i]
   // more rows for each; its response in `out`, expected OK.
@@ -634,12 +643,7 @@ TEST_F(ServiceTest, TheCompactViewIsTheBasicViewWithoutTheNames) {
   // Not a view: refused, nothing written.
   m.set_sequence("c10");
   m.set_view(static_cast<v1::SequenceView>(7));
-  const grpc::Status bad = Append({m});
-  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(bad);
-  EXPECT_TRUE(absl::StrContains(bad.error_message(), "SEQUENCE_VIEW_COMPACT")) << Describe(bad);
-  EXPECT_TRUE(absl::StrContains(bad.error_message(), "SEQUENCE_VIEW_LENGTHS")) << Describe(bad);
-  v1::Sequence none;
-  EXPECT_EQ(GetSequence("c10", &none).error_code(), grpc::StatusCode::NOT_FOUND);
+  ExpectViewRefused(m, {"SEQUENCE_VIEW_COMPACT", "SEQUENCE_VIEW_LENGTHS", "SEQUENCE_VIEW_PACKED"});
 }
 
 // SEQUENCE_VIEW_PACKED answers an AppendBatch with no Sequence messages:
@@ -687,12 +691,7 @@ TEST_F(ServiceTest, ThePackedViewAnswersEverySequenceInParallelArrays) {
   // An Append stream answers one sequence: PACKED is refused, nothing written.
   v1::AppendRequest m = AppendMessage("p9", 0, RandomRows(6, 560), 0, 6, {0, 1}, kCkvScale, kKpeScale);
   m.set_view(v1::SEQUENCE_VIEW_PACKED);
-  const grpc::Status refused = Append({m});
-  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << Describe(refused);
-  EXPECT_TRUE(absl::StrContains(refused.error_message(), "SEQUENCE_VIEW_PACKED")) << Describe(refused);
-  EXPECT_TRUE(absl::StrContains(refused.error_message(), "SEQUENCE_VIEW_COMPACT")) << Describe(refused);
-  v1::Sequence none;
-  EXPECT_EQ(GetSequence("p9", &none).error_code(), grpc::StatusCode::NOT_FOUND);
+  ExpectViewRefused(m, {"SEQUENCE_VIEW_PACKED", "SEQUENCE_VIEW_COMPACT"});
   EXPECT_TRUE(pool().CheckInvariants().ok());
 }
 
