@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -85,12 +86,41 @@ class AppendTransaction {
   uint32_t committed_min() const { return sequence_->length(); }
   uint32_t committed_max() const { return sequence_->max_length(); }
 
-  // Per layer, in one allocation (a decode step begins 256 transactions of
-  // 61 layers): [staged_end_ | touched_].
+  // Where the append's rows end in `layer` (0: none written there).
+  uint32_t staged_end(int32_t layer) const { return level_end_ ? *level_end_ : staged_end_[layer]; }
+  // The staged ends of every layer, per layer (a level end spread first).
+  std::span<const uint32_t> staged_ends();
+  // Records rows ending at `end` in every layer / in one layer.
+  void StageEveryLayer(uint32_t end);
+  void StageLayer(int32_t layer, uint32_t end);
+  // Whether the append wrote rows in `layer` (it is then counted in the
+  // layer's staged users).
+  bool touched(int32_t layer) const { return touched_every_layer() || (!touched_.empty() && touched_[layer] != 0); }
+  bool touched_every_layer() const { return touched_layers_ == num_layers_; }
+  // Marks `layer` touched; false if it already was.
+  bool Touch(int32_t layer);
+  // Marks every layer touched; only before any layer is.
+  void TouchEveryLayer() { touched_layers_ = num_layers_; }
+
+  // The per-layer arrays below, made on first need (a decode step's 256
+  // transactions of 61 layers never need them).
+  void MakePerLayer();
+
+  uint32_t num_layers_ = 0;
+  // Per layer, in one allocation when made: [staged_end_ | touched_].
   std::vector<uint32_t> per_layer_;
+  // The staged ends, in one of two forms: while every message wrote every
+  // layer (a decode step, a whole-prompt append) they are the same in all
+  // layers and held once in level_end_ (staged_end_ unused), so that Commit
+  // raises a level sequence without a pass over its layers; the first
+  // message that writes only some layers spreads it into staged_end_ and
+  // clears it.
+  std::optional<uint32_t> level_end_ = 0;
   std::span<uint32_t> staged_end_;  // [num_layers] end of rows written by the append (0: none)
-  std::span<uint32_t> touched_;     // [num_layers] 1: the append wrote rows here (counted in staged_users)
-  uint32_t touched_layers_ = 0;     // how many touched_ entries are 1 (all: Commit takes one pass without branches)
+  // Touched layers, likewise: all of them (touched_layers_ == num_layers_,
+  // touched_ possibly not made) or those whose touched_ entry is 1.
+  std::span<uint32_t> touched_;
+  uint32_t touched_layers_ = 0;     // how many layers are touched
   std::vector<std::vector<bool>> saved_;  // [num_layers][committed(layer)] position's old bytes are in undo_ (empty until a rewrite)
   std::vector<Undo> undo_;
   std::vector<LayerScalesBefore> scales_before_;  // layers whose scales this append set

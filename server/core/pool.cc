@@ -419,7 +419,7 @@ absl::Status Pool::CheckState(size_t index, const AppendTransaction& txn, const 
   // committed length leaves none.
   if (r.row_count > 0 && r.start > txn.committed_min()) {
     for (const LayerRows& lr : layers) {
-      const uint32_t have = std::max(txn.committed(lr.layer), txn.staged_end_[lr.layer]);
+      const uint32_t have = std::max(txn.committed(lr.layer), txn.staged_end(lr.layer));
       if (r.start > have) {
         return absl::OutOfRangeError(absl::StrCat(who(), " layer ", lr.layer, ": start ", r.start,
                                                   " would leave a hole; the layer holds ", have,
@@ -590,18 +590,13 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
     // staged users counted once for the call below, not once per pair.
     if (shared_from && !may_rewrite && txn.touched_layers_ == 0 &&
         written.size() == static_cast<size_t>(options_.num_layers)) {
-      std::fill(txn.touched_.begin(), txn.touched_.end(), 1u);
-      txn.touched_layers_ = static_cast<uint32_t>(options_.num_layers);
+      txn.TouchEveryLayer();
       ++touched_every_layer;
       continue;
     }
     for (const LayerRows& lr : written) {
       const int32_t l = static_cast<int32_t>(lr.layer);
-      if (!txn.touched_[l]) {
-        txn.touched_[l] = 1;
-        ++txn.touched_layers_;
-        ++layers_[l].staged_users;
-      }
+      if (txn.Touch(l)) ++layers_[l].staged_users;
       if (!shared_from) {
         std::vector<AppendSegment>& segments = plan.segments[l];
         if (segments.empty()) segments.reserve(txns.size());
@@ -699,11 +694,10 @@ void Pool::RecordStaged(std::span<AppendTransaction* const> txns, std::span<cons
     if (r.row_count == 0) continue;
     const std::span<const LayerRows> layers = r.written_layers();
     const uint32_t end = r.start + r.row_count;
-    if (layers.size() == txn.staged_end_.size()) {
-      // Every layer (validated distinct): a pass over the array, vectorized.
-      for (uint32_t& e : txn.staged_end_) e = std::max(e, end);
+    if (layers.size() == static_cast<size_t>(options_.num_layers)) {
+      txn.StageEveryLayer(end);  // every layer (validated distinct)
     } else {
-      for (const LayerRows& lr : layers) txn.staged_end_[lr.layer] = std::max(txn.staged_end_[lr.layer], end);
+      for (const LayerRows& lr : layers) txn.StageLayer(static_cast<int32_t>(lr.layer), end);
     }
     txn.rows_written_ += static_cast<uint64_t>(r.row_count) * layers.size();
   }
@@ -846,19 +840,25 @@ std::vector<SequenceSnapshot> Pool::Commit(std::span<AppendTransaction* const> t
 
 void Pool::ApplyLocked(const LayerTally& tally) {
   for (int32_t l = 0; l < options_.num_layers; ++l) {
-    layers_[l].tokens += tally.tokens[l];
+    layers_[l].tokens += tally.tokens[l] + tally.tokens_of_every_layer;
     layers_[l].staged_users -= static_cast<int32_t>(tally.users[l] + tally.users_of_every_layer);
   }
 }
 
 SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns, LayerTally& tally, SnapshotPages pages) {
   Sequence& seq = *txn.sequence_;
-  // A layer the append did not touch has staged_end_ 0, so it keeps its
-  // length and adds no tokens.
-  seq.RaiseLengths(txn.staged_end_, tally.tokens);
-  if (txn.touched_layers_ == static_cast<uint32_t>(options_.num_layers)) {
-    ++tally.users_of_every_layer;  // every layer written (a decode step)
+  // A layer the append did not touch has a staged end of 0, so it keeps its
+  // length and adds no tokens. Rows ending at the same place in every layer
+  // of a sequence whose layers are level (a decode step) raise them all in
+  // one step.
+  if (txn.level_end_ && seq.length() == seq.max_length()) {
+    tally.tokens_of_every_layer += seq.RaiseLevelLengths(*txn.level_end_);
   } else {
+    seq.RaiseLengths(txn.staged_ends(), tally.tokens);
+  }
+  if (txn.touched_every_layer()) {
+    ++tally.users_of_every_layer;  // every layer written (a decode step)
+  } else if (txn.touched_layers_ > 0) {
     for (int32_t l = 0; l < options_.num_layers; ++l) tally.users[l] += txn.touched_[l];
   }
   txn.undo_.clear();
@@ -930,7 +930,7 @@ void Pool::Abort(AppendTransaction& txn) {
   absl::MutexLock lock(&mu_);
   Sequence* seq = txn.sequence_;
   for (int32_t l = 0; l < options_.num_layers; ++l) {
-    if (txn.touched_[l]) --layers_[l].staged_users;
+    if (txn.touched(l)) --layers_[l].staged_users;
   }
   // The shared pages go back where the copies were.
   for (auto it = txn.cows_.rbegin(); it != txn.cows_.rend(); ++it) {

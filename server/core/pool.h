@@ -511,11 +511,13 @@ class Pool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a call's commits add to the layers' counters, summed over its
   // transactions and applied once (ApplyLocked) instead of per (sequence,
-  // layer): tokens gained per layer, staged users leaving per layer, and the
-  // users leaving every layer (transactions that touched all of them).
+  // layer): tokens gained per layer and in every layer alike (level
+  // sequences' commits), staged users leaving per layer, and the users
+  // leaving every layer (transactions that touched all of them).
   struct LayerTally {
     explicit LayerTally(int32_t num_layers) : tokens(num_layers, 0), users(num_layers, 0) {}
     std::vector<uint64_t> tokens;
+    uint64_t tokens_of_every_layer = 0;
     std::vector<uint32_t> users;
     uint32_t users_of_every_layer = 0;
   };

@@ -83,6 +83,16 @@ class Sequence {
     min_length_ = lo;
     max_length_ = hi;
   }
+  // RaiseLengths for a sequence whose layers are level (length() ==
+  // max_length()) and rows ending at `end` in every layer: the layers all
+  // become max(length(), end) in one fill. Returns each layer's growth.
+  uint32_t RaiseLevelLengths(uint32_t end) {
+    if (end <= min_length_) return 0;
+    const uint32_t growth = end - min_length_;
+    std::fill(layer_lengths_.begin(), layer_lengths_.end(), end);
+    min_length_ = max_length_ = end;
+    return growth;
+  }
   // Holds no page and no token (then it must not stay in the table).
   bool empty() const { return pages_.empty() && max_length() == 0; }
 

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <random>
@@ -242,6 +243,82 @@ TEST(PoolTest, RandomOperationsKeepInvariants) {
   EXPECT_EQ(snap.pages_used, 0);
   EXPECT_EQ(snap.sequences, 0u);
   for (const LayerSnapshot& l : snap.layers) EXPECT_EQ(l.tokens, 0u);
+}
+
+// A transaction's staged ends are held once while every message writes every
+// layer and per layer after the first message that does not; a commit raises
+// a level sequence in one step and any other per layer. Random transactions
+// of all-layer and some-layer messages (rewrites, gaps refused, aborts) must
+// leave exactly the per-layer lengths of a plain model, and the layers'
+// token counts their sum.
+TEST(PoolTest, AllLayerAndSomeLayerMessagesCommitTheModelsLengths) {
+  constexpr int kLayers = 4;
+  auto pool = MakePool(kLayers, /*page_size=*/4, /*pages=*/64);
+  std::mt19937 gen(4242);
+  auto pick = [&](int n) { return static_cast<int>(gen() % n); };
+  std::map<std::string, std::vector<uint32_t>> model;  // id -> committed length per layer
+  int level_commits = 0, spread_commits = 0, aborted = 0;
+  for (int step = 0; step < 2000; ++step) {
+    const std::string id = "s" + std::to_string(pick(5));
+    auto txn = pool->BeginAppend(id);
+    ASSERT_TRUE(txn.ok()) << txn.status();
+    std::vector<uint32_t> lengths = model.count(id) ? model[id] : std::vector<uint32_t>(kLayers, 0);
+    std::vector<uint32_t> staged = lengths;
+    bool every_message_all_layers = true, ok = true;
+    for (int m = 0, messages = 1 + pick(3); m < messages && ok; ++m) {
+      std::vector<int64_t> layers;
+      if (pick(3) != 0) {
+        for (int l = 0; l < kLayers; ++l) layers.push_back(l);
+      } else {
+        every_message_all_layers = false;
+        for (int l = 0; l < kLayers; ++l) {
+          if (pick(2) == 0) layers.push_back(l);
+        }
+        if (layers.empty()) layers.push_back(pick(kLayers));
+      }
+      const uint32_t max_start = *std::min_element(staged.begin(), staged.end());
+      const uint32_t start = static_cast<uint32_t>(pick(static_cast<int>(max_start) + 2));  // may leave a hole
+      const uint32_t n = static_cast<uint32_t>(1 + pick(6));
+      bool hole = false;
+      for (int64_t l : layers) hole = hole || start > staged[l];
+      const RowBytes bytes(n, static_cast<uint32_t>(step));
+      const absl::Status staged_status = StageOne(*pool, **txn, RowsFor(bytes, start, n, layers));
+      ok = staged_status.ok();
+      ASSERT_EQ(ok, !hole) << "step " << step << " start " << start << ": " << staged_status;
+      if (ok) {
+        for (int64_t l : layers) staged[l] = std::max(staged[l], start + n);
+      }
+    }
+    if (ok && pick(5) != 0) {
+      const bool level = std::all_of(lengths.begin(), lengths.end(), [&](uint32_t v) { return v == lengths[0]; });
+      (every_message_all_layers && level ? level_commits : spread_commits) += 1;
+      const SequenceSnapshot snap = pool->Commit(**txn);
+      model[id] = staged;
+      EXPECT_EQ(snap.length, *std::min_element(staged.begin(), staged.end())) << "step " << step;
+    } else {
+      pool->Abort(**txn);
+      ++aborted;
+    }
+    ASSERT_TRUE(pool->CheckInvariants().ok()) << "step " << step << ": " << pool->CheckInvariants();
+    if (model.count(id)) {
+      const absl::StatusOr<SequenceSnapshot> got = pool->GetSequence(id);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_EQ(got->layer_lengths, model[id]) << "step " << step;
+    }
+    if (pick(40) == 0 && model.count(id)) {  // start the sequence over now and then
+      ASSERT_TRUE(pool->FreeSequence(id).ok());
+      model.erase(id);
+    }
+  }
+  EXPECT_GT(level_commits, 100);
+  EXPECT_GT(spread_commits, 100);
+  EXPECT_GT(aborted, 100);
+  std::vector<uint64_t> tokens(kLayers, 0);
+  for (const auto& [id, lengths] : model) {
+    for (int l = 0; l < kLayers; ++l) tokens[l] += lengths[l];
+  }
+  const PoolSnapshot snap = pool->Snapshot();
+  for (int l = 0; l < kLayers; ++l) EXPECT_EQ(snap.layers[l].tokens, tokens[l]) << "layer " << l;
 }
 
 // A model of what every committed position must hold (which source row, with
