@@ -4,6 +4,7 @@
 //   append_host_bench [--sequences 256] [--layers 61] [--steps 400]        a decode step
 //   append_host_bench --sequences 1 --layers 1 --rows 262144 --view full   a prefill chunk
 //   append_host_bench --view compact --steps 400 --passes 80               a decode step, long enough to profile
+//   append_host_bench --view compact --context 8192                         a decode step at 8k tokens of context
 //
 // One cpu pool of --layers layers, page size 64, whose backend's Append does
 // nothing (NoWriteBackend below): what remains is exactly what the handler
@@ -16,6 +17,9 @@
 // response, serialized and parsed once each. Each step appends one token to each of
 // --sequences sequences in every layer (expect_length, as a decode worker
 // sends it), so pages are allocated every 64 steps as in a real decode.
+// With --context N, every sequence first holds N tokens (written untimed, in
+// one append per sequence, before each pass), so each step's sequences have
+// the page tables of an N-token context.
 // With --rows N > 1, each step instead writes N rows to fresh sequences
 // (freed, untimed, after the step), as ipc_append_bench's one-layer appends do.
 // The rows are one bytes field per layer (the same host memory every step).
@@ -52,6 +56,7 @@ ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step)");
 ABSL_FLAG(int, steps, 400, "steps (calls) timed");
 ABSL_FLAG(int, rows, 1, "rows per sequence per step (> 1: fresh sequences every step)");
 ABSL_FLAG(std::string, view, "basic", "the response's view: basic, compact, lengths or full");
+ABSL_FLAG(int, context, 0, "tokens every sequence holds before the first timed step (decode steps only)");
 ABSL_FLAG(int, passes, 1,
           "times the --steps steps are run, every sequence freed (untimed) between passes: more samples (and a "
           "longer profile) from the same pool");
@@ -89,6 +94,7 @@ int Run() {
   const int steps = absl::GetFlag(FLAGS_steps);
   const int rows_per = absl::GetFlag(FLAGS_rows);
   const bool fresh = rows_per > 1;
+  const int context = fresh ? 0 : std::max(0, absl::GetFlag(FLAGS_context));
   const std::string view_flag = absl::GetFlag(FLAGS_view);
   const v1::SequenceView view = view_flag == "full"      ? v1::SEQUENCE_VIEW_FULL
                                 : view_flag == "compact" ? v1::SEQUENCE_VIEW_COMPACT
@@ -99,7 +105,7 @@ int Run() {
   opts.name = "bench";
   opts.num_layers = layers;
   opts.page_size = kPageSize;
-  opts.num_pages = fresh ? sequences * (rows_per / kPageSize + 2) : sequences * ((steps + 1) / kPageSize + 2);
+  opts.num_pages = fresh ? sequences * (rows_per / kPageSize + 2) : sequences * ((context + steps + 21) / kPageSize + 2);
   opts.layer_scales.assign(layers, Pool::Options::Scales{1.0f, 1.0f});
   server::EventLog events({});  // as in mlakv-server, which always keeps one (KV events)
   opts.events = &events;
@@ -159,13 +165,30 @@ int Run() {
         if (absl::StatusOr<server::FreeResult> f = (*pool)->FreeSequence(s.sequence()); !f.ok()) Fail("free", f.status());
       }
     }
+    if (context > 0) {  // the context, untimed: one append of every layer per sequence
+      const std::string context_ckv(static_cast<size_t>(context) * 512 * 2, '\x3c');
+      const std::string context_kpe(static_cast<size_t>(context) * 64 * 2, '\x3c');
+      SequenceRowsIn rows;
+      rows.row_count = static_cast<uint32_t>(context);
+      for (int l = 0; l < layers; ++l) rows.layers.push_back(server::LayerRows::FromBytes(l, context_ckv, context_kpe));
+      for (const v1::SequenceRows& s : req.sequences()) {
+        AtomicAppend append(pool->get());
+        const std::string* id = &s.sequence();
+        const SequenceRowsIn* r = &rows;
+        if (absl::Status st = append.Begin({&id, 1}); !st.ok()) Fail("context begin", st);
+        if (absl::Status st = append.Stage({&r, 1}, DType::kBFloat16); !st.ok()) Fail("context stage", st);
+        if (absl::StatusOr<std::vector<SequenceSnapshot>> c = append.Commit([] { return absl::OkStatus(); }); !c.ok()) {
+          Fail("context commit", c.status());
+        }
+      }
+    }
     for (int step = 0; step < steps + 20; ++step) {  // the first 20 of the first pass warm up
       for (v1::AppendBatchRequest* r : {&req, &by_reference}) {
         for (int s = 0; s < sequences; ++s) {
           v1::SequenceRows* sr = r->mutable_sequences(s);
-          sr->set_start(fresh ? 0 : step);
-          if (step > 0 && !fresh) {
-            sr->set_expect_length(step);
+          sr->set_start(fresh ? 0 : context + step);
+          if (context + step > 0 && !fresh) {
+            sr->set_expect_length(context + step);
           } else {
             sr->clear_expect_length();
           }

@@ -38,6 +38,9 @@ struct AppendSegment {
   int32_t request = 0;  // index into the page table's requests (kv_indptr)
   int32_t start = 0;    // position of the first row inside its request
 };
+// A request's page table need not be a sequence's whole table: the pool
+// passes only the entries an append's rows land in (a decode step's one page
+// per sequence), with `start` counted from the first of them.
 
 // Rows for one layer, against one host page table.
 struct LayerAppend {

@@ -56,7 +56,10 @@ struct Pool::StagePlan {
   int64_t total_new_pages = 0;              // tail pages and copies
   // The copies to make before the writes (from the shared page to the new one).
   std::vector<AppendTransaction::CopyOnWrite> copies;
-  // The writes: per layer its segments, against one page table for the call.
+  // The writes: per layer its segments, against one page table for the call
+  // whose request i is transaction i's page-table entries that its rows land
+  // in (none for a transaction without rows), so a segment's start counts
+  // from the first of them.
   std::vector<std::vector<AppendSegment>> segments;  // [num_layers]
   std::vector<int32_t> kv_indptr{0}, kv_indices;
   std::vector<LayerAppend> appends;
@@ -574,16 +577,26 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
     AppendTransaction& txn = *txns[i];
     const SequenceRowsIn& r = *rows[i];
     const Sequence& seq = *txn.sequence_;
-    plan.kv_indices.insert(plan.kv_indices.end(), seq.pages().begin(), seq.pages().end());
+    const std::span<const LayerRows> written = r.written_layers();
+    // The backend's page table for this request is only the entries the
+    // rows land in, and the segment's start counts from the first of them:
+    // a decode step at 16k tokens of context would otherwise hand over (and
+    // a device backend copy to the GPU) 256 entries per sequence every step
+    // to write one row in one page.
+    const uint32_t first_page = r.row_count == 0 || written.empty() ? 0 : r.start / options_.page_size;
+    if (r.row_count > 0 && !written.empty()) {
+      const uint64_t end = static_cast<uint64_t>(r.start) + r.row_count;
+      const size_t end_page = std::min<size_t>(seq.pages().size(), CeilDiv(static_cast<int64_t>(end), options_.page_size));
+      plan.kv_indices.insert(plan.kv_indices.end(), seq.pages().begin() + first_page, seq.pages().begin() + end_page);
+    }
     plan.kv_indptr.push_back(static_cast<int32_t>(plan.kv_indices.size()));
     if (r.row_count == 0) continue;
     const AppendSegment segment{.rows = {},
                                 .count = static_cast<int32_t>(r.row_count),
                                 .request = static_cast<int32_t>(i),
-                                .start = static_cast<int32_t>(r.start)};
+                                .start = static_cast<int32_t>(r.start - first_page * options_.page_size)};
     if (shared_from) plan.shared_segments.push_back(segment);
     const bool may_rewrite = r.start < txn.committed_max();
-    const std::span<const LayerRows> written = r.written_layers();
     // The call's shared rows for every layer (validated distinct, so all of
     // them), nothing rewritten, and a transaction that touched no layer yet
     // (a decode step): all its layers are marked at once, and each layer's
