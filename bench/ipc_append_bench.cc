@@ -1,7 +1,7 @@
 // IPC append end to end vs the kernel alone (issue 6's measurement).
 //
 //   ipc_append_bench --server ADDR [--rows 262144] [--repeats 20]
-//   ipc_append_bench --server ADDR --decode_step [--sequences 256] [--layers 61] [--repeats 200] [--basic_only] [--shm] [--spin]
+//   ipc_append_bench --server ADDR --decode_step [--sequences 256] [--layers 61] [--repeats 200] [--context N] [--basic_only] [--shm] [--spin]
 //
 // Acts as a prefill worker on the same GPU as a running
 // `mlakv-server --allow_ipc --device cuda:0` (a separate process: a CUDA IPC
@@ -28,6 +28,9 @@
 // host shared-memory region instead (no GPU here; the kernel comparison is
 // skipped), for a server with a cpu pool. --spin: each AppendBatch of the
 // steps waited for by polling its own completion queue without sleeping.
+// --context N: every sequence first holds N tokens (one untimed AppendBatch
+// per sequence from the region's first N rows, N <= sequences x layers), so
+// the steps meet the page tables of an N-token context.
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
@@ -38,6 +41,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -183,8 +187,39 @@ grpc::Status SpinningAppendBatch(mlakv::v1::KvCache::Stub& stub, grpc::ClientCon
   return ok ? status : grpc::Status(grpc::StatusCode::INTERNAL, "the call's completion came back not ok");
 }
 
-int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int repeats, bool with_compact,
-                  bool shm, bool spin) {
+// Appends `context` rows to each of `sequences` sequences in every layer, from
+// the first rows of region `region` (ckv at 0, kpe at `kpe_offset`).
+bool FillContext(mlakv::v1::KvCache::Stub& stub, const std::string& region, uint64_t kpe_offset, int sequences,
+                 int layers, int context, const std::function<std::string(int)>& id) {
+  for (int s = 0; s < sequences; ++s) {
+    mlakv::v1::AppendBatchRequest req;
+    req.set_dtype(mlakv::v1::ROW_DTYPE_BFLOAT16);
+    req.set_view(mlakv::v1::SEQUENCE_VIEW_LENGTHS);
+    mlakv::v1::SequenceRows* seq = req.add_sequences();
+    seq->set_sequence(id(s));
+    seq->set_row_count(static_cast<uint32_t>(context));
+    for (int l = 0; l < layers; ++l) {
+      mlakv::v1::LayerRows* lr = req.add_batch_layers();
+      lr->set_layer(static_cast<uint32_t>(l));
+      lr->set_ckv_scale(0.02f);
+      lr->set_kpe_scale(0.05f);
+      lr->mutable_ckv_ref()->set_region(region);
+      lr->mutable_kpe_ref()->set_region(region);
+      lr->mutable_kpe_ref()->set_offset(kpe_offset);
+    }
+    mlakv::v1::AppendBatchResponse resp;
+    grpc::ClientContext ctx;
+    if (const grpc::Status st = stub.AppendBatch(&ctx, req, &resp); !st.ok()) {
+      std::fprintf(stderr, "AppendBatch (context of %s): %d: %s\n", id(s).c_str(), static_cast<int>(st.error_code()),
+                   st.error_message().c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
+int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int repeats, int context,
+                  bool with_compact, bool shm, bool spin) {
   grpc::CompletionQueue spin_cq;
   struct DrainAtExit {
     grpc::CompletionQueue* cq;
@@ -209,7 +244,8 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
     CHECK_CUDA(cudaMemcpy(rows_dev, host.data(), ckv_bytes + kpe_bytes, cudaMemcpyHostToDevice));
     if (!RegisterRegion(stub, "ipc-decode", rows_dev, ckv_bytes + kpe_bytes)) return 1;
   }
-  const auto id = [](int s) { return "decode-" + std::to_string(s); };
+  const std::function<std::string(int)> id = [](int s) { return "decode-" + std::to_string(s); };
+  if (context > 0 && !FillContext(stub, "ipc-decode", ckv_bytes, sequences, layers, context, id)) return 1;
   mlakv::v1::AppendBatchRequest req;
   req.set_dtype(mlakv::v1::ROW_DTYPE_BFLOAT16);
   req.set_view(mlakv::v1::SEQUENCE_VIEW_BASIC);
@@ -239,9 +275,10 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
     req.set_view(packed    ? mlakv::v1::SEQUENCE_VIEW_PACKED
                  : compact ? mlakv::v1::SEQUENCE_VIEW_COMPACT
                            : mlakv::v1::SEQUENCE_VIEW_BASIC);
+    const uint32_t length = static_cast<uint32_t>(context + t);  // before the step
     for (mlakv::v1::SequenceRows& seq : *req.mutable_sequences()) {
-      seq.set_start(static_cast<uint32_t>(t));
-      seq.set_expect_length(static_cast<uint32_t>(t));
+      seq.set_start(length);
+      seq.set_expect_length(length);
     }
     mlakv::v1::AppendBatchResponse resp;
     grpc::ClientContext ctx;
@@ -255,9 +292,9 @@ int RunDecodeStep(mlakv::v1::KvCache::Stub& stub, int sequences, int layers, int
     }
     const bool as_expected =
         packed ? resp.sequences_size() == 0 && resp.packed().lengths_size() == sequences &&
-                     resp.packed().lengths(0) == static_cast<uint32_t>(t + 1)
+                     resp.packed().lengths(0) == length + 1
                : resp.sequences_size() == sequences && resp.sequences(0).id().empty() == compact &&
-                     resp.sequences(0).length() == static_cast<uint32_t>(t + 1);
+                     resp.sequences(0).length() == length + 1;
     if (!as_expected) {
       const bool any = resp.sequences_size() > 0;
       std::fprintf(stderr,
@@ -394,7 +431,7 @@ int main(int argc, char** argv) {
   int64_t rows = 262144;
   int repeats = 20;
   bool decode_step = false, with_compact = true, shm = false, spin = false;
-  int sequences = 256, layers = 61;
+  int sequences = 256, layers = 61, context = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--decode_step") {
@@ -419,6 +456,7 @@ int main(int argc, char** argv) {
     else if (a == "--repeats") repeats = std::max(5, std::atoi(argv[++i]));
     else if (a == "--sequences") sequences = std::max(1, std::atoi(argv[++i]));
     else if (a == "--layers") layers = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--context") context = std::max(0, std::atoi(argv[++i]));
     else ++i;
   }
   if (server.empty() || rows < 1) {
@@ -429,7 +467,12 @@ int main(int argc, char** argv) {
     auto args = grpc::ChannelArguments();
     args.SetMaxReceiveMessageSize(-1);
     auto stub = mlakv::v1::KvCache::NewStub(grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args));
-    return RunDecodeStep(*stub, sequences, layers, repeats, with_compact, shm, spin);
+    if (static_cast<int64_t>(context) > static_cast<int64_t>(sequences) * layers) {
+      std::fprintf(stderr, "--context %d: at most --sequences x --layers (%lld) rows are in the region\n", context,
+                   static_cast<long long>(sequences) * layers);
+      return 2;
+    }
+    return RunDecodeStep(*stub, sequences, layers, repeats, context, with_compact, shm, spin);
   }
   // Rows: ckv [rows, 512] then kpe [rows, 64], bf16, random and never zero.
   const size_t ckv_bytes = static_cast<size_t>(rows) * 512 * 2, kpe_bytes = static_cast<size_t>(rows) * 64 * 2;
