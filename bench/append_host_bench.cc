@@ -4,7 +4,7 @@
 //   append_host_bench [--sequences 256] [--layers 61] [--steps 400]        a decode step
 //   append_host_bench --sequences 1 --layers 1 --rows 262144 --view full   a prefill chunk
 //   append_host_bench --view compact --steps 400 --passes 80               a decode step, long enough to profile
-//   append_host_bench --view compact --context 8192                         a decode step at 8k tokens of context
+//   append_host_bench --view compact --layers 4 --context 16384            a decode step at 16k tokens of context
 //
 // One cpu pool of --layers layers, page size 64, whose backend's Append does
 // nothing (NoWriteBackend below): what remains is exactly what the handler
@@ -19,7 +19,10 @@
 // sends it), so pages are allocated every 64 steps as in a real decode.
 // With --context N, every sequence first holds N tokens (written untimed, in
 // one append per sequence, before each pass), so each step's sequences have
-// the page tables of an N-token context.
+// the page tables of an N-token context. The cpu pool's caches are allocated
+// for it (tcmalloc zeroes them at once): 256 sequences at 16k tokens need
+// ~6 GB with --layers 4, ~90 GB with 61 -- the page table, what --context
+// measures, is one for all layers.
 // With --rows N > 1, each step instead writes N rows to fresh sequences
 // (freed, untimed, after the step), as ipc_append_bench's one-layer appends do.
 // The rows are one bytes field per layer (the same host memory every step).

@@ -32,6 +32,17 @@ bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The page-table entries [first, last) that rows [start, start + count)
+// land in (count > 0), cut at the `held` entries the table has.
+struct EntryRange {
+  size_t first = 0, last = 0;
+};
+EntryRange EntriesOfRows(uint32_t start, uint32_t count, int32_t page_size, size_t held) {
+  const uint64_t end = static_cast<uint64_t>(start) + count;
+  return {start / static_cast<size_t>(page_size),
+          std::min<size_t>(held, static_cast<size_t>(CeilDiv(static_cast<int64_t>(end), page_size)))};
+}
+
 // "sequence 'id'" for messages, with the id quoted safely (common/quote.h).
 std::string Who(const std::string& id) { return absl::StrCat("sequence ", Quote(id)); }
 
@@ -491,9 +502,8 @@ absl::Status Pool::PlanPages(size_t index, const AppendTransaction& txn, const S
   // Existing pages the rows write; the shared ones are copied first.
   if (r.row_count > 0 && !layers.empty()) {
     const std::vector<int32_t>& pages = txn.sequence_->pages();
-    const uint64_t first = r.start / options_.page_size;
-    const uint64_t last = std::min<uint64_t>((end - 1) / options_.page_size + 1, pages.size());
-    for (uint64_t i = first; i < last; ++i) {
+    const auto [first, last] = EntriesOfRows(r.start, r.row_count, options_.page_size, pages.size());
+    for (size_t i = first; i < last; ++i) {
       if (allocator_->refs(pages[i]) > 1) plan.cows[index].push_back(static_cast<uint32_t>(i));
     }
     // Pages holding committed positions the rows rewrite: their hashes go.
@@ -583,18 +593,17 @@ void Pool::PlanWrites(std::span<AppendTransaction* const> txns, std::span<const 
     // a decode step at 16k tokens of context would otherwise hand over (and
     // a device backend copy to the GPU) 256 entries per sequence every step
     // to write one row in one page.
-    const uint32_t first_page = r.row_count == 0 || written.empty() ? 0 : r.start / options_.page_size;
-    if (r.row_count > 0 && !written.empty()) {
-      const uint64_t end = static_cast<uint64_t>(r.start) + r.row_count;
-      const size_t end_page = std::min<size_t>(seq.pages().size(), CeilDiv(static_cast<int64_t>(end), options_.page_size));
-      plan.kv_indices.insert(plan.kv_indices.end(), seq.pages().begin() + first_page, seq.pages().begin() + end_page);
-    }
+    const EntryRange entries = r.row_count == 0 || written.empty()
+                                   ? EntryRange{}
+                                   : EntriesOfRows(r.start, r.row_count, options_.page_size, seq.pages().size());
+    plan.kv_indices.insert(plan.kv_indices.end(), seq.pages().begin() + entries.first,
+                           seq.pages().begin() + entries.last);
     plan.kv_indptr.push_back(static_cast<int32_t>(plan.kv_indices.size()));
     if (r.row_count == 0) continue;
     const AppendSegment segment{.rows = {},
                                 .count = static_cast<int32_t>(r.row_count),
                                 .request = static_cast<int32_t>(i),
-                                .start = static_cast<int32_t>(r.start - first_page * options_.page_size)};
+                                .start = static_cast<int32_t>(r.start - entries.first * options_.page_size)};
     if (shared_from) plan.shared_segments.push_back(segment);
     const bool may_rewrite = r.start < txn.committed_max();
     // The call's shared rows for every layer (validated distinct, so all of

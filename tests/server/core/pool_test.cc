@@ -276,8 +276,8 @@ TEST(PoolTest, AllLayerAndSomeLayerMessagesCommitTheModelsLengths) {
         }
         if (layers.empty()) layers.push_back(pick(kLayers));
       }
-      const uint32_t max_start = *std::min_element(staged.begin(), staged.end());
-      const uint32_t start = static_cast<uint32_t>(pick(static_cast<int>(max_start) + 2));  // may leave a hole
+      const uint32_t shortest = *std::min_element(staged.begin(), staged.end());
+      const uint32_t start = static_cast<uint32_t>(pick(static_cast<int>(shortest) + 2));  // may leave a hole
       const uint32_t n = static_cast<uint32_t>(1 + pick(6));
       bool hole = false;
       for (int64_t l : layers) hole = hole || start > staged[l];
