@@ -59,6 +59,8 @@ ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step)");
 ABSL_FLAG(int, steps, 400, "steps (calls) timed");
 ABSL_FLAG(int, rows, 1, "rows per sequence per step (> 1: fresh sequences every step)");
 ABSL_FLAG(std::string, view, "basic", "the response's view: basic, compact, lengths or full");
+ABSL_FLAG(int, id_bytes, 14,
+          "bytes of each sequence id (14: 'request-1000NN'; vLLM's request ids are ~40, past std::string's inline 15)");
 ABSL_FLAG(int, context, 0, "tokens every sequence holds before the first timed step (decode steps only)");
 ABSL_FLAG(int, passes, 1,
           "times the --steps steps are run, every sequence freed (untimed) between passes: more samples (and a "
@@ -135,7 +137,9 @@ int Run() {
   req.set_view(view);
   for (int s = 0; s < sequences; ++s) {
     v1::SequenceRows* sr = req.add_sequences();
-    sr->set_sequence(absl::StrCat("request-", 100000 + s));
+    std::string id = absl::StrCat("request-", 100000 + s);
+    id.insert(8, static_cast<size_t>(std::max(0, absl::GetFlag(FLAGS_id_bytes) - static_cast<int>(id.size()))), '0');
+    sr->set_sequence(std::move(id));
     sr->set_row_count(rows_per);
   }
   for (int l = 0; l < layers; ++l) {
