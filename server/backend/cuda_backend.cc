@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
 #include "common/status_macros.h"
 #include "kernels/cuda_check.h"
 #include "kernels/scoped_cuda_device.h"
@@ -77,6 +78,7 @@ absl::Status CudaBackend::Init() {
   *skipped_flag_ = 0;
   MLAKV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(reinterpret_cast<void**>(&skipped_flag_dev_), skipped_flag_, 0),
                              "cudaHostGetDevicePointer of the skipped-rows flag");
+  for (cudaEvent_t& e : timing_) MLAKV_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e), "cudaEventCreate (timing)");
   MLAKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "cudaStreamSynchronize after zeroing the caches");
   return absl::OkStatus();
 }
@@ -84,6 +86,9 @@ absl::Status CudaBackend::Init() {
 CudaBackend::~CudaBackend() {
   ScopedCudaDevice guard(options_.device.ordinal());
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  for (cudaEvent_t e : timing_) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
   for (LayerCaches& c : layers_) {
     cudaFree(c.ckv);
     cudaFree(c.sf);
@@ -223,6 +228,8 @@ void AddCopy(std::vector<CopyJob>* jobs, const CopyJob& job) {
 }  // namespace
 
 absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
+  const bool timed = spdlog::should_log(spdlog::level::debug);
+  const auto started = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   std::vector<LayerSlots> slots;
   MLAKV_ASSIGN_OR_RETURN(const size_t total, PlanStaging(layers, &slots));
   if (total == 0) return absl::OkStatus();
@@ -231,7 +238,21 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   MLAKV_RETURN_IF_ERROR(EnsureStaging(total));
   MLAKV_ASSIGN_OR_RETURN(StagedAppend staged, Stage(layers, slots));
   if (staged.params.empty()) return absl::OkStatus();
-  return Launch(staged, total);
+  if (!timed) return Launch(staged, total);
+  const auto staged_at = std::chrono::steady_clock::now();
+  Timing t;
+  const absl::Status s = Launch(staged, total, &t);
+  const auto us = [](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
+  float gpu_copies_ms = -1, gpu_kernel_ms = -1;
+  if (s.ok() && cudaEventElapsedTime(&gpu_copies_ms, timing_[0], timing_[1]) == cudaSuccess &&
+      cudaEventElapsedTime(&gpu_kernel_ms, timing_[1], timing_[2]) == cudaSuccess) {
+    spdlog::debug("cuda backend append: layers={} rows={} bytes_staged={} us: stage={:.1f} enqueue={:.1f} sync={:.1f} "
+                  "gpu_to_kernel={:.1f} gpu_kernel={:.1f}",
+                  staged.params.size(), staged.params.empty() ? 0 : staged.params[0].num_rows, total,
+                  us(started, staged_at), us(staged_at, t.enqueued), us(t.enqueued, t.synced), gpu_copies_ms * 1e3,
+                  gpu_kernel_ms * 1e3);
+  }
+  return s;
 }
 
 absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> layers,
@@ -441,11 +462,13 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
 // host), as did many small DMAs from the copier threads (docs/performance.md
 // "Staged chunks sent to the GPU as they are copied", "Ingest: the pool's
 // worker").
-absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total) {
-  const absl::Status enqueued = Enqueue(staged, total);
+absl::Status CudaBackend::Launch(const StagedAppend& staged, size_t total, Timing* timing) {
+  const absl::Status enqueued = Enqueue(staged, total, timing != nullptr);
+  if (timing != nullptr) timing->enqueued = std::chrono::steady_clock::now();
   // Whatever was enqueued completes before the call returns, after an error
   // too: no DMA is left reading the staging buffer or the producer's rows.
   const cudaError_t synced = cudaStreamSynchronize(stream_);
+  if (timing != nullptr) timing->synced = std::chrono::steady_clock::now();
   // Read (and cleared) after a failed enqueue too, so that a skip of this
   // call is never reported as the next call's.
   const absl::Status nothing_skipped = synced == cudaSuccess ? CheckNothingSkipped() : absl::OkStatus();
@@ -467,7 +490,8 @@ absl::Status CudaBackend::CheckNothingSkipped() {
                                           " out-of-bounds rows that host validation accepted (a server bug)"));
 }
 
-absl::Status CudaBackend::Enqueue(const StagedAppend& staged, size_t total) {
+absl::Status CudaBackend::Enqueue(const StagedAppend& staged, size_t total, bool timed) {
+  if (timed) MLAKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_[0], stream_), "cudaEventRecord (timing)");
   copier_->Copy(staged.host_copies);
   MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
                              absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
@@ -500,7 +524,10 @@ absl::Status CudaBackend::Enqueue(const StagedAppend& staged, size_t total) {
                                absl::StrCat("cudaMemcpy2DAsync of ", g.count, " kpe rows from a CUDA region"));
   }
   // Every layer in one launch (up to kMaxLayersPerLaunch a launch).
-  return QuantizeAppendLayers(staged.params.data(), static_cast<int>(staged.params.size()), stream_);
+  if (timed) MLAKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_[1], stream_), "cudaEventRecord (timing)");
+  MLAKV_RETURN_IF_ERROR(QuantizeAppendLayers(staged.params.data(), static_cast<int>(staged.params.size()), stream_));
+  if (timed) MLAKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_[2], stream_), "cudaEventRecord (timing)");
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::CheckEntries(int32_t layer, std::span<const int64_t> entries) const {

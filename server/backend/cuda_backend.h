@@ -10,6 +10,7 @@
 // Every entry point sets the pool's device and restores the caller's.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "server/backend/parallel_copy.h"
 
 typedef struct CUstream_st* cudaStream_t;
+typedef struct CUevent_st* cudaEvent_t;
 
 namespace mlakv::server {
 
@@ -62,9 +64,15 @@ class CudaBackend : public CacheBackend {
   // buffer (its total size), packing them there, and the device work.
   absl::StatusOr<size_t> PlanStaging(std::span<const LayerAppend> layers, std::vector<LayerSlots>* slots) const;
   absl::StatusOr<StagedAppend> Stage(std::span<const LayerAppend> layers, const std::vector<LayerSlots>& slots);
-  absl::Status Launch(const StagedAppend& staged, size_t total);
+  // When the host finished enqueueing and synchronizing (debug level only).
+  struct Timing {
+    std::chrono::steady_clock::time_point enqueued, synced;
+  };
+  absl::Status Launch(const StagedAppend& staged, size_t total, Timing* timing = nullptr);
   // Launch's device work, enqueued on the stream; Launch then waits for it.
-  absl::Status Enqueue(const StagedAppend& staged, size_t total);
+  // With `timed`, the timing events are recorded before the copies and
+  // around the kernel.
+  absl::Status Enqueue(const StagedAppend& staged, size_t total, bool timed);
   // After the stream's synchronize: an InternalError naming the count when
   // the kernel's bounds guard skipped rows since the previous check.
   absl::Status CheckNothingSkipped();
@@ -93,6 +101,13 @@ class CudaBackend : public CacheBackend {
   unsigned int* skipped_flag_ = nullptr;       // host-mapped (cudaHostAllocMapped)
   unsigned int* skipped_flag_dev_ = nullptr;   // its device address
   unsigned int skipped_seen_ = 0;              // counter value after the previous skip
+  // At debug log level only: events recorded on the stream before the
+  // staging copy, before the kernel and after it, so that an append's debug
+  // line splits its backend time into host staging, enqueue, the wait, and
+  // the GPU's own view of the copies and the kernel (a call's GPU time
+  // against the kernel alone in another process: docs/performance.md
+  // "Where a large IPC append's time goes").
+  cudaEvent_t timing_[3] = {nullptr, nullptr, nullptr};
 };
 
 }  // namespace mlakv::server
