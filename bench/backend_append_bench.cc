@@ -17,9 +17,11 @@
 
 #include <cstdio>
 #include <cstring>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -31,12 +33,17 @@
 #include "server/backend/cache_backend.h"
 #include "server/backend/cuda_backend.h"
 #include "server/backend/device.h"
+#include "spdlog/spdlog.h"
 
 ABSL_FLAG(int, sequences, 256, "sequences in the step");
 ABSL_FLAG(int, tokens, 1, "rows per sequence per layer (1: a decode step; --sequences 1 --tokens 262144 --layers 1: a prefill chunk)");
 ABSL_FLAG(int, layers, 61, "layers in the pool, all written by the step");
 ABSL_FLAG(int, iterations, 400, "calls per variant per round");
 ABSL_FLAG(int, rounds, 5, "rounds; the variants alternate within a round");
+ABSL_FLAG(int, gap_us, 0,
+          "sleep between timed calls (untimed): a server's thread idles between RPCs, where back-to-back calls keep "
+          "the driver's code and data warm");
+ABSL_FLAG(bool, debug_log, false, "log at debug level: the backend's line per Append splits its time (stage, enqueue, sync, GPU)");
 ABSL_FLAG(std::string, schedule, "auto", "the context's host wait: auto (the server's), spin, yield or blocking");
 
 namespace mlakv::bench {
@@ -61,6 +68,8 @@ struct Variant {
 int Run() {
   const int seqs = absl::GetFlag(FLAGS_sequences), tokens = absl::GetFlag(FLAGS_tokens), layers = absl::GetFlag(FLAGS_layers);
   const int iterations = absl::GetFlag(FLAGS_iterations), rounds = absl::GetFlag(FLAGS_rounds);
+  const int gap_us = absl::GetFlag(FLAGS_gap_us);
+  if (absl::GetFlag(FLAGS_debug_log)) spdlog::set_level(spdlog::level::debug);
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) Die(kProgram, "no CUDA device visible");
   const std::string schedule = absl::GetFlag(FLAGS_schedule);
@@ -192,11 +201,13 @@ int Run() {
         const Clock::time_point t0 = Clock::now();
         v.call();
         v.us.push_back(Micros(Clock::now() - t0));
+        if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
       }
     }
   }
-  std::printf("%s: %d sequences x %d tokens x %d layers, rows on cuda:0, placement %zu bytes; %d rounds x %d calls; schedule %s\n",
-              kProgram, seqs, tokens, layers, placement_bytes, rounds, iterations, schedule.c_str());
+  std::printf("%s: %d sequences x %d tokens x %d layers, rows on cuda:0, placement %zu bytes; %d rounds x %d calls; schedule %s; "
+              "gap %d us\n",
+              kProgram, seqs, tokens, layers, placement_bytes, rounds, iterations, schedule.c_str(), gap_us);
   std::printf("%-24s %10s %10s %10s\n", "variant", "p50 us", "p90 us", "p99 us");
   for (const Variant& v : variants) {
     const Summary s = Summarize(v.us);
