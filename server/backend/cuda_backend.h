@@ -106,7 +106,7 @@ class CudaBackend : public CacheBackend {
   // line splits its backend time into host staging, enqueue, the wait, and
   // the GPU's own view of the copies and the kernel (a call's GPU time
   // against the kernel alone in another process: docs/performance.md
-  // "Where a large IPC append's time goes").
+  // "Where the 262k append's time goes").
   cudaEvent_t timing_[3] = {nullptr, nullptr, nullptr};
 };
 
