@@ -12,6 +12,8 @@
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_rows.h"
 #include "server/backend/backend_factory.h"
+#include "spdlog/sinks/ringbuffer_sink.h"
+#include "spdlog/spdlog.h"
 #include "tests/testing/vector_files.h"
 
 #ifndef MLAKV_BACKEND_TEST_DEVICE
@@ -105,6 +107,38 @@ TEST_F(BackendTest, AppendedRowsLandWhereThePlacementSaysAndNowhereElse) {
     const Stored rest = Read(layer, layer == 1 ? others : std::vector<int64_t>(placed));
     for (uint8_t b : rest.ckv) ASSERT_EQ(b, 0);
     for (uint8_t b : rest.kpe) ASSERT_EQ(b, 0);
+  }
+}
+
+// At debug level the CUDA backend times each append with events on its
+// stream and logs the split (docs/server.md "Running"): the same bytes land,
+// and the line names the call's shape and every phase. The cpu backend
+// logs nothing of its own.
+TEST_F(BackendTest, AtDebugLevelAnAppendStoresTheSameBytesAndLogsItsSplit) {
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(16);
+  const std::shared_ptr<spdlog::logger> before = spdlog::default_logger();
+  const spdlog::level::level_enum level = before->level();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("backend_test", sink));
+  spdlog::set_level(spdlog::level::debug);
+  const Rows rows(6, 11);
+  const std::vector<int32_t> indptr = {0, 2}, indices = {4, 1};
+  const AppendSegment seg{.rows = {.ckv = rows.ckv.data(), .kpe = rows.kpe.data()}, .count = 6, .request = 0, .start = 2};
+  const LayerAppend la{.layer = 1, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe,
+                       .segments = {&seg, 1}, .rows = std::nullopt, .kv_indptr = indptr, .kv_indices = indices};
+  const absl::Status appended = backend_->Append({&la, 1});
+  spdlog::set_default_logger(before);
+  spdlog::set_level(level);
+  ASSERT_TRUE(appended.ok()) << appended;
+  ExpectStored(1, {18, 19, 4, 5, 6, 7}, rows);
+  const std::vector<std::string> lines = sink->last_formatted();
+  if (!device_.is_cuda()) {
+    EXPECT_TRUE(lines.empty()) << lines.front();
+    return;
+  }
+  ASSERT_EQ(lines.size(), 1u);
+  for (const char* part : {"cuda backend append: layers=1 rows=6 ", " us: stage=", " enqueue=", " sync=",
+                           " gpu_to_kernel=", " gpu_kernel="}) {
+    EXPECT_NE(lines[0].find(part), std::string::npos) << part << " not in: " << lines[0];
   }
 }
 
