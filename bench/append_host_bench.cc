@@ -58,7 +58,7 @@ ABSL_FLAG(int, sequences, 256, "sequences per step");
 ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step)");
 ABSL_FLAG(int, steps, 400, "steps (calls) timed");
 ABSL_FLAG(int, rows, 1, "rows per sequence per step (> 1: fresh sequences every step)");
-ABSL_FLAG(std::string, view, "basic", "the response's view: basic, compact, lengths or full");
+ABSL_FLAG(std::string, view, "basic", "the response's view: basic, compact, lengths, packed or full");
 ABSL_FLAG(int, id_bytes, 14,
           "bytes of each sequence id (14: 'request-1000NN'; vLLM's request ids are ~40, past std::string's inline 15)");
 ABSL_FLAG(int, context, 0, "tokens every sequence holds before the first timed step (decode steps only)");
@@ -104,7 +104,11 @@ int Run() {
   const v1::SequenceView view = view_flag == "full"      ? v1::SEQUENCE_VIEW_FULL
                                 : view_flag == "compact" ? v1::SEQUENCE_VIEW_COMPACT
                                 : view_flag == "lengths" ? v1::SEQUENCE_VIEW_LENGTHS
-                                                         : v1::SEQUENCE_VIEW_BASIC;
+                                : view_flag == "packed"  ? v1::SEQUENCE_VIEW_PACKED
+                                : view_flag == "basic"   ? v1::SEQUENCE_VIEW_BASIC
+                                                         : v1::SEQUENCE_VIEW_UNSPECIFIED;
+  if (view == v1::SEQUENCE_VIEW_UNSPECIFIED) Die("append_host_bench", "--view must be basic, compact, lengths, packed or full");
+  const std::string server_id = "mlakv-0.mlakv.serving";  // as the handler's (a pod's name)
   constexpr int kPageSize = 64;
   Pool::Options opts;
   opts.name = "bench";
@@ -224,15 +228,16 @@ int Run() {
       const Clock::time_point t1 = Clock::now();
       if (absl::Status st = append.Stage(ptrs, DType::kBFloat16); !st.ok()) Fail("stage", st);
       const Clock::time_point t2 = Clock::now();
+      // As the handler: what the response needs from the transactions, read before the commit ends them.
+      std::vector<size_t> first_new;
+      first_new.reserve(append.size());
+      for (size_t i = 0; i < append.size(); ++i) first_new.push_back(append.transaction(i).original_pages());
+      const uint32_t pages_allocated = append.pages_allocated();
       absl::StatusOr<std::vector<SequenceSnapshot>> after = append.Commit([] { return absl::OkStatus(); }, server::SnapshotPagesFor(view));
       if (!after.ok()) Fail("commit", after.status());
       const Clock::time_point t3 = Clock::now();
       v1::AppendBatchResponse resp;
-      for (size_t i = 0; i < after->size(); ++i) {
-        v1::Sequence* out = resp.add_sequences();
-        server::ToProto("bench", (*after)[i], out, view, append.transaction(i).original_pages());
-        if (server::NamesSequence(view)) out->set_server_id("mlakv-0.mlakv.serving");  // as the handler (a pod's name)
-      }
+      server::AddBatchSequences("bench", *after, first_new, pages_allocated, view, server_id, &resp);
       const Clock::time_point t3b = Clock::now();
       call.reset();
       after = absl::StatusOr<std::vector<SequenceSnapshot>>();

@@ -458,22 +458,7 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
       const uint32_t pages = append.pages_allocated();
       MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append.Commit(last_check, SnapshotPagesFor(c.view)));
       t_committed = Clock::now();
-      if (packed) {  // one message of parallel arrays (SEQUENCE_VIEW_PACKED)
-        v1::PackedSequences* out = resp->mutable_packed();
-        const int n = static_cast<int>(after.size());
-        out->mutable_lengths()->Reserve(n);
-        out->mutable_kv_indices_offsets()->Reserve(n);
-        out->mutable_new_page_counts()->Reserve(n);
-        out->mutable_generations()->Reserve(n);
-        out->mutable_new_pages()->Reserve(static_cast<int>(pages));
-        for (size_t i = 0; i < after.size(); ++i) AddPacked(after[i], first_new[i], out);
-      } else {
-        for (size_t i = 0; i < after.size(); ++i) {
-          v1::Sequence* out = resp->add_sequences();
-          ToProto(p->name(), after[i], out, c.view, first_new[i]);
-          if (NamesSequence(c.view)) out->set_server_id(options_.server_id);
-        }
-      }
+      AddBatchSequences(p->name(), after, first_new, pages, c.view, options_.server_id, resp);
       resp->set_rows_written(rows_written);
       resp->set_pages_allocated(pages);
       return absl::OkStatus();

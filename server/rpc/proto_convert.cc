@@ -153,6 +153,28 @@ void AddPacked(const SequenceSnapshot& s, size_t first_new_page, v1::PackedSeque
   for (size_t i = first; i < end; ++i) out->add_new_pages(static_cast<uint32_t>(s.kv_indices[i - offset]));
 }
 
+void AddBatchSequences(const std::string& pool, std::span<const SequenceSnapshot> after,
+                       std::span<const size_t> first_new, uint32_t new_pages, v1::SequenceView view,
+                       const std::string& server_id, v1::AppendBatchResponse* resp) {
+  if (view == v1::SEQUENCE_VIEW_PACKED) {  // one message of parallel arrays
+    v1::PackedSequences* out = resp->mutable_packed();
+    const int n = static_cast<int>(after.size());
+    out->mutable_lengths()->Reserve(n);
+    out->mutable_kv_indices_offsets()->Reserve(n);
+    out->mutable_new_page_counts()->Reserve(n);
+    out->mutable_generations()->Reserve(n);
+    out->mutable_new_pages()->Reserve(static_cast<int>(new_pages));
+    for (size_t i = 0; i < after.size(); ++i) AddPacked(after[i], first_new[i], out);
+    return;
+  }
+  resp->mutable_sequences()->Reserve(static_cast<int>(after.size()));
+  for (size_t i = 0; i < after.size(); ++i) {
+    v1::Sequence* out = resp->add_sequences();
+    ToProto(pool, after[i], out, view, first_new[i]);
+    if (NamesSequence(view)) out->set_server_id(server_id);
+  }
+}
+
 uint64_t PackedSequenceBytesBound(size_t new_pages, uint32_t num_pages) {
   // Four varints of at most 5 bytes (10 for the generation), and each new
   // page's id below num_pages.

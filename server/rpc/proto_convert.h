@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -65,6 +66,14 @@ uint64_t SequenceProtoBytesBound(size_t id_bytes, size_t pool_bytes, size_t page
 // its length, new pages' offset and count, generation, and the pages the
 // call allocated (those from `first_new_page` on), appended to `out`.
 void AddPacked(const SequenceSnapshot& s, size_t first_new_page, v1::PackedSequences* out);
+// An AppendBatch's committed sequences into `resp` in `view`: one
+// PackedSequences message (PACKED; its arrays reserved once, `new_pages`
+// page ids in all) or a Sequence each (ToProto; with `server_id` where the
+// view names the sequence). `first_new[i]`: the pages sequence i held
+// before the call.
+void AddBatchSequences(const std::string& pool, std::span<const SequenceSnapshot> after,
+                       std::span<const size_t> first_new, uint32_t new_pages, v1::SequenceView view,
+                       const std::string& server_id, v1::AppendBatchResponse* resp);
 // At most how many bytes one sequence adds to a PackedSequences message with
 // `new_pages` new pages below `num_pages`, its arrays' tags and lengths
 // counted apart (PackedSequencesFixedBytes).
