@@ -9,12 +9,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "spdlog/spdlog.h"
 #include "common/status_macros.h"
 #include "kernels/cuda_check.h"
 #include "kernels/scoped_cuda_device.h"
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_append.h"
+#include "spdlog/spdlog.h"
 
 namespace mlakv::server {
 namespace {
@@ -248,7 +248,7 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
       cudaEventElapsedTime(&gpu_kernel_ms, timing_[1], timing_[2]) == cudaSuccess) {
     spdlog::debug("cuda backend append: layers={} rows={} bytes_staged={} us: stage={:.1f} enqueue={:.1f} sync={:.1f} "
                   "gpu_to_kernel={:.1f} gpu_kernel={:.1f}",
-                  staged.params.size(), staged.params.empty() ? 0 : staged.params[0].num_rows, total,
+                  staged.params.size(), staged.params[0].num_rows, total,
                   us(started, staged_at), us(staged_at, t.enqueued), us(t.enqueued, t.synced), gpu_copies_ms * 1e3,
                   gpu_kernel_ms * 1e3);
   }
