@@ -15,9 +15,9 @@
 // GPU; prints what it measured as p50 / p90 in microseconds.
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
