@@ -31,16 +31,16 @@
 
 namespace mlakv::server {
 
-// A run of rows of one request at consecutive positions.
+// A run of rows of one request at consecutive positions. A request's page
+// table need not be a sequence's whole table: the pool passes only the
+// entries an append's rows land in (a decode step's one page per sequence),
+// so `start` counts from the first of them.
 struct AppendSegment {
   RowSource rows;       // where they are (server/backend/rows.h)
   int32_t count = 0;    // rows in the run
   int32_t request = 0;  // index into the page table's requests (kv_indptr)
-  int32_t start = 0;    // position of the first row inside its request
+  int32_t start = 0;    // position of the first row inside its request's entries
 };
-// A request's page table need not be a sequence's whole table: the pool
-// passes only the entries an append's rows land in (a decode step's one page
-// per sequence), with `start` counted from the first of them.
 
 // Rows for one layer, against one host page table.
 struct LayerAppend {
