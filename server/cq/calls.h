@@ -29,8 +29,10 @@
 
 #include <atomic>
 #include <functional>
+#include <memory>
 
 #include "common/tsan_annotations.h"
+#include "server/cq/message_recycler.h"
 #include "server/cq/queue_threads.h"
 
 namespace mlakv::server::cq {
@@ -134,33 +136,45 @@ class UnaryCall final : public Call {
     // The generated RequestXxx, bound to its service and queue.
     std::function<void(grpc::ServerContext*, Req*, grpc::ServerAsyncResponseWriter<Resp>*, void*)> request;
     std::function<void(UnaryCall*)> handle;
+    // Where the calls take their messages from and give them back when they
+    // end (message_recycler.h); null: each call makes its own.
+    MessageRecycler<Req>* requests = nullptr;
+    MessageRecycler<Resp>* responses = nullptr;
   };
   // Serves `method` (which outlives the queue's calls) from now on.
   static void Serve(QueueThreads* queue, const Method* method) { Arm(new UnaryCall(queue, method)); }
 
-  const Req& request() const { return request_; }
-  Resp* response() { return &response_; }
+  const Req& request() const { return *request_; }
+  Resp* response() { return response_.get(); }
   // Sends the response with an OK status, else the status alone.
   void Finish(const grpc::Status& status) {
     FinishStarted();
     MLAKV_TSAN_HAPPENS_BEFORE(&finish_tag_);
     if (status.ok()) {
-      responder_.Finish(response_, status, &finish_tag_);
+      responder_.Finish(*response_, status, &finish_tag_);
     } else {
       responder_.FinishWithError(status, &finish_tag_);
     }
   }
 
  private:
-  UnaryCall(QueueThreads* queue, const Method* method) : Call(queue), method_(method) {}
-  void Request(void* tag) override { method_->request(&ctx_, &request_, &responder_, tag); }
+  UnaryCall(QueueThreads* queue, const Method* method)
+      : Call(queue),
+        method_(method),
+        request_(method->requests != nullptr ? method->requests->Take() : std::make_unique<Req>()),
+        response_(method->responses != nullptr ? method->responses->Take() : std::make_unique<Resp>()) {}
+  ~UnaryCall() override {
+    if (method_->requests != nullptr) method_->requests->Give(std::move(request_));
+    if (method_->responses != nullptr) method_->responses->Give(std::move(response_));
+  }
+  void Request(void* tag) override { method_->request(&ctx_, request_.get(), &responder_, tag); }
   Call* NextCall() override { return new UnaryCall(queue_, method_); }
   void OnStart() override { method_->handle(this); }
   void OnFinished(bool) { OperationEnded(); }
 
   const Method* const method_;
-  Req request_;
-  Resp response_;
+  std::unique_ptr<Req> request_;
+  std::unique_ptr<Resp> response_;
   grpc::ServerAsyncResponseWriter<Resp> responder_{&ctx_};
   StepTag<UnaryCall, &UnaryCall::OnFinished> finish_tag_{this};
 };

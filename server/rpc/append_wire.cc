@@ -283,4 +283,15 @@ bool ParseAppendBatchMessage(grpc::ByteBuffer* raw, ReceivedAppendBatch* out, si
   return ParsePlain(slices, &out->message);
 }
 
+bool KeepForReuse(const ReceivedAppendBatch& r) {
+  if (r.wire_bytes > kReuseMaxBytes || r.taken_apart) return false;
+  const v1::AppendBatchRequest& m = r.message;
+  int entries = m.sequences_size() + m.batch_layers_size();
+  for (const v1::SequenceRows& s : m.sequences()) {
+    entries += s.layers_size() + s.block_hashes_size();
+    if (entries > kReuseMaxEntries) return false;
+  }
+  return entries <= kReuseMaxEntries;
+}
+
 }  // namespace mlakv::server

@@ -24,10 +24,18 @@ using RequestFn = void (KvCacheAsyncService::*)(grpc::ServerContext*, Req*, grpc
 
 // Binds a unary method, keeps the binding in `methods` (it must outlive the
 // method's calls) and arms its first call.
+// `recycle`: the method's calls take their request and response from free
+// lists kept beside the binding (cq/message_recycler.h).
 template <class Req, class Resp>
 void ServeUnary(KvCacheAsyncService* async, cq::QueueThreads* queue, std::vector<std::shared_ptr<void>>* methods,
-                RequestFn<Req, Resp> request, std::function<void(cq::UnaryCall<Req, Resp>*)> handle) {
+                RequestFn<Req, Resp> request, std::function<void(cq::UnaryCall<Req, Resp>*)> handle,
+                std::shared_ptr<cq::MessageRecycler<Req>> requests = nullptr,
+                std::shared_ptr<cq::MessageRecycler<Resp>> responses = nullptr) {
   auto method = std::make_shared<typename cq::UnaryCall<Req, Resp>::Method>();
+  method->requests = requests.get();
+  method->responses = responses.get();
+  methods->push_back(std::move(requests));  // (null when not given: harmless)
+  methods->push_back(std::move(responses));
   method->request = [async, queue, request](grpc::ServerContext* ctx, Req* req,
                                             grpc::ServerAsyncResponseWriter<Resp>* responder, void* tag) {
     (async->*request)(ctx, req, responder, queue->queue(), queue->queue(), tag);
@@ -35,6 +43,14 @@ void ServeUnary(KvCacheAsyncService* async, cq::QueueThreads* queue, std::vector
   method->handle = std::move(handle);
   methods->push_back(method);
   cq::UnaryCall<Req, Resp>::Serve(queue, method.get());
+}
+
+// AppendBatch's responses kept for the next calls: the bound of the
+// requests' (KeepForReuse, append_wire.h).
+constexpr size_t kRecycledMessages = 8;
+
+bool KeepResponseForReuse(const v1::AppendBatchResponse& r) {
+  return r.sequences_size() <= kReuseMaxEntries && r.ByteSizeLong() <= kReuseMaxBytes;
 }
 
 }  // namespace
@@ -64,8 +80,10 @@ void KvCacheService::Serve(cq::QueueThreads* queue) {
   ServeUnary<pb::ListPoolsRequest, pb::ListPoolsResponse>(async, queue, m, &S::RequestListPools,
                                                           inline_handler(&KvCacheService::ListPools));
   ServeUnary<pb::GetPoolRequest, pb::Pool>(async, queue, m, &S::RequestGetPool, inline_handler(&KvCacheService::GetPool));
-  ServeUnary<ReceivedAppendBatch, pb::AppendBatchResponse>(async, queue, m, &S::RequestAppendBatchReceived,
-                                                           call_handler(&KvCacheService::AppendBatch));
+  ServeUnary<ReceivedAppendBatch, pb::AppendBatchResponse>(
+      async, queue, m, &S::RequestAppendBatchReceived, call_handler(&KvCacheService::AppendBatch),
+      std::make_shared<cq::MessageRecycler<ReceivedAppendBatch>>(kRecycledMessages, KeepForReuse),
+      std::make_shared<cq::MessageRecycler<pb::AppendBatchResponse>>(kRecycledMessages, KeepResponseForReuse));
   ServeUnary<pb::GetSequenceRequest, pb::Sequence>(async, queue, m, &S::RequestGetSequence,
                                                    inline_handler(&KvCacheService::GetSequence));
   ServeUnary<pb::ListSequencesRequest, pb::ListSequencesResponse>(async, queue, m, &S::RequestListSequences,

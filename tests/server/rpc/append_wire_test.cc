@@ -7,6 +7,7 @@
 // and a handful of malformed ones, where both must refuse alike.
 #include "server/rpc/append_wire.h"
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -356,6 +357,67 @@ TEST(ParseAppendBatchMessage, MalformedAndUnusualRequestsGetTheSameVerdict) {
     EXPECT_EQ(v.split_ok, v.plain_ok);
     if (v.plain_ok) EXPECT_TRUE(v.same) << v.difference;
   }
+}
+
+// KeepForReuse bounds what a cleared request kept for the next call may hold:
+// a decode step by reference is kept; a request past 32 KB, one of more than
+// 2,048 entries however small (a hostile request of empty entries), and one
+// taken apart are not.
+ReceivedAppendBatch Received(const v1::AppendBatchRequest& m, size_t split_min_bytes = kSplitBatchMinBytes) {
+  const std::string wire = m.SerializeAsString();
+  grpc::Slice slice(wire.data(), wire.size());
+  grpc::ByteBuffer raw(&slice, 1);
+  ReceivedAppendBatch received;
+  EXPECT_TRUE(ParseAppendBatchMessage(&raw, &received, split_min_bytes));
+  return received;
+}
+
+v1::AppendBatchRequest DecodeStepByReference(int sequences, size_t id_bytes) {
+  v1::AppendBatchRequest m;
+  m.set_pool("default");
+  m.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+  m.set_view(v1::SEQUENCE_VIEW_PACKED);
+  for (int i = 0; i < sequences; ++i) {
+    v1::SequenceRows* s = m.add_sequences();
+    std::string id = "request-" + std::to_string(i);
+    id.resize(std::max(id.size(), id_bytes), 'x');
+    s->set_sequence(id);
+    s->set_start(1000 + i);
+    s->set_row_count(1);
+  }
+  for (int l = 0; l < 61; ++l) {
+    v1::LayerRows* r = m.add_batch_layers();
+    r->set_layer(l);
+    r->mutable_ckv_ref()->set_region("producer-0");
+    r->mutable_ckv_ref()->set_offset(static_cast<uint64_t>(l) << 24);
+    r->mutable_kpe_ref()->set_region("producer-0");
+    r->mutable_kpe_ref()->set_offset((static_cast<uint64_t>(l) << 24) + (1 << 20));
+  }
+  return m;
+}
+
+TEST(KeepForReuse, ADecodeStepIsKeptWhatCouldHoldMuchMemoryIsNot) {
+  const ReceivedAppendBatch step = Received(DecodeStepByReference(256, 14));
+  EXPECT_LT(step.wire_bytes, 16u * 1024);
+  EXPECT_TRUE(KeepForReuse(step));
+  EXPECT_TRUE(KeepForReuse(Received(DecodeStepByReference(256, 40))));  // vLLM-length ids
+  const ReceivedAppendBatch big = Received(DecodeStepByReference(256, 200));
+  EXPECT_GT(big.wire_bytes, kReuseMaxBytes);
+  EXPECT_FALSE(KeepForReuse(big));
+  v1::AppendBatchRequest empties;  // 3,000 empty entries: 6 KB on the wire
+  for (int i = 0; i < 3000; ++i) empties.add_sequences();
+  const ReceivedAppendBatch many = Received(empties);
+  EXPECT_LT(many.wire_bytes, kReuseMaxBytes);
+  EXPECT_FALSE(KeepForReuse(many));
+  v1::AppendBatchRequest nested;  // 100 sequences x 30 empty layers: 3,100 entries
+  for (int i = 0; i < 100; ++i) {
+    v1::SequenceRows* s = nested.add_sequences();
+    for (int l = 0; l < 30; ++l) s->add_layers();
+  }
+  EXPECT_FALSE(KeepForReuse(Received(nested)));
+  const ReceivedAppendBatch apart = Received(Batch(2, 2, 4), /*split_min_bytes=*/0);
+  ASSERT_TRUE(apart.taken_apart);
+  EXPECT_FALSE(KeepForReuse(apart));
 }
 
 }  // namespace

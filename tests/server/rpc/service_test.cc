@@ -695,6 +695,78 @@ TEST_F(ServiceTest, ThePackedViewAnswersEverySequenceInParallelArrays) {
   EXPECT_TRUE(pool().CheckInvariants().ok());
 }
 
+// AppendBatch calls parse into the cleared message of an earlier call and
+// build their response in one (cq/message_recycler.h): nothing of a call may
+// reach the next. Calls of two shapes in turn, on one connection: a compact
+// batch of three new sequences (PACKED view, expect_length 0, block hashes)
+// and a per-sequence batch of one row for sequence "s" (BASIC view, no
+// expectation). A field left from the other shape would fail the call (a
+// stale expect_length of 0 on "s", a compact batch beside per-sequence
+// layers) or show in its answer (sequences beside a packed block).
+TEST_F(ServiceTest, AnAppendBatchSeesNothingOfTheCallsBeforeIt) {
+  StopServer();
+  StartServer(kDevice, "name: 'default' num_layers: 2 page_size: 4 num_pages: 256");
+  uint32_t s_length = 0;
+  for (int call = 0; call < 12; ++call) {
+    v1::AppendBatchRequest req;
+    req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+    v1::AppendBatchResponse resp;
+    const Rows rows = RandomRows(call % 2 == 0 ? 3 : 1, 700 + call);
+    if (call % 2 == 0) {
+      req.set_view(v1::SEQUENCE_VIEW_PACKED);
+      for (const char* name : {"a", "b", "c"}) {
+        v1::SequenceRows* sr = req.add_sequences();
+        sr->set_sequence(absl::StrCat("call", call, name));
+        sr->set_row_count(1);
+        sr->set_expect_length(0);
+        sr->add_block_hashes(std::string(32, static_cast<char>('A' + call)));
+      }
+      for (uint32_t l : {0u, 1u}) {
+        v1::LayerRows* lr = req.add_batch_layers();
+        lr->set_layer(l);
+        lr->set_ckv(rows.ckv_bytes());
+        lr->set_kpe(rows.kpe_bytes());
+        lr->set_ckv_scale(kCkvScale);
+        lr->set_kpe_scale(kKpeScale);
+      }
+    } else {
+      v1::SequenceRows* sr = req.add_sequences();
+      sr->set_sequence("s");
+      sr->set_start(s_length);
+      sr->set_row_count(1);
+      for (uint32_t l : {0u, 1u}) {
+        v1::LayerRows* lr = sr->add_layers();
+        lr->set_layer(l);
+        lr->set_ckv(rows.ckv_bytes());
+        lr->set_kpe(rows.kpe_bytes());
+        lr->set_ckv_scale(kCkvScale);
+        lr->set_kpe_scale(kKpeScale);
+      }
+    }
+    grpc::ClientContext ctx;
+    const grpc::Status s = stub().AppendBatch(&ctx, req, &resp);
+    ASSERT_TRUE(s.ok()) << "call " << call << ": " << Describe(s);
+    if (call % 2 == 0) {
+      EXPECT_EQ(resp.sequences_size(), 0) << call;
+      ASSERT_TRUE(resp.has_packed()) << call;
+      EXPECT_EQ(resp.packed().lengths_size(), 3) << call;
+      EXPECT_EQ(resp.rows_written(), 6u) << call;
+    } else {
+      EXPECT_FALSE(resp.has_packed()) << call;
+      ASSERT_EQ(resp.sequences_size(), 1) << call;
+      EXPECT_EQ(resp.sequences(0).id(), "s") << call;
+      EXPECT_EQ(resp.sequences(0).length(), ++s_length) << call;
+      EXPECT_EQ(resp.rows_written(), 2u) << call;
+      ExpectStored("s", 1, s_length - 1, Expected(rows, kCkvScale, kKpeScale));
+    }
+  }
+  for (const char* id : {"call0a", "call10c", "s"}) {
+    v1::Sequence stored;
+    ASSERT_TRUE(GetSequence(id, &stored).ok()) << id;
+    EXPECT_EQ(stored.length(), std::string(id) == "s" ? 6u : 1u) << id;
+  }
+}
+
 // Every malformed compact batch is refused before anything is written, with
 // a message that says what to send instead.
 TEST_F(ServiceTest, AppendBatchCompactFormErrorsWriteNothing) {
