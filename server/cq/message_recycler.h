@@ -5,8 +5,8 @@
 // and strings the clear left allocated (RepeatedPtrField keeps its cleared
 // elements, a string its capacity) instead of allocating each of them
 // again, and a finished call's message is cleared rather than freed piece by
-// piece. A decode step by reference (256 sequences, ~9 KB on the wire) parsed
-// in ~12 us into a cleared message against ~17 us into a fresh one on the
+// piece. A decode step by reference (256 sequences, ~9 KB on the wire) parses
+// in ~12 us into a cleared message against ~15 us into a fresh one on the
 // development VM (docs/performance.md "Requests parsed into the last call's
 // message").
 //

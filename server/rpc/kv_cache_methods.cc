@@ -24,8 +24,8 @@ using RequestFn = void (KvCacheAsyncService::*)(grpc::ServerContext*, Req*, grpc
 
 // Binds a unary method, keeps the binding in `methods` (it must outlive the
 // method's calls) and arms its first call.
-// `recycle`: the method's calls take their request and response from free
-// lists kept beside the binding (cq/message_recycler.h).
+// `requests` / `responses` (optional): free lists the method's calls take
+// their messages from, kept beside the binding (cq/message_recycler.h).
 template <class Req, class Resp>
 void ServeUnary(KvCacheAsyncService* async, cq::QueueThreads* queue, std::vector<std::shared_ptr<void>>* methods,
                 RequestFn<Req, Resp> request, std::function<void(cq::UnaryCall<Req, Resp>*)> handle,
@@ -34,8 +34,8 @@ void ServeUnary(KvCacheAsyncService* async, cq::QueueThreads* queue, std::vector
   auto method = std::make_shared<typename cq::UnaryCall<Req, Resp>::Method>();
   method->requests = requests.get();
   method->responses = responses.get();
-  methods->push_back(std::move(requests));  // (null when not given: harmless)
-  methods->push_back(std::move(responses));
+  if (requests != nullptr) methods->push_back(std::move(requests));
+  if (responses != nullptr) methods->push_back(std::move(responses));
   method->request = [async, queue, request](grpc::ServerContext* ctx, Req* req,
                                             grpc::ServerAsyncResponseWriter<Resp>* responder, void* tag) {
     (async->*request)(ctx, req, responder, queue->queue(), queue->queue(), tag);
