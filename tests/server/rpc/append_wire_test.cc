@@ -144,7 +144,9 @@ TEST(ParseAppendMessage, EveryTruncationIsJudgedAsProtobufJudgesIt) {
     SCOPED_TRACE(n);
     const testing::WireVerdict v = CompareWithPlainParse(CutInto(wire.substr(0, n), {n / 2}));
     EXPECT_EQ(v.split_ok, v.plain_ok);
-    if (v.plain_ok) EXPECT_TRUE(v.same) << v.difference;
+    if (v.plain_ok) {
+      EXPECT_TRUE(v.same) << v.difference;
+    }
     refused += !v.plain_ok;
   }
   EXPECT_GT(refused, 0);
@@ -177,7 +179,9 @@ TEST(ParseAppendMessage, MalformedAndUnusualMessagesGetTheSameVerdict) {
     SCOPED_TRACE(i);
     const testing::WireVerdict v = CompareWithPlainParse(CutInto(cases[i], {}));
     EXPECT_EQ(v.split_ok, v.plain_ok);
-    if (v.plain_ok) EXPECT_TRUE(v.same) << v.difference;
+    if (v.plain_ok) {
+      EXPECT_TRUE(v.same) << v.difference;
+    }
   }
 }
 
@@ -330,7 +334,9 @@ TEST(ParseAppendBatchMessage, EveryTruncationIsJudgedAsProtobufJudgesIt) {
     SCOPED_TRACE(n);
     const testing::WireVerdict v = CompareBatchWithPlainParse(CutInto(wire.substr(0, n), {n / 3}));
     EXPECT_EQ(v.split_ok, v.plain_ok);
-    if (v.plain_ok) EXPECT_TRUE(v.same) << v.difference;
+    if (v.plain_ok) {
+      EXPECT_TRUE(v.same) << v.difference;
+    }
     refused += !v.plain_ok;
   }
   EXPECT_GT(refused, 0);
@@ -355,7 +361,9 @@ TEST(ParseAppendBatchMessage, MalformedAndUnusualRequestsGetTheSameVerdict) {
     SCOPED_TRACE(i);
     const testing::WireVerdict v = CompareBatchWithPlainParse(CutInto(cases[i], {}));
     EXPECT_EQ(v.split_ok, v.plain_ok);
-    if (v.plain_ok) EXPECT_TRUE(v.same) << v.difference;
+    if (v.plain_ok) {
+      EXPECT_TRUE(v.same) << v.difference;
+    }
   }
 }
 
