@@ -52,6 +52,7 @@
 #include "server/core/pool.h"
 #include "server/cq/message_recycler.h"
 #include "server/regions/region_registry.h"
+#include "server/rpc/append_wire.h"
 #include "server/rpc/proto_convert.h"
 #include "spdlog/spdlog.h"
 
@@ -154,8 +155,7 @@ int Run() {
     lr->set_kpe(kpe);
   }
 
-  server::cq::MessageRecycler<server::ReceivedAppendBatch> recycled_requests(
-      1, [](const server::ReceivedAppendBatch&) { return true; });
+  server::cq::MessageRecycler<server::ReceivedAppendBatch> recycled_requests(1, server::KeepForReuse);
   std::vector<double> total, prepare, stage, commit, respond, release, reference, wire_server, wire_client,
       server_parse, plain_parse, freed;
   size_t request_bytes = 0, response_bytes = 0;

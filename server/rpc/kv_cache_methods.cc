@@ -45,8 +45,9 @@ void ServeUnary(KvCacheAsyncService* async, cq::QueueThreads* queue, std::vector
   cq::UnaryCall<Req, Resp>::Serve(queue, method.get());
 }
 
-// AppendBatch's responses kept for the next calls: the bound of the
-// requests' (KeepForReuse, append_wire.h).
+// How many of AppendBatch's requests and responses are kept for the next
+// calls, and which responses: those within the requests' bound (KeepForReuse,
+// append_wire.h), in sequences and in bytes.
 constexpr size_t kRecycledMessages = 8;
 
 bool KeepResponseForReuse(const v1::AppendBatchResponse& r) {
