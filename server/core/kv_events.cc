@@ -6,21 +6,49 @@
 
 namespace mlakv::server {
 
+namespace {
+
+// Heap bytes of `s`: none while it fits the string's inline buffer.
+size_t HeapBytes(const std::string& s) {
+  static const size_t kInline = std::string().capacity();
+  return s.capacity() > kInline ? s.capacity() + 1 : 0;
+}
+
+}  // namespace
+
+size_t KvEventBytes(const KvEvent& e) {
+  size_t bytes = sizeof(KvEvent) + HeapBytes(e.pool) + HeapBytes(e.sequence) + HeapBytes(e.parent_block_hash) +
+                 HeapBytes(e.reason) + e.pages.capacity() * sizeof(int32_t) +
+                 e.block_hashes.capacity() * sizeof(std::string);
+  for (const std::string& h : e.block_hashes) bytes += HeapBytes(h);
+  return bytes;
+}
+
 EventLog::EventLog(Options options)
-    : options_{.replay_capacity = std::max<size_t>(1, options.replay_capacity)} {}
+    : options_{.replay_capacity = std::max<size_t>(1, options.replay_capacity),
+               .replay_bytes = options.replay_bytes} {}
 
 uint64_t EventLog::Record(KvEvent event) {
   if (event.time_unix_ns == 0) event.time_unix_ns = absl::ToUnixNanos(absl::Now());
   absl::MutexLock lock(&mu_);
   event.number = next_++;
+  ring_bytes_ += KvEventBytes(event);
   ring_.push_back(std::move(event));
-  while (ring_.size() > options_.replay_capacity) ring_.pop_front();
+  while (ring_.size() > 1 && (ring_.size() > options_.replay_capacity || ring_bytes_ > options_.replay_bytes)) {
+    ring_bytes_ -= KvEventBytes(ring_.front());
+    ring_.pop_front();
+  }
   return ring_.back().number;  // readers waiting on mu_'s conditions re-check when it is released
 }
 
 uint64_t EventLog::oldest() const {
   absl::MutexLock lock(&mu_);
   return ring_.empty() ? 0 : ring_.front().number;
+}
+
+size_t EventLog::kept_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return ring_bytes_;
 }
 
 uint64_t EventLog::next() const {
@@ -41,7 +69,8 @@ absl::Status EventLog::Read(uint64_t from, size_t max, absl::Duration timeout, s
   const uint64_t oldest = ring_.front().number;
   if (from < oldest) {
     return absl::OutOfRangeError(absl::StrCat("event ", from, " has left this server's replay buffer (it keeps the last ",
-                                              options_.replay_capacity, " events; the oldest is ", oldest,
+                                              options_.replay_capacity, " events and at most ", options_.replay_bytes,
+                                              " bytes of them; the oldest is ", oldest,
                                               "); resume from ", oldest, " after resynchronizing (ListSequences)"));
   }
   for (uint64_t n = from; n < next_ && out->size() < max; ++n) out->push_back(ring_[n - oldest]);

@@ -8,7 +8,10 @@
 //              lease's end; rewritten or truncated into);
 //   * cleared: everything this server held is gone (recorded at start).
 //
-// EventLog keeps the last `replay_capacity` events in a ring. Recording
+// EventLog keeps the last `replay_capacity` events in a ring, and no more of
+// them than `replay_bytes` hold (an event's page list is as long as what it
+// stored or freed: 65,536 events of a 262,144-token sequence's 4,096 pages
+// would hold over 1 GiB by count alone). Recording
 // never waits for a reader: a reader (KvEventReader) follows the ring by
 // number, and one whose next event has already left the ring has fallen
 // behind and is told so (RESOURCE_EXHAUSTED), so a slow watcher can never
@@ -52,10 +55,18 @@ struct KvEvent {
   std::string reason{};
 };
 
+// The memory `event` holds: the struct, its vectors' buffers and the heap
+// of its strings (a short string lives in the struct). What EventLog's
+// replay_bytes bounds.
+size_t KvEventBytes(const KvEvent& event);
+
 class EventLog {
  public:
   struct Options {
     size_t replay_capacity = 65536;  // events kept for readers that resume by number (>= 1)
+    // Most bytes the kept events hold (KvEventBytes); the newest event is
+    // kept whatever its size, so a reader can always have the last one.
+    size_t replay_bytes = size_t{64} << 20;
   };
   explicit EventLog(Options options);
 
@@ -68,6 +79,9 @@ class EventLog {
   uint64_t oldest() const;
   uint64_t next() const;
   size_t capacity() const { return options_.replay_capacity; }
+  // What the kept events hold now (KvEventBytes summed): <= replay_bytes,
+  // or one event's worth when the newest alone is larger.
+  size_t kept_bytes() const;
 
   // Copies up to `max` events from number `from` on into `out`, waiting up to
   // `timeout` for the first one. OUT_OF_RANGE when `from` has already left
@@ -81,6 +95,7 @@ class EventLog {
   const Options options_;
   mutable absl::Mutex mu_;
   std::deque<KvEvent> ring_ ABSL_GUARDED_BY(mu_);
+  size_t ring_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // KvEventBytes of ring_'s events
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 1;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
 };

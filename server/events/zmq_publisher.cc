@@ -134,6 +134,7 @@ ZmqEventPublisher::~ZmqEventPublisher() {
 void ZmqEventPublisher::Run() {
   Sockets& s = *sockets_;
   std::deque<std::pair<int64_t, std::string>> kept;  // (seq, payload) for replay
+  size_t kept_bytes = 0;                                // of the payloads in `kept`
   int64_t next_seq = 0;
   uint64_t cursor = std::max<uint64_t>(1, log_->oldest());
   std::vector<KvEvent> events;
@@ -176,8 +177,12 @@ void ZmqEventPublisher::Run() {
     std::array<zmq::const_buffer, 3> message = {zmq::buffer(options_.topic), zmq::buffer(seq_bytes),
                                                 zmq::buffer(payload)};
     zmq::send_multipart(s.pub, message, zmq::send_flags::dontwait);  // a PUB socket drops for a slow subscriber
+    kept_bytes += payload.size();
     kept.emplace_back(seq, std::move(payload));
-    while (kept.size() > options_.replay_batches) kept.pop_front();
+    while (kept.size() > 1 && (kept.size() > options_.replay_batches || kept_bytes > options_.replay_bytes)) {
+      kept_bytes -= kept.front().second.size();
+      kept.pop_front();
+    }
     sent_.fetch_add(1);
   }
 }

@@ -7,7 +7,10 @@
 //   PUB socket (endpoint):       multipart [topic, seq (8 bytes, big-endian), payload]
 //   ROUTER socket (replay):      a request [client, "", start_seq (8 bytes)] is answered
 //                                with [client, "", seq, payload] for every kept batch
-//                                numbered >= start_seq, then [client, "", -1 (8 bytes), ""]
+//                                numbered >= start_seq, then [client, "", -1 (8 bytes), ""];
+//                                the last replay_batches batches are kept, and no more
+//                                than replay_bytes of payload (a batch of 512 events of
+//                                long hashed sequences can be megabytes)
 // payload: msgpack of vLLM's KVEventBatch, array-like (msgspec's encoding):
 //   [ts: float seconds, [event, ...]]
 //   event: ["BlockStored", [hash, ...], parent_hash | nil, [] (token ids), block_size, nil (lora id), medium]
@@ -36,7 +39,8 @@ class ZmqEventPublisher {
     std::string endpoint{};         // PUB, e.g. tcp://*:5557
     std::string replay_endpoint{};  // ROUTER, e.g. tcp://*:5558; empty: no replay
     std::string topic{};            // first frame of every message; "" as vLLM's default
-    size_t replay_batches = 10000;  // batches kept for replay
+    size_t replay_batches = 10000;            // batches kept for replay,
+    size_t replay_bytes = size_t{64} << 20;  // and at most this many payload bytes (the newest always kept)
     std::map<std::string, std::string> medium_of_pool{};  // pool -> "GPU" / "CPU"
   };
 

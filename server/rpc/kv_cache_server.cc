@@ -30,7 +30,8 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   std::unique_ptr<KvCacheServer> server(new KvCacheServer());
   const v1::EventsConfig& ev = options.config.events();
   server->events_ = std::make_unique<EventLog>(EventLog::Options{
-      .replay_capacity = ev.replay_capacity() == 0 ? kDefaultEventReplayCapacity : ev.replay_capacity()});
+      .replay_capacity = ev.replay_capacity() == 0 ? kDefaultEventReplayCapacity : ev.replay_capacity(),
+      .replay_bytes = ev.replay_bytes() == 0 ? kDefaultEventReplayBytes : ev.replay_bytes()});
   KvCacheService::Options service_options;
   const absl::Duration append_idle_timeout = absl::Seconds(options.config.append_idle_timeout_seconds() == 0
                                                                ? kDefaultAppendIdleTimeoutSeconds

@@ -27,8 +27,10 @@ inline constexpr uint32_t kDefaultMaxMessageBytes = 64u << 20;
 inline constexpr uint32_t kDefaultMaxSequences = 1u << 20;
 inline constexpr uint32_t kDefaultAppendIdleTimeoutSeconds = 60;
 inline constexpr uint32_t kDefaultMaxRegions = 256;
-// KV events (EventsConfig): events kept for replay, WatchEvents streams at once.
+// KV events (EventsConfig): events kept for replay and the bytes they may
+// hold, WatchEvents streams at once.
 inline constexpr uint32_t kDefaultEventReplayCapacity = 65536;
+inline constexpr uint64_t kDefaultEventReplayBytes = uint64_t{64} << 20;
 inline constexpr int kDefaultMaxWatchers = 64;
 inline constexpr uint64_t kDefaultMaxRegionBytes = 1ull << 40;
 

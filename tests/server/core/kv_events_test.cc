@@ -68,6 +68,75 @@ TEST(EventLogTest, TheRingDropsTheOldestAndSaysWhatItStillHas) {
   EXPECT_EQ(kept.back().number, 10u);
 }
 
+// An event that lists `pages` pages, each with a 40-byte hash (past any
+// string's inline buffer) when `hashed`.
+KvEvent Removed(int pages, bool hashed) {
+  KvEvent e;
+  e.kind = KvEvent::Kind::kRemoved;
+  e.sequence = "a-sequence-id-longer-than-sixteen";
+  e.reason = "free";
+  for (int i = 0; i < pages; ++i) {
+    e.pages.push_back(i);
+    if (hashed) e.block_hashes.push_back(std::string(40, static_cast<char>('a' + i % 26)));
+  }
+  return e;
+}
+
+TEST(EventLogTest, AnEventsBytesCountItsPagesHashesAndLongStrings) {
+  const size_t empty = KvEventBytes(KvEvent{});
+  EXPECT_EQ(empty, sizeof(KvEvent));
+  const KvEvent pages = Removed(4096, false);
+  EXPECT_GE(KvEventBytes(pages), empty + 4096 * sizeof(int32_t) + 34) << "the page list and the long sequence id";
+  const KvEvent hashed = Removed(4096, true);
+  EXPECT_GE(KvEventBytes(hashed), KvEventBytes(pages) + 4096 * (sizeof(std::string) + 41))
+      << "each hash: its string and its heap";
+}
+
+// The ring's promise is bounded memory, not only a bounded count: events
+// of long sequences (a free of 4,096 pages with their hashes, ~450 KB
+// each) are dropped oldest first once the kept bytes would pass
+// replay_bytes, though far fewer than replay_capacity are kept; readers
+// that resume before the oldest are told so, naming both bounds.
+TEST(EventLogTest, TheRingIsBoundedInBytesAsWellAsInEvents) {
+  constexpr size_t kBytes = 4 << 20;
+  EventLog log({.replay_capacity = 65536, .replay_bytes = kBytes});
+  const size_t each = KvEventBytes(Removed(4096, true));
+  ASSERT_GT(each, 64u << 10);
+  size_t most = 0;
+  for (int i = 0; i < 1000; ++i) {
+    log.Record(Removed(4096, true));
+    most = std::max(most, log.kept_bytes());
+  }
+  EXPECT_LE(most, kBytes) << "the kept events never held more than replay_bytes";
+  EXPECT_GT(log.kept_bytes(), kBytes - each) << "and no fewer than fit";
+  const uint64_t kept = log.next() - log.oldest();
+  EXPECT_EQ(kept, kBytes / each);
+  EXPECT_EQ(log.next(), 1001u);
+  std::vector<KvEvent> out;
+  const absl::Status s = log.Read(1, 10, absl::ZeroDuration(), &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat("at most ", kBytes, " bytes"))) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat("the oldest is ", log.oldest()))) << s;
+  const std::vector<KvEvent> all = ReadAll(log, log.oldest());
+  ASSERT_EQ(all.size(), kept);
+  EXPECT_EQ(all.back().number, 1000u);
+  EXPECT_EQ(all.back().pages.size(), 4096u);
+}
+
+// The newest event is kept whatever its size (a reader can always have the
+// last one), and the next event, small, replaces it.
+TEST(EventLogTest, ANewestEventLargerThanTheBoundIsKeptAlone) {
+  EventLog log({.replay_capacity = 100, .replay_bytes = 1024});
+  log.Record(Stored("small"));
+  log.Record(Removed(4096, false));
+  EXPECT_EQ(log.oldest(), 2u);
+  EXPECT_GT(log.kept_bytes(), 1024u);
+  ASSERT_EQ(ReadAll(log, 2).size(), 1u);
+  log.Record(Stored("next"));
+  EXPECT_EQ(log.oldest(), 3u);
+  EXPECT_EQ(log.kept_bytes(), KvEventBytes(ReadAll(log, 3).at(0)));
+}
+
 TEST(EventLogTest, ReadWaitsForTheNextEventUpToItsTimeoutAndCloseEndsIt) {
   EventLog log({});
   std::vector<KvEvent> out;

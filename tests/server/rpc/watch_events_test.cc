@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "tests/server/rpc/service_fixture.h"
 
 namespace mlakv::server::testing {
@@ -109,6 +110,35 @@ TEST_F(WatchEventsTest, NumbersTheServerDoesNotHaveAreOutOfRange) {
   Watched kept = Watch(4, 4);
   ASSERT_EQ(kept.events.size(), 4u) << Describe(kept.status);
   EXPECT_EQ(kept.events.back().number(), 7u);
+}
+
+// events { replay_bytes } bounds what the server keeps by size: events of
+// long hashed sequences (~16 KB each here) leave the buffer long before
+// replay_capacity (65,536 by default) is reached, and a watcher resuming
+// before the oldest is told both bounds and where to resume.
+TEST_F(WatchEventsTest, TheReplayBufferIsBoundedInBytes) {
+  StopServer();
+  StartServer("cpu", "name: 'default' num_layers: 2 page_size: 4 num_pages: 256", "events { replay_bytes: 40000 }");
+  std::vector<std::string> hashes;
+  for (int i = 0; i < 200; ++i) hashes.push_back(absl::StrCat(std::string(36, 'h'), 1000 + i));  // 40 bytes
+  for (int round = 0; round < 5; ++round) {
+    AppendPages("long", 200, hashes);
+    Free("long");
+  }  // events 1 (cleared) .. 11
+  Watched old = Watch(1, 1);
+  EXPECT_EQ(old.status.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(old.status);
+  EXPECT_TRUE(absl::StrContains(old.status.error_message(), "at most 40000 bytes")) << old.status.error_message();
+  // Two events of ~16 KB fit in 40,000 bytes, three do not.
+  Watched kept = Watch(10, 2);
+  ASSERT_EQ(kept.events.size(), 2u) << Describe(kept.status);
+  EXPECT_EQ(kept.events[0].number(), 10u);
+  ASSERT_TRUE(kept.events[0].has_stored());
+  EXPECT_EQ(kept.events[0].stored().block_hashes_size(), 200);
+  ASSERT_TRUE(kept.events[1].has_removed());
+  EXPECT_EQ(kept.events[1].removed().pages_size(), 200);
+  Watched gone = Watch(9, 1);
+  EXPECT_EQ(gone.status.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(gone.status);
+  EXPECT_TRUE(absl::StrContains(gone.status.error_message(), "the oldest is 10")) << gone.status.error_message();
 }
 
 // A watcher that stops reading: the server's writes stall on flow control,
