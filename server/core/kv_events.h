@@ -79,6 +79,7 @@ class EventLog {
   uint64_t oldest() const;
   uint64_t next() const;
   size_t capacity() const { return options_.replay_capacity; }
+  size_t replay_bytes() const { return options_.replay_bytes; }
   // What the kept events hold now (KvEventBytes summed): <= replay_bytes,
   // or one event's worth when the newest alone is larger.
   size_t kept_bytes() const;

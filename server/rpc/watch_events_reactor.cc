@@ -14,6 +14,13 @@ namespace {
 constexpr uint32_t kDefaultBatch = 256;
 constexpr uint32_t kMaxBatch = 4096;
 constexpr absl::Duration kPoll = absl::Milliseconds(200);
+// A response's events stop short of this many bytes (one larger event goes
+// alone): an event lists every page it stored or freed, and 256 events of
+// long hashed sequences would make a response of tens of MB -- past a
+// client's default 4 MB receive limit (gRPC's, grpcurl's), and past the
+// server's send limit at worst, where the watcher would fail at the same
+// event every time it resumed.
+constexpr size_t kMaxResponseBytes = size_t{1} << 20;
 
 }  // namespace
 
@@ -78,49 +85,66 @@ void WatchEventsReactor::Run(uint64_t from, uint32_t max_batch) {
   uint64_t cursor = from;
   bool started = false;
   std::vector<KvEvent> events;
-  while (true) {
-    {
-      absl::MutexLock lock(&state->mu);
-      if (state->cancelled) {
-        status = absl::CancelledError("the watcher cancelled the stream");
-        break;
-      }
-      if (state->write_failed) {
-        status = absl::UnavailableError("the stream broke while an event batch was written");
-        break;
-      }
+  // What ends the stream before the next read: a cancel, or a write that failed.
+  const auto ended = [&]() -> bool {
+    absl::MutexLock lock(&state->mu);
+    if (state->cancelled) {
+      status = absl::CancelledError("the watcher cancelled the stream");
+    } else if (state->write_failed) {
+      status = absl::UnavailableError("the stream broke while an event batch was written");
     }
+    return !status.ok();
+  };
+  while (!ended()) {
     events.clear();
     absl::Status read = log_->Read(cursor, max_batch, kPoll, &events);
     if (!read.ok()) {
       if (absl::IsOutOfRange(read) && started) {
         status = absl::ResourceExhaustedError(absl::StrCat(
             "this watcher fell behind: event ", cursor, " left the server's replay buffer (", log_->capacity(),
-            " events) before it was sent; events were not slowed for it. Resume with from=", log_->oldest(),
-            " after resynchronizing, and read faster"));
+            " events, at most ", log_->replay_bytes(), " bytes) before it was sent; events were not slowed for it. "
+            "Resume with from=", log_->oldest(), " after resynchronizing, and read faster"));
       } else {
         status = read;
       }
       break;
     }
     started = true;
-    if (events.empty()) continue;
-    response_.Clear();
-    response_.set_server_id(service_->options().server_id);
-    for (const KvEvent& e : events) ToProto(e, response_.add_events());
-    cursor = events.back().number + 1;
-    {
+    // The events read, as responses of at most kMaxResponseBytes each (one
+    // event more than that goes alone).
+    for (size_t next = 0; next < events.size() && !ended();) {
+      next = FillResponse(events, next);
+      cursor = events[next - 1].number + 1;
+      {
+        absl::MutexLock lock(&state->mu);
+        if (state->cancelled) continue;  // ended() finishes it
+        state->writing = true;
+      }
+      StartWrite(&response_);
       absl::MutexLock lock(&state->mu);
-      if (state->cancelled) continue;  // the loop's check finishes it
-      state->writing = true;
+      state->mu.Await(absl::Condition(
+          +[](State* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return !s->writing; }, state.get()));
     }
-    StartWrite(&response_);
-    absl::MutexLock lock(&state->mu);
-    state->mu.Await(absl::Condition(
-        +[](State* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return !s->writing; }, state.get()));
   }
   LogCall("WatchEvents", absl::StrCat("from=", from, " reached=", cursor), status);
   Finish(ToGrpcStatus(status));  // the last touch of the reactor
+}
+
+size_t WatchEventsReactor::FillResponse(const std::vector<KvEvent>& events, size_t first) {
+  response_.Clear();
+  response_.set_server_id(service_->options().server_id);
+  size_t bytes = response_.ByteSizeLong();
+  size_t i = first;
+  for (; i < events.size(); ++i) {
+    v1::KvEvent* out = response_.add_events();
+    ToProto(events[i], out);
+    bytes += out->ByteSizeLong() + 8;  // the field's tag and length
+    if (bytes > kMaxResponseBytes && i > first) {
+      response_.mutable_events()->RemoveLast();  // it goes first in the next response
+      break;
+    }
+  }
+  return i;
 }
 
 void WatchEventsReactor::OnWriteDone(bool ok) {

@@ -2,8 +2,9 @@
 // server-streaming call on the server's completion queue (cq/calls.h).
 //
 // Each watcher has its own thread that follows the EventLog by number:
-// read what is there (waiting up to 200 ms for more), write it as one
-// response, wait for the write to complete, repeat. The recording side
+// read what is there (waiting up to 200 ms for more), write it as
+// responses of at most ~1 MiB each, waiting for each write to complete,
+// repeat. The recording side
 // never waits for it: a watcher whose next event has left the log's ring has
 // fallen behind and is finished with RESOURCE_EXHAUSTED. The thread calls
 // Finish exactly once and never touches the reactor after it; what it shares
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -57,6 +59,9 @@ class WatchEventsReactor final : public cq::WriterCall<v1::WatchEventsRequest, v
     bool cancelled ABSL_GUARDED_BY(mu) = false;
   };
   void Run(uint64_t from, uint32_t max_batch);
+  // Fills response_ with events[first..] up to its byte bound (at least one
+  // event); returns the index after the last one it holds.
+  size_t FillResponse(const std::vector<KvEvent>& events, size_t first);
 
   KvCacheService* const service_;
   EventLog* log_ = nullptr;  // the service's (set by OnStart)

@@ -141,6 +141,49 @@ TEST_F(WatchEventsTest, TheReplayBufferIsBoundedInBytes) {
   EXPECT_TRUE(absl::StrContains(gone.status.error_message(), "the oldest is 10")) << gone.status.error_message();
 }
 
+// Events of long hashed sequences (1,024 pages with 64-byte hashes: ~70 KB
+// each) read in one batch of 256 would make a response of ~6 MB: past the
+// 4 MB a gRPC client (or grpcurl) accepts by default, so such a watcher
+// failed at the same event every time it resumed. Responses stop short of
+// ~1 MiB; a client with gRPC's default limits gets every event, in order.
+TEST_F(WatchEventsTest, LargeEventsComeInResponsesAClientWithDefaultLimitsAccepts) {
+  StopServer();
+  StartServer("cpu", "name: 'default' num_layers: 1 page_size: 1 num_pages: 2048", "", "127.0.0.1:0");
+  std::vector<std::string> hashes;
+  for (int i = 0; i < 1024; ++i) hashes.push_back(absl::StrCat(std::string(56, 'h'), 10000000 + i));  // 64 bytes
+  for (int round = 0; round < 40; ++round) {
+    v1::AppendRequest m = AppendMessage("long", 0, RandomRows(1024, round), 0, 1024, {0}, 0.25f, 0.5f);
+    for (const std::string& h : hashes) m.add_block_hashes(h);
+    const grpc::Status s = ServiceFixture::Append({m});
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    Free("long");
+  }  // events 1 (cleared) .. 81
+  auto channel = grpc::CreateChannel(server().bound_address(), grpc::InsecureChannelCredentials());  // default limits
+  auto plain = v1::KvCache::NewStub(channel);
+  grpc::ClientContext ctx;
+  v1::WatchEventsRequest req;
+  req.set_from(1);
+  auto reader = plain->WatchEvents(&ctx, req);
+  v1::WatchEventsResponse resp;
+  uint64_t last = 0;
+  int responses = 0;
+  size_t largest = 0;
+  while (last < 81 && reader->Read(&resp)) {
+    ++responses;
+    largest = std::max(largest, resp.ByteSizeLong());
+    for (const v1::KvEvent& e : resp.events()) {
+      EXPECT_EQ(e.number(), last + 1) << "no gap";
+      last = e.number();
+      if (e.has_stored()) EXPECT_EQ(e.stored().block_hashes_size(), 1024);
+    }
+  }
+  ctx.TryCancel();
+  const grpc::Status end = reader->Finish();
+  EXPECT_EQ(last, 81u) << "every event arrived; the stream ended with " << Describe(end);
+  EXPECT_GE(responses, 5) << "~5.7 MB of events in responses of ~1 MiB";
+  EXPECT_LE(largest, (size_t{1} << 20) + (100 << 10)) << "a response holds no more than ~1 MiB and one event";
+}
+
 // A watcher that stops reading: the server's writes stall on flow control,
 // its next event leaves the ring, and it is ended with RESOURCE_EXHAUSTED
 // naming that event; the appends meanwhile run as fast as without it.
