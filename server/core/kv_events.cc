@@ -56,7 +56,8 @@ uint64_t EventLog::next() const {
   return next_;
 }
 
-absl::Status EventLog::Read(uint64_t from, size_t max, absl::Duration timeout, std::vector<KvEvent>* out) const {
+absl::Status EventLog::Read(uint64_t from, size_t max, absl::Duration timeout, std::vector<KvEvent>* out,
+                            size_t max_bytes) const {
   absl::MutexLock lock(&mu_);
   struct Ready {
     const EventLog* log;
@@ -73,7 +74,13 @@ absl::Status EventLog::Read(uint64_t from, size_t max, absl::Duration timeout, s
                                               " bytes of them; the oldest is ", oldest,
                                               "); resume from ", oldest, " after resynchronizing (ListSequences)"));
   }
-  for (uint64_t n = from; n < next_ && out->size() < max; ++n) out->push_back(ring_[n - oldest]);
+  size_t copied = 0, bytes = 0;
+  for (uint64_t n = from; n < next_ && copied < max; ++n, ++copied) {
+    const KvEvent& e = ring_[n - oldest];
+    bytes += KvEventBytes(e);
+    if (copied > 0 && bytes > max_bytes) break;
+    out->push_back(e);
+  }
   return absl::OkStatus();
 }
 

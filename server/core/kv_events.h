@@ -84,10 +84,13 @@ class EventLog {
   // or one event's worth when the newest alone is larger.
   size_t kept_bytes() const;
 
-  // Copies up to `max` events from number `from` on into `out`, waiting up to
-  // `timeout` for the first one. OUT_OF_RANGE when `from` has already left
-  // the ring (the message names the oldest kept), UNAVAILABLE once Close()d.
-  absl::Status Read(uint64_t from, size_t max, absl::Duration timeout, std::vector<KvEvent>* out) const;
+  // Copies up to `max` events from number `from` on into `out`, and no more
+  // of them than `max_bytes` hold (KvEventBytes; the first is copied
+  // whatever its size), waiting up to `timeout` for the first one.
+  // OUT_OF_RANGE when `from` has already left the ring (the message names
+  // the oldest kept), UNAVAILABLE once Close()d.
+  absl::Status Read(uint64_t from, size_t max, absl::Duration timeout, std::vector<KvEvent>* out,
+                    size_t max_bytes = SIZE_MAX) const;
 
   // Wakes every waiting reader for good (shutdown).
   void Close();

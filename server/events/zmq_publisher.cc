@@ -160,7 +160,8 @@ void ZmqEventPublisher::Run() {
       zmq::send_multipart(s.replay, done);
     }
     events.clear();
-    const absl::Status read = log_->Read(cursor, 512, absl::Milliseconds(20), &events);
+    // Up to 512 events and ~1 MiB of them a batch (one larger event alone).
+    const absl::Status read = log_->Read(cursor, 512, absl::Milliseconds(20), &events, size_t{1} << 20);
     if (absl::IsUnavailable(read)) break;  // the server is shutting down
     if (absl::IsOutOfRange(read)) {
       // Fell behind the log's ring (it should not: this thread only

@@ -19,7 +19,10 @@ constexpr absl::Duration kPoll = absl::Milliseconds(200);
 // long hashed sequences would make a response of tens of MB -- past a
 // client's default 4 MB receive limit (gRPC's, grpcurl's), and past the
 // server's send limit at worst, where the watcher would fail at the same
-// event every time it resumed.
+// event every time it resumed. The read from the log stops at as many
+// bytes of events (their memory, a little over their wire size), so a
+// watcher's copy is bounded too: 4,096 events of a freed 262k-token
+// sequence would be ~1.8 GB.
 constexpr size_t kMaxResponseBytes = size_t{1} << 20;
 
 }  // namespace
@@ -97,7 +100,7 @@ void WatchEventsReactor::Run(uint64_t from, uint32_t max_batch) {
   };
   while (!ended()) {
     events.clear();
-    absl::Status read = log_->Read(cursor, max_batch, kPoll, &events);
+    absl::Status read = log_->Read(cursor, max_batch, kPoll, &events, kMaxResponseBytes);
     if (!read.ok()) {
       if (absl::IsOutOfRange(read) && started) {
         status = absl::ResourceExhaustedError(absl::StrCat(

@@ -137,6 +137,25 @@ TEST(EventLogTest, ANewestEventLargerThanTheBoundIsKeptAlone) {
   EXPECT_EQ(log.kept_bytes(), KvEventBytes(ReadAll(log, 3).at(0)));
 }
 
+// A read copies no more events than max_bytes hold (a watcher's copy of
+// 4,096 large events would be gigabytes), but always the first.
+TEST(EventLogTest, AReadStopsAtItsBytesButAlwaysTakesOneEvent) {
+  EventLog log({});
+  for (int i = 0; i < 10; ++i) log.Record(Removed(1024, true));
+  const size_t each = KvEventBytes(ReadAll(log, 1).at(0));
+  std::vector<KvEvent> out;
+  ASSERT_TRUE(log.Read(1, 100, absl::ZeroDuration(), &out, 3 * each + each / 2).ok());
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_EQ(out.back().number, 3u);
+  out.clear();
+  ASSERT_TRUE(log.Read(4, 100, absl::ZeroDuration(), &out, 1).ok());
+  ASSERT_EQ(out.size(), 1u) << "the first event whatever its size";
+  EXPECT_EQ(out[0].number, 4u);
+  out.clear();
+  ASSERT_TRUE(log.Read(5, 2, absl::ZeroDuration(), &out, SIZE_MAX).ok());
+  EXPECT_EQ(out.size(), 2u) << "the count still bounds it";
+}
+
 TEST(EventLogTest, ReadWaitsForTheNextEventUpToItsTimeoutAndCloseEndsIt) {
   EventLog log({});
   std::vector<KvEvent> out;
