@@ -51,6 +51,11 @@ size_t EventLog::kept_bytes() const {
   return ring_bytes_;
 }
 
+EventLog::Stats EventLog::stats() const {
+  absl::MutexLock lock(&mu_);
+  return {.recorded = next_ - 1, .kept = ring_.size(), .kept_bytes = ring_bytes_};
+}
+
 uint64_t EventLog::next() const {
   absl::MutexLock lock(&mu_);
   return next_;

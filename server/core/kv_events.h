@@ -83,6 +83,13 @@ class EventLog {
   // What the kept events hold now (KvEventBytes summed): <= replay_bytes,
   // or one event's worth when the newest alone is larger.
   size_t kept_bytes() const;
+  // One consistent reading of the ring, for the metrics.
+  struct Stats {
+    uint64_t recorded = 0;  // events numbered since the start
+    size_t kept = 0;        // events in the replay buffer
+    size_t kept_bytes = 0;  // what they hold (KvEventBytes)
+  };
+  Stats stats() const;
 
   // Copies up to `max` events from number `from` on into `out`, and no more
   // of them than `max_bytes` hold (KvEventBytes; the first is copied

@@ -40,10 +40,16 @@ void ScrapeTimeCollector::SetTransportSource(std::function<SerialExecutor::Load(
   transport_source_ = std::move(source);
 }
 
+void ScrapeTimeCollector::SetEventsSource(std::function<EventsLoad()> source) {
+  absl::MutexLock lock(&mu_);
+  events_source_ = std::move(source);
+}
+
 std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
   std::vector<PoolSnapshot> pools;
   int64_t regions = 0;
   SerialExecutor::Load transport;
+  EventsLoad events;
   {
     // Held while the sources run, so that SetPoolSource(nullptr) returns
     // only once no scrape is still inside the old source. Readers share it.
@@ -51,6 +57,7 @@ std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
     if (pool_source_) pools = pool_source_();
     if (ipc_source_) regions = ipc_source_();
     if (transport_source_) transport = transport_source_();
+    if (events_source_) events = events_source_();
   }
   prometheus::MetricFamily capacity = GaugeFamily("mlakv_pool_pages_capacity", "Pages in the pool (used + free).");
   prometheus::MetricFamily used = GaugeFamily("mlakv_pool_pages_used", "Pages owned by sequences.");
@@ -143,9 +150,23 @@ std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
   prometheus::MetricFamily transport_tasks =
       GaugeFamily("mlakv_transport_tasks", "Tasks queued on or running on the transport threads.");
   AddSample(transport_tasks, {}, static_cast<double>(transport.pending));
+  prometheus::MetricFamily events_recorded =
+      GaugeFamily("mlakv_kv_events_recorded_total", "KV events recorded since the server started (docs/events.md).");
+  events_recorded.type = prometheus::MetricType::Counter;
+  prometheus::ClientMetric recorded_sample;
+  recorded_sample.counter.value = static_cast<double>(events.log.recorded);
+  events_recorded.metric.push_back(std::move(recorded_sample));
+  prometheus::MetricFamily events_kept =
+      GaugeFamily("mlakv_kv_events_kept", "KV events in the replay buffer (at most events.replay_capacity).");
+  AddSample(events_kept, {}, static_cast<double>(events.log.kept));
+  prometheus::MetricFamily events_bytes = GaugeFamily(
+      "mlakv_kv_events_kept_bytes", "Memory the KV events in the replay buffer hold (at most events.replay_bytes).");
+  AddSample(events_bytes, {}, static_cast<double>(events.log.kept_bytes));
+  prometheus::MetricFamily watchers = GaugeFamily("mlakv_kv_events_watchers", "WatchEvents streams open.");
+  AddSample(watchers, {}, static_cast<double>(events.watchers));
   std::vector<prometheus::MetricFamily> out;
-  for (prometheus::MetricFamily* f :
-       {&capacity, &used, &free, &sequences, &cache_bytes, &ipc, &transport_busy, &transport_tasks}) {
+  for (prometheus::MetricFamily* f : {&capacity, &used, &free, &sequences, &cache_bytes, &ipc, &transport_busy,
+                                      &transport_tasks, &events_recorded, &events_kept, &events_bytes, &watchers}) {
     out.push_back(std::move(*f));
   }
   for (prometheus::MetricFamily& f : cache_families) out.push_back(std::move(f));

@@ -1,5 +1,6 @@
 // ScrapeTimeCollector: the gauges that mirror live server state — pool
-// occupancy and the number of registered IPC regions — built from their
+// occupancy, the number of registered IPC regions, the KV events' replay
+// buffer — built from their
 // sources at every scrape rather than kept up to date by the code that
 // changes them.
 //
@@ -18,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
+#include "server/core/kv_events.h"
 #include "server/core/pool.h"
 
 namespace mlakv::server {
@@ -32,10 +34,18 @@ class ScrapeTimeCollector : public prometheus::Collectable {
   void SetIpcRegionSource(std::function<int64_t()> source);
   // The Append streams' transport threads, summed (KvCacheService::TransportLoad).
   void SetTransportSource(std::function<SerialExecutor::Load()> source);
+  // The KV event log's replay buffer and the WatchEvents streams open.
+  struct EventsLoad {
+    EventLog::Stats log;
+    int64_t watchers = 0;
+  };
+  void SetEventsSource(std::function<EventsLoad()> source);
 
   // mlakv_pool_pages_capacity/_used/_free{pool,device},
   // mlakv_pool_sequences{pool}, mlakv_pool_cache_bytes{pool,device},
-  // mlakv_ipc_regions, mlakv_transport_busy_seconds_total, mlakv_transport_tasks.
+  // mlakv_ipc_regions, mlakv_transport_busy_seconds_total, mlakv_transport_tasks,
+  // mlakv_kv_events_recorded_total, mlakv_kv_events_kept, mlakv_kv_events_kept_bytes,
+  // mlakv_kv_events_watchers.
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
@@ -43,6 +53,7 @@ class ScrapeTimeCollector : public prometheus::Collectable {
   std::function<std::vector<PoolSnapshot>()> pool_source_ ABSL_GUARDED_BY(mu_);
   std::function<int64_t()> ipc_source_ ABSL_GUARDED_BY(mu_);
   std::function<SerialExecutor::Load()> transport_source_ ABSL_GUARDED_BY(mu_);
+  std::function<EventsLoad()> events_source_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mlakv::server

@@ -167,6 +167,10 @@ void ServerMetrics::SetTransportSource(std::function<SerialExecutor::Load()> sou
   scrape_time_->SetTransportSource(std::move(source));
 }
 
+void ServerMetrics::SetEventsSource(std::function<ScrapeTimeCollector::EventsLoad()> source) {
+  scrape_time_->SetEventsSource(std::move(source));
+}
+
 void ServerMetrics::SetDefaultPool(std::string name) {
   absl::MutexLock lock(&pools_mu_);
   default_pool_ = std::move(name);

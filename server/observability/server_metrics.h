@@ -23,6 +23,9 @@
 //   mlakv_transport_busy_seconds_total                 counter: the Append streams' transport threads' busy time
 //   mlakv_transport_tasks                              gauge: tasks queued on or running on them
 //   mlakv_ipc_regions                                  gauge: regions registered now, read at scrape time
+//   mlakv_kv_events_recorded_total                     counter: KV events numbered, read at scrape time
+//   mlakv_kv_events_kept, mlakv_kv_events_kept_bytes    gauges: the replay buffer, read at scrape time
+//   mlakv_kv_events_watchers                           gauge: WatchEvents streams open, read at scrape time
 //   mlakv_auth_failures_total{reason}                  counter: calls refused before the service
 //   mlakv_draining                                     gauge: 1 after SIGTERM
 //
@@ -77,6 +80,7 @@ class ServerMetrics {
   void SetPoolSource(std::function<std::vector<PoolSnapshot>()> source);
   void SetIpcRegionSource(std::function<int64_t()> source);
   void SetTransportSource(std::function<SerialExecutor::Load()> source);
+  void SetEventsSource(std::function<ScrapeTimeCollector::EventsLoad()> source);
   // The pool an empty `pool` field of a request means.
   void SetDefaultPool(std::string name);
   std::string default_pool() const;

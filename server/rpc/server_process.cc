@@ -124,8 +124,8 @@ absl::Status ServerProcess::StartEventPublisher() {
   return absl::OkStatus();
 }
 
-// Pool gauges and the region count are read when Prometheus scrapes, not
-// pushed on every change.
+// Pool gauges, the region count and the KV events' buffer are read when
+// Prometheus scrapes, not pushed on every change.
 void ServerProcess::ConnectPoolGauges() {
   prepared_.metrics->SetPoolSource([s = server_.get()] {
     std::vector<PoolSnapshot> out;
@@ -137,6 +137,9 @@ void ServerProcess::ConnectPoolGauges() {
   });
   prepared_.metrics->SetIpcRegionSource([s = server_.get()] { return static_cast<int64_t>(s->regions().size()); });
   prepared_.metrics->SetTransportSource([s = server_.get()] { return s->service().TransportLoad(); });
+  prepared_.metrics->SetEventsSource([s = server_.get()] {
+    return ScrapeTimeCollector::EventsLoad{.log = s->events().stats(), .watchers = s->service().watchers()};
+  });
 }
 
 absl::Status ServerProcess::StartMetricsEndpoint() {

@@ -132,6 +132,24 @@ TEST(ServerMetrics, RendersBuildInfoDrainingAndIpcRegions) {
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_transport_busy_seconds_total counter\n"));
 }
 
+TEST(ServerMetrics, RendersTheKvEventsBufferFromItsSource) {
+  auto m = NewMetrics();
+  ASSERT_NE(m, nullptr);
+  std::string text = m->Render();
+  EXPECT_THAT(text, HasSubstr("# TYPE mlakv_kv_events_kept_bytes gauge\nmlakv_kv_events_kept_bytes 0\n"));
+  EventLog log({.replay_capacity = 4, .replay_bytes = 1 << 20});
+  for (int i = 0; i < 6; ++i) log.Record(KvEvent{.kind = KvEvent::Kind::kStored, .pages = {1, 2, 3}});
+  m->SetEventsSource([&log] { return ScrapeTimeCollector::EventsLoad{.log = log.stats(), .watchers = 2}; });
+  text = m->Render();
+  EXPECT_EQ(Value(text, "mlakv_kv_events_recorded_total"), 6);
+  EXPECT_EQ(Value(text, "mlakv_kv_events_kept"), 4) << "the ring's count bound";
+  EXPECT_EQ(Value(text, "mlakv_kv_events_kept_bytes"), static_cast<double>(log.kept_bytes()));
+  EXPECT_GT(Value(text, "mlakv_kv_events_kept_bytes"), 4 * sizeof(KvEvent));
+  EXPECT_EQ(Value(text, "mlakv_kv_events_watchers"), 2);
+  EXPECT_THAT(text, HasSubstr("# TYPE mlakv_kv_events_recorded_total counter\n"));
+  m->SetEventsSource(nullptr);  // before the log goes
+}
+
 TEST(ServerMetrics, ServedMethodsKeepTheirLabels) {
   auto m = NewMetrics();
   ASSERT_NE(m, nullptr);
