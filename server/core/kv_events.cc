@@ -46,11 +46,6 @@ uint64_t EventLog::oldest() const {
   return ring_.empty() ? 0 : ring_.front().number;
 }
 
-size_t EventLog::kept_bytes() const {
-  absl::MutexLock lock(&mu_);
-  return ring_bytes_;
-}
-
 EventLog::Stats EventLog::stats() const {
   absl::MutexLock lock(&mu_);
   return {.recorded = next_ - 1, .kept = ring_.size(), .kept_bytes = ring_bytes_};

@@ -80,14 +80,13 @@ class EventLog {
   uint64_t next() const;
   size_t capacity() const { return options_.replay_capacity; }
   size_t replay_bytes() const { return options_.replay_bytes; }
-  // What the kept events hold now (KvEventBytes summed): <= replay_bytes,
-  // or one event's worth when the newest alone is larger.
-  size_t kept_bytes() const;
-  // One consistent reading of the ring, for the metrics.
+  // One consistent reading of the ring (the metrics read it).
   struct Stats {
     uint64_t recorded = 0;  // events numbered since the start
     size_t kept = 0;        // events in the replay buffer
-    size_t kept_bytes = 0;  // what they hold (KvEventBytes)
+    // What they hold (KvEventBytes summed): <= replay_bytes, or one
+    // event's worth when the newest alone is larger.
+    size_t kept_bytes = 0;
   };
   Stats stats() const;
 

@@ -105,10 +105,10 @@ TEST(EventLogTest, TheRingIsBoundedInBytesAsWellAsInEvents) {
   size_t most = 0;
   for (int i = 0; i < 1000; ++i) {
     log.Record(Removed(4096, true));
-    most = std::max(most, log.kept_bytes());
+    most = std::max(most, log.stats().kept_bytes);
   }
   EXPECT_LE(most, kBytes) << "the kept events never held more than replay_bytes";
-  EXPECT_GT(log.kept_bytes(), kBytes - each) << "and no fewer than fit";
+  EXPECT_GT(log.stats().kept_bytes, kBytes - each) << "and no fewer than fit";
   const uint64_t kept = log.next() - log.oldest();
   EXPECT_EQ(kept, kBytes / each);
   EXPECT_EQ(log.next(), 1001u);
@@ -130,11 +130,11 @@ TEST(EventLogTest, ANewestEventLargerThanTheBoundIsKeptAlone) {
   log.Record(Stored("small"));
   log.Record(Removed(4096, false));
   EXPECT_EQ(log.oldest(), 2u);
-  EXPECT_GT(log.kept_bytes(), 1024u);
+  EXPECT_GT(log.stats().kept_bytes, 1024u);
   ASSERT_EQ(ReadAll(log, 2).size(), 1u);
   log.Record(Stored("next"));
   EXPECT_EQ(log.oldest(), 3u);
-  EXPECT_EQ(log.kept_bytes(), KvEventBytes(ReadAll(log, 3).at(0)));
+  EXPECT_EQ(log.stats().kept_bytes, KvEventBytes(ReadAll(log, 3).at(0)));
 }
 
 // A read copies no more events than max_bytes hold (a watcher's copy of

@@ -143,7 +143,7 @@ TEST(ServerMetrics, RendersTheKvEventsBufferFromItsSource) {
   text = m->Render();
   EXPECT_EQ(Value(text, "mlakv_kv_events_recorded_total"), 6);
   EXPECT_EQ(Value(text, "mlakv_kv_events_kept"), 4) << "the ring's count bound";
-  EXPECT_EQ(Value(text, "mlakv_kv_events_kept_bytes"), static_cast<double>(log.kept_bytes()));
+  EXPECT_EQ(Value(text, "mlakv_kv_events_kept_bytes"), static_cast<double>(log.stats().kept_bytes));
   EXPECT_GT(Value(text, "mlakv_kv_events_kept_bytes"), 4 * sizeof(KvEvent));
   EXPECT_EQ(Value(text, "mlakv_kv_events_watchers"), 2);
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_kv_events_recorded_total counter\n"));
