@@ -1,5 +1,7 @@
 #include "server/events/zmq_publisher.h"
 
+#include <algorithm>
+#include <array>
 #include <deque>
 #include <utility>
 #include <vector>
@@ -51,6 +53,33 @@ struct ZmqEventPublisher::Sockets {
   zmq::socket_t pub{context, zmq::socket_type::pub};
   zmq::socket_t replay{context, zmq::socket_type::router};
   bool has_replay = false;
+};
+
+// The batches kept for replay: numbers without gaps, oldest first.
+struct ZmqEventPublisher::Kept {
+  std::deque<std::pair<int64_t, std::string>> batches;  // (seq, payload)
+  size_t bytes = 0;                                     // of the payloads
+
+  int64_t first() const { return batches.empty() ? 0 : batches.front().first; }
+  int64_t end() const { return first() + static_cast<int64_t>(batches.size()); }  // the newest + 1
+  const std::string& payload(int64_t seq) const { return batches[static_cast<size_t>(seq - first())].second; }
+
+  // Keeps one more; drops the oldest past either bound (never the newest).
+  void Add(int64_t seq, std::string payload, size_t max_batches, size_t max_bytes) {
+    bytes += payload.size();
+    batches.emplace_back(seq, std::move(payload));
+    while (batches.size() > 1 && (batches.size() > max_batches || bytes > max_bytes)) {
+      bytes -= batches.front().second.size();
+      batches.pop_front();
+    }
+  }
+};
+
+// One replay in progress: whom, and what it gets next (kept.end(): the end marker).
+struct ZmqEventPublisher::Replay {
+  std::string client;  // the ROUTER's id of the peer
+  int64_t next = 0;
+  absl::Time progress;  // when its peer last took a message (or asked)
 };
 
 std::string ZmqEventPublisher::EncodeBatch(const std::vector<KvEvent>& events,
@@ -115,6 +144,11 @@ absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(Opti
   if (!p->options_.replay_endpoint.empty()) {
     try {
       s.replay.set(zmq::sockopt::linger, 0);
+      // A full queue to a peer answers EAGAIN (and a gone peer
+      // EHOSTUNREACH) instead of dropping the message unsaid.
+      s.replay.set(zmq::sockopt::router_mandatory, 1);
+      s.replay.set(zmq::sockopt::sndhwm, p->options_.replay_queue);
+      s.replay.set(zmq::sockopt::maxmsgsize, int64_t{256});  // a request's frames are 0 and 8 bytes
       s.replay.bind(p->options_.replay_endpoint);
       s.has_replay = true;
     } catch (const zmq::error_t& e) {
@@ -131,37 +165,90 @@ ZmqEventPublisher::~ZmqEventPublisher() {
   if (thread_.joinable()) thread_.join();
 }
 
+void ZmqEventPublisher::AcceptReplayRequests(std::vector<Replay>& replays) {
+  Sockets& s = *sockets_;
+  while (true) {
+    std::vector<zmq::message_t> request;
+    const auto got = zmq::recv_multipart(s.replay, std::back_inserter(request), zmq::recv_flags::dontwait);
+    if (!got) return;
+    if (request.size() != 3) continue;  // not [client, "", start]
+    Replay r{.client = request[0].to_string(), .next = SeqFromBytes(request[2]), .progress = absl::Now()};
+    const auto same = std::find_if(replays.begin(), replays.end(), [&](const Replay& o) { return o.client == r.client; });
+    if (same != replays.end()) {
+      *same = std::move(r);  // asked again: starts over
+    } else if (replays.size() < options_.max_replays) {
+      replays.push_back(std::move(r));
+    } else {
+      spdlog::warn("kv events replay: {} replays in progress already; a request is dropped (the client asks again)",
+                   replays.size());
+    }
+  }
+}
+
+bool ZmqEventPublisher::AdvanceReplays(const Kept& kept, std::vector<Replay>& replays, int budget) {
+  Sockets& s = *sockets_;
+  const absl::Time now = absl::Now();
+  bool any = false;
+  for (auto it = replays.begin(); it != replays.end();) {
+    Replay& r = *it;
+    bool over = false, took = false;
+    for (int n = 0; n < budget && !over; ++n) {
+      r.next = std::max(r.next, kept.first());  // what left the kept ones is skipped
+      const bool marker = r.next >= kept.end();
+      const std::string seq_bytes = SeqBytes(marker ? -1 : r.next);
+      std::array<zmq::const_buffer, 4> message = {zmq::buffer(r.client), zmq::str_buffer(""), zmq::buffer(seq_bytes),
+                                                  marker ? zmq::str_buffer("") : zmq::buffer(kept.payload(r.next))};
+      zmq::send_result_t sent;
+      try {
+        sent = zmq::send_multipart(s.replay, message, zmq::send_flags::dontwait);
+      } catch (const zmq::error_t&) {  // EHOSTUNREACH: the peer is gone
+        replays_abandoned_.fetch_add(1);
+        over = true;
+        break;
+      }
+      if (!sent) break;  // its queue is full: the rest later
+      any = took = true;
+      if (marker) {
+        replays_done_.fetch_add(1);
+        over = true;
+      } else {
+        ++r.next;
+      }
+    }
+    if (took) {
+      r.progress = now;
+    } else if (!over && now - r.progress > options_.replay_stall) {
+      spdlog::warn("kv events replay: a peer took nothing for {}; its replay ends at batch {}",
+                   absl::FormatDuration(options_.replay_stall), r.next);
+      replays_abandoned_.fetch_add(1);
+      over = true;
+    }
+    it = over ? replays.erase(it) : it + 1;
+  }
+  return any;
+}
+
 void ZmqEventPublisher::Run() {
   Sockets& s = *sockets_;
-  std::deque<std::pair<int64_t, std::string>> kept;  // (seq, payload) for replay
-  size_t kept_bytes = 0;                                // of the payloads in `kept`
+  Kept kept;
+  std::vector<Replay> replays;
   int64_t next_seq = 0;
   uint64_t cursor = std::max<uint64_t>(1, log_->oldest());
   std::vector<KvEvent> events;
   while (!stop_.load()) {
-    // Replay requests first: they are answered from what was sent.
-    while (s.has_replay) {
-      std::vector<zmq::message_t> request;
-      const auto got = zmq::recv_multipart(s.replay, std::back_inserter(request), zmq::recv_flags::dontwait);
-      if (!got) break;
-      if (request.size() != 3) continue;  // not [client, "", start]
-      const int64_t start = SeqFromBytes(request[2]);
-      const std::string client = request[0].to_string();
-      for (const auto& [seq, payload] : kept) {
-        if (seq < start) continue;
-        const std::string seq_bytes = SeqBytes(seq);  // named: the buffers below only point at it
-        std::array<zmq::const_buffer, 4> reply = {zmq::buffer(client), zmq::str_buffer(""), zmq::buffer(seq_bytes),
-                                                  zmq::buffer(payload)};
-        zmq::send_multipart(s.replay, reply);
-      }
-      const std::string end = SeqBytes(-1);
-      std::array<zmq::const_buffer, 4> done = {zmq::buffer(client), zmq::str_buffer(""), zmq::buffer(end),
-                                               zmq::str_buffer("")};
-      zmq::send_multipart(s.replay, done);
+    // Replays first, a few batches each a turn, so that publishing goes on.
+    bool replayed = false;
+    if (s.has_replay) {
+      AcceptReplayRequests(replays);
+      replayed = AdvanceReplays(kept, replays, 64);
     }
+    // Wait for events unless a replay can go on now; a replay waiting for
+    // its peer to read is looked at again every 2 ms.
+    const absl::Duration wait =
+        replays.empty() ? absl::Milliseconds(20) : (replayed ? absl::ZeroDuration() : absl::Milliseconds(2));
     events.clear();
     // Up to 512 events and ~1 MiB of them a batch (one larger event alone).
-    const absl::Status read = log_->Read(cursor, 512, absl::Milliseconds(20), &events, size_t{1} << 20);
+    const absl::Status read = log_->Read(cursor, 512, wait, &events, size_t{1} << 20);
     if (absl::IsUnavailable(read)) break;  // the server is shutting down
     if (absl::IsOutOfRange(read)) {
       // Fell behind the log's ring (it should not: this thread only
@@ -178,12 +265,7 @@ void ZmqEventPublisher::Run() {
     std::array<zmq::const_buffer, 3> message = {zmq::buffer(options_.topic), zmq::buffer(seq_bytes),
                                                 zmq::buffer(payload)};
     zmq::send_multipart(s.pub, message, zmq::send_flags::dontwait);  // a PUB socket drops for a slow subscriber
-    kept_bytes += payload.size();
-    kept.emplace_back(seq, std::move(payload));
-    while (kept.size() > 1 && (kept.size() > options_.replay_batches || kept_bytes > options_.replay_bytes)) {
-      kept_bytes -= kept.front().second.size();
-      kept.pop_front();
-    }
+    kept.Add(seq, std::move(payload), options_.replay_batches, options_.replay_bytes);
     sent_.fetch_add(1);
   }
 }

@@ -11,6 +11,18 @@
 //                                the last replay_batches batches are kept, and no more
 //                                than replay_bytes of payload (a batch of 512 events of
 //                                long hashed sequences can be megabytes)
+//
+// A replay is sent in steps, never more than the peer's send queue takes
+// (replay_queue messages): a ROUTER socket drops what it cannot queue, and a
+// replay of thousands of batches sent in one go would lose its middle and its
+// end marker for any peer slower than this thread. Each replay in progress
+// holds only its client's id and the next number to send; at most
+// max_replays are in progress (a request past that is dropped, with a
+// warning: the client times out and asks again); a client that asks again
+// restarts its replay; one that disconnects ends it, and so does one that
+// takes nothing for replay_stall (its slot goes to others). A batch that leaves the
+// kept ones while its replay waits is skipped (the client sees the gap in the
+// numbers, as when it asks for a batch older than the oldest kept).
 // payload: msgpack of vLLM's KVEventBatch, array-like (msgspec's encoding):
 //   [ts: float seconds, [event, ...]]
 //   event: ["BlockStored", [hash, ...], parent_hash | nil, [] (token ids), block_size, nil (lora id), medium]
@@ -27,8 +39,10 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "server/core/kv_events.h"
 
 namespace mlakv::server {
@@ -41,6 +55,9 @@ class ZmqEventPublisher {
     std::string topic{};            // first frame of every message; "" as vLLM's default
     size_t replay_batches = 10000;            // batches kept for replay,
     size_t replay_bytes = size_t{64} << 20;  // and at most this many payload bytes (the newest always kept)
+    size_t max_replays = 16;                 // replays in progress at once
+    int replay_queue = 16;                   // messages queued to one replay peer (ZMQ_SNDHWM): each up to ~1 MiB
+    absl::Duration replay_stall = absl::Seconds(10);  // a replay whose peer takes nothing this long ends
     std::map<std::string, std::string> medium_of_pool{};  // pool -> "GPU" / "CPU"
   };
 
@@ -53,17 +70,28 @@ class ZmqEventPublisher {
   static std::string EncodeBatch(const std::vector<KvEvent>& events, const std::map<std::string, std::string>& medium,
                                  double ts);
   uint64_t batches_sent() const { return sent_.load(); }
+  uint64_t replays_done() const { return replays_done_.load(); }        // end markers sent
+  uint64_t replays_abandoned() const { return replays_abandoned_.load(); }  // peers gone or stalled
 
  private:
   struct Sockets;
+  struct Kept;
+  struct Replay;
   ZmqEventPublisher(Options options, EventLog* log);
   void Run();
+  // Takes the replay requests waiting on the socket into `replays`.
+  void AcceptReplayRequests(std::vector<Replay>& replays);
+  // Sends each replay what its peer's queue takes, up to `budget` messages a
+  // replay; drops the finished and the disconnected. True if any was sent.
+  bool AdvanceReplays(const Kept& kept, std::vector<Replay>& replays, int budget);
 
   const Options options_;
   EventLog* const log_;
   std::unique_ptr<Sockets> sockets_;
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> sent_{0};
+  std::atomic<uint64_t> replays_done_{0};
+  std::atomic<uint64_t> replays_abandoned_{0};
   std::thread thread_;
 };
 

@@ -32,6 +32,9 @@ inline constexpr uint32_t kDefaultMaxRegions = 256;
 inline constexpr uint32_t kDefaultEventReplayCapacity = 65536;
 inline constexpr uint64_t kDefaultEventReplayBytes = uint64_t{64} << 20;
 inline constexpr int kDefaultMaxWatchers = 64;
+inline constexpr uint32_t kDefaultZmqReplayBatches = 10000;
+inline constexpr uint64_t kDefaultZmqReplayBytes = uint64_t{64} << 20;
+inline constexpr uint32_t kDefaultZmqMaxReplays = 16;
 inline constexpr uint64_t kDefaultMaxRegionBytes = 1ull << 40;
 
 // The config with no file: one default pool, everything else unset.

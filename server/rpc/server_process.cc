@@ -116,9 +116,14 @@ absl::Status ServerProcess::StartKvCacheServer() {
 
 absl::Status ServerProcess::StartEventPublisher() {
   if (prepared_.kv_events_endpoint.empty()) return absl::OkStatus();
-  ZmqEventPublisher::Options o{.endpoint = prepared_.kv_events_endpoint,
-                               .replay_endpoint = prepared_.kv_events_replay_endpoint,
-                               .topic = prepared_.kv_events_topic};
+  const v1::EventsConfig& ev = prepared_.config.events();
+  ZmqEventPublisher::Options o{
+      .endpoint = prepared_.kv_events_endpoint,
+      .replay_endpoint = prepared_.kv_events_replay_endpoint,
+      .topic = prepared_.kv_events_topic,
+      .replay_batches = ev.zmq_replay_batches() == 0 ? kDefaultZmqReplayBatches : ev.zmq_replay_batches(),
+      .replay_bytes = ev.zmq_replay_bytes() == 0 ? kDefaultZmqReplayBytes : ev.zmq_replay_bytes(),
+      .max_replays = ev.zmq_max_replays() == 0 ? kDefaultZmqMaxReplays : ev.zmq_max_replays()};
   for (const auto& pool : server_->pools()) o.medium_of_pool[pool->name()] = pool->device().is_cuda() ? "GPU" : "CPU";
   MLAKV_ASSIGN_OR_RETURN(events_publisher_, ZmqEventPublisher::Start(std::move(o), &server_->events()));
   return absl::OkStatus();

@@ -179,6 +179,58 @@ class ZmqEventsTest(unittest.TestCase):
         self.assertEqual(chain[1][1], [b"c1"])
         self.assertEqual(chain[1][2], b"c0", "parent_block_hash links the chain")
 
+    def test_the_configured_replay_bound_is_what_a_replay_returns(self):
+        # A second server whose replay keeps 3 batches (events.zmq_replay_batches).
+        pub_port, replay_port = free_port(), free_port()
+        with tempfile.NamedTemporaryFile("w", suffix=".txtpb", delete=False) as config:
+            config.write("pools { name: 'default' num_layers: 2 page_size: %d num_pages: 64 } "
+                         "events { zmq_replay_batches: 3 }" % PAGE)
+        server = ServerProcess("--config", config.name,
+                               "--kv_events_endpoint", "tcp://127.0.0.1:%d" % pub_port,
+                               "--kv_events_replay_endpoint", "tcp://127.0.0.1:%d" % replay_port).start()
+        try:
+            channel = grpc.insecure_channel(server.target)
+            stub = pbg.KvCacheStub(channel)
+            sub = self.ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect("tcp://127.0.0.1:%d" % pub_port)
+            newest = -1
+            for s in range(6):  # one batch each: the next waits for it
+                n = PAGE
+                m = pb.AppendRequest(sequence="b%d" % s, start=0, row_count=n, dtype=pb.ROW_DTYPE_BFLOAT16,
+                                     block_hashes=[b"b%d" % s])
+                for layer in (0, 1):
+                    m.layers.add(layer=layer, ckv=BF16_ONE * 512 * n, kpe=BF16_ONE * 64 * n, ckv_scale=1.0, kpe_scale=1.0)
+                stub.Append(iter([m]), timeout=10)
+                deadline = time.monotonic() + 5
+                got = False
+                while not got and time.monotonic() < deadline:
+                    if sub.poll(100):
+                        _, seq, payload = sub.recv_multipart()
+                        newest = int.from_bytes(seq, "big")
+                        got = any(e[0] == "BlockStored" and e[1] == [b"b%d" % s] for e in decode(payload)[1])
+                self.assertTrue(got, "batch of b%d not seen" % s)
+            req = self.ctx.socket(zmq.DEALER)
+            req.setsockopt(zmq.LINGER, 0)
+            req.connect("tcp://127.0.0.1:%d" % replay_port)
+            req.send_multipart([b"", (0).to_bytes(8, "big")])
+            seqs = []
+            while True:
+                self.assertTrue(req.poll(5000), "no replay answer within 5 s")
+                _, seq, _payload = req.recv_multipart()
+                if seq == END_SEQ:
+                    break
+                seqs.append(int.from_bytes(seq, "big"))
+            req.close()
+            sub.close()
+            channel.close()
+            self.assertGreaterEqual(newest, 5)
+            self.assertEqual(seqs, [newest - 2, newest - 1, newest], "the last 3 batches, no more")
+        finally:
+            server.stop()
+            os.unlink(config.name)
+
     def test_a_bad_endpoint_fails_start_up_naming_the_flag(self):
         bad = ServerProcess("--kv_events_endpoint", "tcp://256.1.1.1:1")
         with self.assertRaises(RuntimeError) as err:

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <filesystem>
+#include <functional>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
@@ -133,6 +134,154 @@ TEST(ZmqPublisherTest, ABatchLargerThanTheBoundIsStillReplayed) {
   ASSERT_TRUE(all.ended);
   EXPECT_EQ(all.seqs, std::vector<int64_t>{0});
   EXPECT_GT(all.payload_bytes, 1024u);
+  publisher->reset();
+  log.Close();
+  std::filesystem::remove_all(dir);
+}
+
+// A replay longer than ZeroMQ's send queue to one peer (1,000 messages by
+// default) reaches a peer that reads slowly whole: every kept batch, in
+// order, then the end marker. A ROUTER socket drops what it cannot queue,
+// so a replay sent in one go would lose its middle and its end marker.
+TEST(ZmqPublisherTest, ALongReplayReachesASlowReaderWhole) {
+  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-slow-", getpid());
+  std::filesystem::create_directories(dir);
+  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  EventLog log({});
+  auto publisher = ZmqEventPublisher::Start({.endpoint = pub, .replay_endpoint = replay}, &log);
+  ASSERT_TRUE(publisher.ok()) << publisher.status();
+  constexpr int kBatches = 3000;
+  for (int i = 0; i < kBatches; ++i) {
+    log.Record(Removed(20, i));
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while ((*publisher)->batches_sent() < static_cast<uint64_t>(i + 1) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Microseconds(50));
+    }
+    ASSERT_EQ((*publisher)->batches_sent(), static_cast<uint64_t>(i + 1)) << "batch " << i << " not published";
+  }
+  zmq::context_t ctx(1);
+  zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
+  dealer.set(zmq::sockopt::linger, 0);
+  dealer.set(zmq::sockopt::rcvhwm, 10);
+  dealer.set(zmq::sockopt::rcvtimeo, 10000);
+  dealer.connect(replay);
+  const std::string start = BigEndian(0);
+  std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(start)};
+  zmq::send_multipart(dealer, request);
+  absl::SleepFor(absl::Milliseconds(500));  // the publisher meets a full queue
+  std::vector<int64_t> seqs;
+  bool ended = false;
+  while (true) {
+    std::vector<zmq::message_t> reply;
+    if (!zmq::recv_multipart(dealer, std::back_inserter(reply))) break;  // timed out
+    ASSERT_EQ(reply.size(), 3u);
+    const int64_t seq = SeqOf(reply[1]);
+    if (seq == -1) {
+      ended = true;
+      break;
+    }
+    seqs.push_back(seq);
+  }
+  EXPECT_TRUE(ended) << "no end marker after " << seqs.size() << " batches";
+  ASSERT_EQ(seqs.size(), static_cast<size_t>(kBatches)) << "the replay lost batches";
+  for (int i = 0; i < kBatches; ++i) ASSERT_EQ(seqs[i], i);
+  publisher->reset();
+  log.Close();
+  std::filesystem::remove_all(dir);
+}
+
+// Records `n` batches of ~8.7 KB (one event each) and waits until they are published.
+void PublishBatches(EventLog& log, ZmqEventPublisher& publisher, int n) {
+  const uint64_t before = publisher.batches_sent();
+  for (int i = 0; i < n; ++i) {
+    log.Record(Removed(200, i));
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (publisher.batches_sent() < before + i + 1 && absl::Now() < deadline) absl::SleepFor(absl::Microseconds(50));
+    ASSERT_EQ(publisher.batches_sent(), before + i + 1) << "batch " << i << " not published";
+  }
+}
+
+bool WaitFor(const std::function<bool()>& done, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!done() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(2));
+  return done();
+}
+
+// A peer that asks for a replay and then reads nothing holds its slot only
+// for replay_stall: publishing goes on meanwhile, a request past
+// max_replays is dropped, and once the stalled replay ends the next asker
+// gets everything.
+TEST(ZmqPublisherTest, APeerThatStopsReadingHoldsNothingUpForLong) {
+  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-stall-", getpid());
+  std::filesystem::create_directories(dir);
+  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  EventLog log({});
+  auto publisher = ZmqEventPublisher::Start({.endpoint = pub,
+                                             .replay_endpoint = replay,
+                                             .max_replays = 1,
+                                             .replay_queue = 4,
+                                             .replay_stall = absl::Milliseconds(400)},
+                                            &log);
+  ASSERT_TRUE(publisher.ok()) << publisher.status();
+  ZmqEventPublisher& p = **publisher;
+  PublishBatches(log, p, 300);
+  zmq::context_t ctx(1);
+  zmq::socket_t stalled(ctx, zmq::socket_type::dealer);
+  stalled.set(zmq::sockopt::linger, 0);
+  stalled.set(zmq::sockopt::rcvhwm, 1);
+  stalled.connect(replay);
+  const std::string from0 = BigEndian(0);
+  std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(from0)};
+  zmq::send_multipart(stalled, request);
+  absl::SleepFor(absl::Milliseconds(50));
+  // Publishing goes on while the replay waits.
+  PublishBatches(log, p, 20);
+  // The one slot is taken: another asker's request is dropped.
+  zmq::socket_t other(ctx, zmq::socket_type::dealer);
+  other.set(zmq::sockopt::linger, 0);
+  other.set(zmq::sockopt::rcvtimeo, 150);
+  other.connect(replay);
+  zmq::send_multipart(other, request);
+  std::vector<zmq::message_t> reply;
+  EXPECT_FALSE(zmq::recv_multipart(other, std::back_inserter(reply))) << "a request past max_replays was answered";
+  EXPECT_EQ(p.replays_abandoned(), 0u);
+  // The stalled replay ends; the other asks again and gets all 320.
+  ASSERT_TRUE(WaitFor([&] { return p.replays_abandoned() == 1; }, absl::Seconds(5))) << "the stalled replay never ended";
+  const Replayed all = Replay(ctx, replay, 0);
+  EXPECT_TRUE(all.ended);
+  EXPECT_EQ(all.seqs.size(), 320u);
+  EXPECT_EQ(p.replays_done(), 1u);
+  publisher->reset();
+  log.Close();
+  std::filesystem::remove_all(dir);
+}
+
+// A peer that disconnects mid-replay ends its replay at once (the ROUTER
+// answers EHOSTUNREACH for it), long before it would count as stalled.
+TEST(ZmqPublisherTest, APeerThatLeavesMidReplayEndsIt) {
+  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-gone-", getpid());
+  std::filesystem::create_directories(dir);
+  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  EventLog log({});
+  auto publisher = ZmqEventPublisher::Start(
+      {.endpoint = pub, .replay_endpoint = replay, .replay_queue = 4, .replay_stall = absl::Seconds(60)}, &log);
+  ASSERT_TRUE(publisher.ok()) << publisher.status();
+  ZmqEventPublisher& p = **publisher;
+  PublishBatches(log, p, 500);  // ~4.4 MB: more than the socket buffers between the two
+  zmq::context_t ctx(1);
+  {
+    zmq::socket_t leaver(ctx, zmq::socket_type::dealer);
+    leaver.set(zmq::sockopt::linger, 0);
+    leaver.set(zmq::sockopt::rcvhwm, 1);
+    leaver.connect(replay);
+    const std::string from0 = BigEndian(0);
+    std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(from0)};
+    zmq::send_multipart(leaver, request);
+    std::vector<zmq::message_t> first;
+    ASSERT_TRUE(zmq::recv_multipart(leaver, std::back_inserter(first)));  // the replay has begun
+  }  // closed mid-replay
+  EXPECT_TRUE(WaitFor([&] { return p.replays_abandoned() == 1; }, absl::Seconds(5))) << "the replay outlived its peer";
+  EXPECT_EQ(p.replays_done(), 0u);
   publisher->reset();
   log.Close();
   std::filesystem::remove_all(dir);
