@@ -179,6 +179,7 @@ void ZmqEventPublisher::AcceptReplayRequests(std::vector<Replay>& replays) {
     } else if (replays.size() < options_.max_replays) {
       replays.push_back(std::move(r));
     } else {
+      replays_dropped_.fetch_add(1);
       spdlog::warn("kv events replay: {} replays in progress already; a request is dropped (the client asks again)",
                    replays.size());
     }
@@ -228,6 +229,14 @@ bool ZmqEventPublisher::AdvanceReplays(const Kept& kept, std::vector<Replay>& re
   return any;
 }
 
+ZmqEventPublisher::Stats ZmqEventPublisher::stats() const {
+  return {.batches = sent_.load(),
+          .replays_done = replays_done_.load(),
+          .replays_abandoned = replays_abandoned_.load(),
+          .replays_dropped = replays_dropped_.load(),
+          .replays_active = replays_active_.load()};
+}
+
 void ZmqEventPublisher::Run() {
   Sockets& s = *sockets_;
   Kept kept;
@@ -241,6 +250,7 @@ void ZmqEventPublisher::Run() {
     if (s.has_replay) {
       AcceptReplayRequests(replays);
       replayed = AdvanceReplays(kept, replays, 64);
+      replays_active_.store(static_cast<int64_t>(replays.size()));
     }
     // Wait for events unless a replay can go on now; a replay waiting for
     // its peer to read is looked at again every 2 ms.

@@ -69,9 +69,15 @@ class ZmqEventPublisher {
   // The vLLM encoding of one batch (what the PUB socket sends as payload).
   static std::string EncodeBatch(const std::vector<KvEvent>& events, const std::map<std::string, std::string>& medium,
                                  double ts);
-  uint64_t batches_sent() const { return sent_.load(); }
-  uint64_t replays_done() const { return replays_done_.load(); }        // end markers sent
-  uint64_t replays_abandoned() const { return replays_abandoned_.load(); }  // peers gone or stalled
+  // What it has done, for metrics (mlakv_kv_events_zmq_*) and tests.
+  struct Stats {
+    uint64_t batches = 0;            // published (numbered 0 .. batches - 1)
+    uint64_t replays_done = 0;       // end marker sent
+    uint64_t replays_abandoned = 0;  // the peer left or took nothing for replay_stall
+    uint64_t replays_dropped = 0;    // asked while max_replays were in progress
+    int64_t replays_active = 0;      // in progress now
+  };
+  Stats stats() const;
 
  private:
   struct Sockets;
@@ -89,9 +95,12 @@ class ZmqEventPublisher {
   EventLog* const log_;
   std::unique_ptr<Sockets> sockets_;
   std::atomic<bool> stop_{false};
+  // Stats, written by the thread, read by scrapes.
   std::atomic<uint64_t> sent_{0};
   std::atomic<uint64_t> replays_done_{0};
   std::atomic<uint64_t> replays_abandoned_{0};
+  std::atomic<uint64_t> replays_dropped_{0};
+  std::atomic<int64_t> replays_active_{0};
   std::thread thread_;
 };
 

@@ -45,6 +45,37 @@ void ScrapeTimeCollector::SetEventsSource(std::function<EventsLoad()> source) {
   events_source_ = std::move(source);
 }
 
+namespace {
+
+// The ZeroMQ publisher's work (docs/events.md "vLLM's format on ZeroMQ").
+void AddZmqPublisherFamilies(const ZmqEventPublisher::Stats& zmq, std::vector<prometheus::MetricFamily>& out) {
+  prometheus::MetricFamily batches =
+      GaugeFamily("mlakv_kv_events_zmq_batches_total", "KV event batches published on the ZeroMQ PUB socket.");
+  batches.type = prometheus::MetricType::Counter;
+  prometheus::MetricFamily replays = GaugeFamily(
+      "mlakv_kv_events_zmq_replays_total",
+      "ZeroMQ replay requests by how they ended: done (end marker sent), abandoned (the peer left or took nothing "
+      "for 10 s), dropped (events.zmq_max_replays were in progress).");
+  replays.type = prometheus::MetricType::Counter;
+  prometheus::ClientMetric sample;
+  sample.counter.value = static_cast<double>(zmq.batches);
+  batches.metric.push_back(sample);
+  for (const auto& [result, n] : {std::pair<const char*, uint64_t>{"done", zmq.replays_done},
+                                  {"abandoned", zmq.replays_abandoned},
+                                  {"dropped", zmq.replays_dropped}}) {
+    sample.label = {{"result", result}};
+    sample.counter.value = static_cast<double>(n);
+    replays.metric.push_back(sample);
+  }
+  prometheus::MetricFamily active = GaugeFamily("mlakv_kv_events_zmq_replays", "ZeroMQ replays in progress.");
+  AddSample(active, {}, static_cast<double>(zmq.replays_active));
+  out.push_back(std::move(batches));
+  out.push_back(std::move(replays));
+  out.push_back(std::move(active));
+}
+
+}  // namespace
+
 std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
   std::vector<PoolSnapshot> pools;
   int64_t regions = 0;
@@ -169,6 +200,7 @@ std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
                                       &transport_tasks, &events_recorded, &events_kept, &events_bytes, &watchers}) {
     out.push_back(std::move(*f));
   }
+  if (events.zmq) AddZmqPublisherFamilies(*events.zmq, out);
   for (prometheus::MetricFamily& f : cache_families) out.push_back(std::move(f));
   return out;
 }

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "prometheus/metric_family.h"
 #include "server/core/kv_events.h"
 #include "server/core/pool.h"
+#include "server/events/zmq_publisher.h"
 
 namespace mlakv::server {
 
@@ -38,6 +40,7 @@ class ScrapeTimeCollector : public prometheus::Collectable {
   struct EventsLoad {
     EventLog::Stats log;
     int64_t watchers = 0;
+    std::optional<ZmqEventPublisher::Stats> zmq;  // absent: no --kv_events_endpoint
   };
   void SetEventsSource(std::function<EventsLoad()> source);
 
@@ -45,7 +48,8 @@ class ScrapeTimeCollector : public prometheus::Collectable {
   // mlakv_pool_sequences{pool}, mlakv_pool_cache_bytes{pool,device},
   // mlakv_ipc_regions, mlakv_transport_busy_seconds_total, mlakv_transport_tasks,
   // mlakv_kv_events_recorded_total, mlakv_kv_events_kept, mlakv_kv_events_kept_bytes,
-  // mlakv_kv_events_watchers.
+  // mlakv_kv_events_watchers; with a ZeroMQ publisher mlakv_kv_events_zmq_batches_total,
+  // mlakv_kv_events_zmq_replays_total{result}, mlakv_kv_events_zmq_replays.
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:

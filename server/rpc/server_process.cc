@@ -83,10 +83,10 @@ absl::StatusOr<PreparedServer> PrepareServer(const ServerFlags& flags) {
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(PreparedServer prepared) {
   std::unique_ptr<ServerProcess> process(new ServerProcess(std::move(prepared)));
   MLAKV_RETURN_IF_ERROR(process->StartKvCacheServer());
-  process->ConnectPoolGauges();
+  MLAKV_RETURN_IF_ERROR(process->StartEventPublisher());
+  process->ConnectPoolGauges();  // reads the server and the publisher; the endpoint goes before them
   MLAKV_RETURN_IF_ERROR(process->StartMetricsEndpoint());
   MLAKV_RETURN_IF_ERROR(process->StartHealthProbe());
-  MLAKV_RETURN_IF_ERROR(process->StartEventPublisher());
   return process;
 }
 
@@ -142,8 +142,10 @@ void ServerProcess::ConnectPoolGauges() {
   });
   prepared_.metrics->SetIpcRegionSource([s = server_.get()] { return static_cast<int64_t>(s->regions().size()); });
   prepared_.metrics->SetTransportSource([s = server_.get()] { return s->service().TransportLoad(); });
-  prepared_.metrics->SetEventsSource([s = server_.get()] {
-    return ScrapeTimeCollector::EventsLoad{.log = s->events().stats(), .watchers = s->service().watchers()};
+  prepared_.metrics->SetEventsSource([s = server_.get(), zmq = events_publisher_.get()] {
+    ScrapeTimeCollector::EventsLoad load{.log = s->events().stats(), .watchers = s->service().watchers()};
+    if (zmq != nullptr) load.zmq = zmq->stats();
+    return load;
   });
 }
 

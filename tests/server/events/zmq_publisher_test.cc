@@ -93,10 +93,10 @@ TEST(ZmqPublisherTest, TheReplayKeepsNoMoreThanItsBytesOldestFirst) {
     if (i == 0) one_payload = ZmqEventPublisher::EncodeBatch({Removed(200, 0)}, {}, 0.0).size();
     log.Record(Removed(200, i));
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while ((*publisher)->batches_sent() < static_cast<uint64_t>(i + 1) && absl::Now() < deadline) {
+    while ((*publisher)->stats().batches < static_cast<uint64_t>(i + 1) && absl::Now() < deadline) {
       absl::SleepFor(absl::Milliseconds(1));
     }
-    ASSERT_EQ((*publisher)->batches_sent(), static_cast<uint64_t>(i + 1)) << "batch " << i << " not published";
+    ASSERT_EQ((*publisher)->stats().batches, static_cast<uint64_t>(i + 1)) << "batch " << i << " not published";
   }
   ASSERT_GT(one_payload, 8000u);
   zmq::context_t ctx(1);
@@ -127,8 +127,8 @@ TEST(ZmqPublisherTest, ABatchLargerThanTheBoundIsStillReplayed) {
   ASSERT_TRUE(publisher.ok()) << publisher.status();
   log.Record(Removed(200, 1));
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while ((*publisher)->batches_sent() < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
-  ASSERT_EQ((*publisher)->batches_sent(), 1u);
+  while ((*publisher)->stats().batches < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ((*publisher)->stats().batches, 1u);
   zmq::context_t ctx(1);
   const Replayed all = Replay(ctx, replay, 0);
   ASSERT_TRUE(all.ended);
@@ -154,10 +154,10 @@ TEST(ZmqPublisherTest, ALongReplayReachesASlowReaderWhole) {
   for (int i = 0; i < kBatches; ++i) {
     log.Record(Removed(20, i));
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while ((*publisher)->batches_sent() < static_cast<uint64_t>(i + 1) && absl::Now() < deadline) {
+    while ((*publisher)->stats().batches < static_cast<uint64_t>(i + 1) && absl::Now() < deadline) {
       absl::SleepFor(absl::Microseconds(50));
     }
-    ASSERT_EQ((*publisher)->batches_sent(), static_cast<uint64_t>(i + 1)) << "batch " << i << " not published";
+    ASSERT_EQ((*publisher)->stats().batches, static_cast<uint64_t>(i + 1)) << "batch " << i << " not published";
   }
   zmq::context_t ctx(1);
   zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
@@ -192,12 +192,12 @@ TEST(ZmqPublisherTest, ALongReplayReachesASlowReaderWhole) {
 
 // Records `n` batches of ~8.7 KB (one event each) and waits until they are published.
 void PublishBatches(EventLog& log, ZmqEventPublisher& publisher, int n) {
-  const uint64_t before = publisher.batches_sent();
+  const uint64_t before = publisher.stats().batches;
   for (int i = 0; i < n; ++i) {
     log.Record(Removed(200, i));
     const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (publisher.batches_sent() < before + i + 1 && absl::Now() < deadline) absl::SleepFor(absl::Microseconds(50));
-    ASSERT_EQ(publisher.batches_sent(), before + i + 1) << "batch " << i << " not published";
+    while (publisher.stats().batches < before + i + 1 && absl::Now() < deadline) absl::SleepFor(absl::Microseconds(50));
+    ASSERT_EQ(publisher.stats().batches, before + i + 1) << "batch " << i << " not published";
   }
 }
 
@@ -244,13 +244,16 @@ TEST(ZmqPublisherTest, APeerThatStopsReadingHoldsNothingUpForLong) {
   zmq::send_multipart(other, request);
   std::vector<zmq::message_t> reply;
   EXPECT_FALSE(zmq::recv_multipart(other, std::back_inserter(reply))) << "a request past max_replays was answered";
-  EXPECT_EQ(p.replays_abandoned(), 0u);
+  EXPECT_EQ(p.stats().replays_abandoned, 0u);
+  EXPECT_EQ(p.stats().replays_dropped, 1u);
+  EXPECT_EQ(p.stats().replays_active, 1);
   // The stalled replay ends; the other asks again and gets all 320.
-  ASSERT_TRUE(WaitFor([&] { return p.replays_abandoned() == 1; }, absl::Seconds(5))) << "the stalled replay never ended";
+  ASSERT_TRUE(WaitFor([&] { return p.stats().replays_abandoned == 1; }, absl::Seconds(5))) << "the stalled replay never ended";
   const Replayed all = Replay(ctx, replay, 0);
   EXPECT_TRUE(all.ended);
   EXPECT_EQ(all.seqs.size(), 320u);
-  EXPECT_EQ(p.replays_done(), 1u);
+  EXPECT_EQ(p.stats().replays_done, 1u);
+  EXPECT_TRUE(WaitFor([&] { return p.stats().replays_active == 0; }, absl::Seconds(1)));
   publisher->reset();
   log.Close();
   std::filesystem::remove_all(dir);
@@ -280,8 +283,8 @@ TEST(ZmqPublisherTest, APeerThatLeavesMidReplayEndsIt) {
     std::vector<zmq::message_t> first;
     ASSERT_TRUE(zmq::recv_multipart(leaver, std::back_inserter(first)));  // the replay has begun
   }  // closed mid-replay
-  EXPECT_TRUE(WaitFor([&] { return p.replays_abandoned() == 1; }, absl::Seconds(5))) << "the replay outlived its peer";
-  EXPECT_EQ(p.replays_done(), 0u);
+  EXPECT_TRUE(WaitFor([&] { return p.stats().replays_abandoned == 1; }, absl::Seconds(5))) << "the replay outlived its peer";
+  EXPECT_EQ(p.stats().replays_done, 0u);
   publisher->reset();
   log.Close();
   std::filesystem::remove_all(dir);

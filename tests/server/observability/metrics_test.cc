@@ -147,6 +147,20 @@ TEST(ServerMetrics, RendersTheKvEventsBufferFromItsSource) {
   EXPECT_GT(Value(text, "mlakv_kv_events_kept_bytes"), 4 * sizeof(KvEvent));
   EXPECT_EQ(Value(text, "mlakv_kv_events_watchers"), 2);
   EXPECT_THAT(text, HasSubstr("# TYPE mlakv_kv_events_recorded_total counter\n"));
+  EXPECT_THAT(text, Not(HasSubstr("mlakv_kv_events_zmq"))) << "no publisher, no ZeroMQ families";
+  m->SetEventsSource([&log] {
+    return ScrapeTimeCollector::EventsLoad{
+        .log = log.stats(),
+        .zmq = ZmqEventPublisher::Stats{
+            .batches = 7, .replays_done = 3, .replays_abandoned = 2, .replays_dropped = 1, .replays_active = 4}};
+  });
+  text = m->Render();
+  EXPECT_EQ(Value(text, "mlakv_kv_events_zmq_batches_total"), 7);
+  EXPECT_EQ(Value(text, "mlakv_kv_events_zmq_replays_total", {{"result", "done"}}), 3);
+  EXPECT_EQ(Value(text, "mlakv_kv_events_zmq_replays_total", {{"result", "abandoned"}}), 2);
+  EXPECT_EQ(Value(text, "mlakv_kv_events_zmq_replays_total", {{"result", "dropped"}}), 1);
+  EXPECT_EQ(Value(text, "mlakv_kv_events_zmq_replays"), 4);
+  EXPECT_THAT(text, HasSubstr("# TYPE mlakv_kv_events_zmq_replays_total counter\n"));
   m->SetEventsSource(nullptr);  // before the log goes
 }
 
