@@ -171,7 +171,8 @@ void ZmqEventPublisher::AcceptReplayRequests(std::vector<Replay>& replays) {
     std::vector<zmq::message_t> request;
     const auto got = zmq::recv_multipart(s.replay, std::back_inserter(request), zmq::recv_flags::dontwait);
     if (!got) return;
-    if (request.size() != 3) continue;  // not [client, "", start]
+    // Not [client, "", start (8 bytes)]: ignored, unanswered.
+    if (request.size() != 3 || !request[1].empty() || request[2].size() != 8) continue;
     Replay r{.client = request[0].to_string(), .next = SeqFromBytes(request[2]), .progress = absl::Now()};
     const auto same = std::find_if(replays.begin(), replays.end(), [&](const Replay& o) { return o.client == r.client; });
     if (same != replays.end()) {

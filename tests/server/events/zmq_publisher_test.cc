@@ -290,5 +290,49 @@ TEST(ZmqPublisherTest, APeerThatLeavesMidReplayEndsIt) {
   std::filesystem::remove_all(dir);
 }
 
+// What a peer sends the replay socket is not trusted: requests of the
+// wrong shape are left unanswered, a frame over 256 bytes disconnects its
+// sender (ZMQ_MAXMSGSIZE), and a good request afterwards is answered.
+TEST(ZmqPublisherTest, MalformedReplayRequestsAreIgnored) {
+  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-bad-", getpid());
+  std::filesystem::create_directories(dir);
+  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  EventLog log({});
+  auto publisher = ZmqEventPublisher::Start({.endpoint = pub, .replay_endpoint = replay}, &log);
+  ASSERT_TRUE(publisher.ok()) << publisher.status();
+  ZmqEventPublisher& p = **publisher;
+  PublishBatches(log, p, 3);
+  zmq::context_t ctx(1);
+  const std::string start = BigEndian(0);
+  const std::vector<std::vector<std::string>> bad = {
+      {""},                                    // no start
+      {start},                                 // no empty delimiter
+      {"", start.substr(0, 7)},                // 7 bytes
+      {"", start + "x"},                       // 9 bytes
+      {"x", start},                            // a non-empty delimiter
+      {"", start, "more"},                     // a frame too many
+      {"", std::string(300, '\xff')},          // over the size limit: disconnected
+      {std::string(100000, 'a'), "", start}};  // so is this one
+  for (const std::vector<std::string>& frames : bad) {
+    zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
+    dealer.set(zmq::sockopt::linger, 0);
+    dealer.set(zmq::sockopt::rcvtimeo, 150);
+    dealer.connect(replay);
+    std::vector<zmq::const_buffer> message;
+    for (const std::string& f : frames) message.push_back(zmq::buffer(f));
+    zmq::send_multipart(dealer, message);
+    std::vector<zmq::message_t> reply;
+    EXPECT_FALSE(zmq::recv_multipart(dealer, std::back_inserter(reply))) << "answered a request of " << frames.size()
+                                                                          << " frames";
+  }
+  EXPECT_EQ(p.stats().replays_done + p.stats().replays_abandoned + p.stats().replays_dropped, 0u);
+  const Replayed all = Replay(ctx, replay, 0);
+  EXPECT_TRUE(all.ended);
+  EXPECT_EQ(all.seqs, (std::vector<int64_t>{0, 1, 2}));
+  publisher->reset();
+  log.Close();
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace mlakv::server
