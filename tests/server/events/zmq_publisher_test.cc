@@ -47,6 +47,18 @@ KvEvent Removed(int pages, int salt) {
   return e;
 }
 
+// ipc:// endpoints in a folder of their own, removed at the end.
+struct IpcEndpoints {
+  explicit IpcEndpoints(const std::string& name)
+      : dir(std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-", name, "-", getpid())),
+        pub(absl::StrCat("ipc://", dir, "/pub")),
+        replay(absl::StrCat("ipc://", dir, "/replay")) {
+    std::filesystem::create_directories(dir);
+  }
+  ~IpcEndpoints() { std::filesystem::remove_all(dir); }
+  const std::string dir, pub, replay;
+};
+
 struct Replayed {
   std::vector<int64_t> seqs;
   size_t payload_bytes = 0;
@@ -78,13 +90,11 @@ Replayed Replay(zmq::context_t& ctx, const std::string& endpoint, int64_t start)
 }
 
 TEST(ZmqPublisherTest, TheReplayKeepsNoMoreThanItsBytesOldestFirst) {
-  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-", getpid());
-  std::filesystem::create_directories(dir);
-  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  const IpcEndpoints ep("bytes");
   EventLog log({});
   constexpr size_t kReplayBytes = 64 << 10;
   auto publisher = ZmqEventPublisher::Start(
-      {.endpoint = pub, .replay_endpoint = replay, .replay_batches = 10000, .replay_bytes = kReplayBytes}, &log);
+      {.endpoint = ep.pub, .replay_endpoint = ep.replay, .replay_batches = 10000, .replay_bytes = kReplayBytes}, &log);
   ASSERT_TRUE(publisher.ok()) << publisher.status();
   // One event per batch: each recorded after the last one was published.
   constexpr int kBatches = 30;
@@ -100,7 +110,7 @@ TEST(ZmqPublisherTest, TheReplayKeepsNoMoreThanItsBytesOldestFirst) {
   }
   ASSERT_GT(one_payload, 8000u);
   zmq::context_t ctx(1);
-  const Replayed all = Replay(ctx, replay, 0);
+  const Replayed all = Replay(ctx, ep.replay, 0);
   ASSERT_TRUE(all.ended) << "no end marker";
   EXPECT_LE(all.payload_bytes, kReplayBytes) << "the replay kept more than its bytes";
   EXPECT_EQ(all.seqs.size(), kReplayBytes / one_payload) << "as many batches as fit, no fewer";
@@ -108,35 +118,31 @@ TEST(ZmqPublisherTest, TheReplayKeepsNoMoreThanItsBytesOldestFirst) {
   EXPECT_EQ(all.seqs.back(), kBatches - 1) << "the newest batch is kept";
   for (size_t i = 1; i < all.seqs.size(); ++i) EXPECT_EQ(all.seqs[i], all.seqs[i - 1] + 1) << "no gap";
   // A start past what is kept answers from there; one before it, from the oldest.
-  const Replayed tail = Replay(ctx, replay, kBatches - 2);
+  const Replayed tail = Replay(ctx, ep.replay, kBatches - 2);
   EXPECT_EQ(tail.seqs, (std::vector<int64_t>{kBatches - 2, kBatches - 1}));
   publisher->reset();
   log.Close();
-  std::filesystem::remove_all(dir);
 }
 
 // A batch larger than replay_bytes alone is still answered: the newest is
 // always kept.
 TEST(ZmqPublisherTest, ABatchLargerThanTheBoundIsStillReplayed) {
-  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-big-", getpid());
-  std::filesystem::create_directories(dir);
-  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  const IpcEndpoints ep("big");
   EventLog log({});
   auto publisher =
-      ZmqEventPublisher::Start({.endpoint = pub, .replay_endpoint = replay, .replay_bytes = 1024}, &log);
+      ZmqEventPublisher::Start({.endpoint = ep.pub, .replay_endpoint = ep.replay, .replay_bytes = 1024}, &log);
   ASSERT_TRUE(publisher.ok()) << publisher.status();
   log.Record(Removed(200, 1));
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while ((*publisher)->stats().batches < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
   ASSERT_EQ((*publisher)->stats().batches, 1u);
   zmq::context_t ctx(1);
-  const Replayed all = Replay(ctx, replay, 0);
+  const Replayed all = Replay(ctx, ep.replay, 0);
   ASSERT_TRUE(all.ended);
   EXPECT_EQ(all.seqs, std::vector<int64_t>{0});
   EXPECT_GT(all.payload_bytes, 1024u);
   publisher->reset();
   log.Close();
-  std::filesystem::remove_all(dir);
 }
 
 // A replay longer than ZeroMQ's send queue to one peer (1,000 messages by
@@ -144,11 +150,9 @@ TEST(ZmqPublisherTest, ABatchLargerThanTheBoundIsStillReplayed) {
 // order, then the end marker. A ROUTER socket drops what it cannot queue,
 // so a replay sent in one go would lose its middle and its end marker.
 TEST(ZmqPublisherTest, ALongReplayReachesASlowReaderWhole) {
-  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-slow-", getpid());
-  std::filesystem::create_directories(dir);
-  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  const IpcEndpoints ep("slow");
   EventLog log({});
-  auto publisher = ZmqEventPublisher::Start({.endpoint = pub, .replay_endpoint = replay}, &log);
+  auto publisher = ZmqEventPublisher::Start({.endpoint = ep.pub, .replay_endpoint = ep.replay}, &log);
   ASSERT_TRUE(publisher.ok()) << publisher.status();
   constexpr int kBatches = 3000;
   for (int i = 0; i < kBatches; ++i) {
@@ -164,7 +168,7 @@ TEST(ZmqPublisherTest, ALongReplayReachesASlowReaderWhole) {
   dealer.set(zmq::sockopt::linger, 0);
   dealer.set(zmq::sockopt::rcvhwm, 10);
   dealer.set(zmq::sockopt::rcvtimeo, 10000);
-  dealer.connect(replay);
+  dealer.connect(ep.replay);
   const std::string start = BigEndian(0);
   std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(start)};
   zmq::send_multipart(dealer, request);
@@ -187,7 +191,6 @@ TEST(ZmqPublisherTest, ALongReplayReachesASlowReaderWhole) {
   for (int i = 0; i < kBatches; ++i) ASSERT_EQ(seqs[i], i);
   publisher->reset();
   log.Close();
-  std::filesystem::remove_all(dir);
 }
 
 // Records `n` batches of ~8.7 KB (one event each) and waits until they are published.
@@ -212,12 +215,10 @@ bool WaitFor(const std::function<bool()>& done, absl::Duration timeout) {
 // max_replays is dropped, and once the stalled replay ends the next asker
 // gets everything.
 TEST(ZmqPublisherTest, APeerThatStopsReadingHoldsNothingUpForLong) {
-  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-stall-", getpid());
-  std::filesystem::create_directories(dir);
-  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  const IpcEndpoints ep("stall");
   EventLog log({});
-  auto publisher = ZmqEventPublisher::Start({.endpoint = pub,
-                                             .replay_endpoint = replay,
+  auto publisher = ZmqEventPublisher::Start({.endpoint = ep.pub,
+                                             .replay_endpoint = ep.replay,
                                              .max_replays = 1,
                                              .replay_queue = 4,
                                              .replay_stall = absl::Milliseconds(400)},
@@ -229,7 +230,7 @@ TEST(ZmqPublisherTest, APeerThatStopsReadingHoldsNothingUpForLong) {
   zmq::socket_t stalled(ctx, zmq::socket_type::dealer);
   stalled.set(zmq::sockopt::linger, 0);
   stalled.set(zmq::sockopt::rcvhwm, 1);
-  stalled.connect(replay);
+  stalled.connect(ep.replay);
   const std::string from0 = BigEndian(0);
   std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(from0)};
   zmq::send_multipart(stalled, request);
@@ -240,7 +241,7 @@ TEST(ZmqPublisherTest, APeerThatStopsReadingHoldsNothingUpForLong) {
   zmq::socket_t other(ctx, zmq::socket_type::dealer);
   other.set(zmq::sockopt::linger, 0);
   other.set(zmq::sockopt::rcvtimeo, 150);
-  other.connect(replay);
+  other.connect(ep.replay);
   zmq::send_multipart(other, request);
   std::vector<zmq::message_t> reply;
   EXPECT_FALSE(zmq::recv_multipart(other, std::back_inserter(reply))) << "a request past max_replays was answered";
@@ -249,25 +250,22 @@ TEST(ZmqPublisherTest, APeerThatStopsReadingHoldsNothingUpForLong) {
   EXPECT_EQ(p.stats().replays_active, 1);
   // The stalled replay ends; the other asks again and gets all 320.
   ASSERT_TRUE(WaitFor([&] { return p.stats().replays_abandoned == 1; }, absl::Seconds(5))) << "the stalled replay never ended";
-  const Replayed all = Replay(ctx, replay, 0);
+  const Replayed all = Replay(ctx, ep.replay, 0);
   EXPECT_TRUE(all.ended);
   EXPECT_EQ(all.seqs.size(), 320u);
   EXPECT_EQ(p.stats().replays_done, 1u);
   EXPECT_TRUE(WaitFor([&] { return p.stats().replays_active == 0; }, absl::Seconds(1)));
   publisher->reset();
   log.Close();
-  std::filesystem::remove_all(dir);
 }
 
 // A peer that disconnects mid-replay ends its replay at once (the ROUTER
 // answers EHOSTUNREACH for it), long before it would count as stalled.
 TEST(ZmqPublisherTest, APeerThatLeavesMidReplayEndsIt) {
-  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-gone-", getpid());
-  std::filesystem::create_directories(dir);
-  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  const IpcEndpoints ep("gone");
   EventLog log({});
   auto publisher = ZmqEventPublisher::Start(
-      {.endpoint = pub, .replay_endpoint = replay, .replay_queue = 4, .replay_stall = absl::Seconds(60)}, &log);
+      {.endpoint = ep.pub, .replay_endpoint = ep.replay, .replay_queue = 4, .replay_stall = absl::Seconds(60)}, &log);
   ASSERT_TRUE(publisher.ok()) << publisher.status();
   ZmqEventPublisher& p = **publisher;
   PublishBatches(log, p, 500);  // ~4.4 MB: more than the socket buffers between the two
@@ -276,7 +274,7 @@ TEST(ZmqPublisherTest, APeerThatLeavesMidReplayEndsIt) {
     zmq::socket_t leaver(ctx, zmq::socket_type::dealer);
     leaver.set(zmq::sockopt::linger, 0);
     leaver.set(zmq::sockopt::rcvhwm, 1);
-    leaver.connect(replay);
+    leaver.connect(ep.replay);
     const std::string from0 = BigEndian(0);
     std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(from0)};
     zmq::send_multipart(leaver, request);
@@ -287,18 +285,15 @@ TEST(ZmqPublisherTest, APeerThatLeavesMidReplayEndsIt) {
   EXPECT_EQ(p.stats().replays_done, 0u);
   publisher->reset();
   log.Close();
-  std::filesystem::remove_all(dir);
 }
 
 // What a peer sends the replay socket is not trusted: requests of the
 // wrong shape are left unanswered, a frame over 256 bytes disconnects its
 // sender (ZMQ_MAXMSGSIZE), and a good request afterwards is answered.
 TEST(ZmqPublisherTest, MalformedReplayRequestsAreIgnored) {
-  const std::string dir = std::filesystem::temp_directory_path() / absl::StrCat("mlakv-zmq-bad-", getpid());
-  std::filesystem::create_directories(dir);
-  const std::string pub = absl::StrCat("ipc://", dir, "/pub"), replay = absl::StrCat("ipc://", dir, "/replay");
+  const IpcEndpoints ep("bad");
   EventLog log({});
-  auto publisher = ZmqEventPublisher::Start({.endpoint = pub, .replay_endpoint = replay}, &log);
+  auto publisher = ZmqEventPublisher::Start({.endpoint = ep.pub, .replay_endpoint = ep.replay}, &log);
   ASSERT_TRUE(publisher.ok()) << publisher.status();
   ZmqEventPublisher& p = **publisher;
   PublishBatches(log, p, 3);
@@ -317,7 +312,7 @@ TEST(ZmqPublisherTest, MalformedReplayRequestsAreIgnored) {
     zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
     dealer.set(zmq::sockopt::linger, 0);
     dealer.set(zmq::sockopt::rcvtimeo, 150);
-    dealer.connect(replay);
+    dealer.connect(ep.replay);
     std::vector<zmq::const_buffer> message;
     for (const std::string& f : frames) message.push_back(zmq::buffer(f));
     zmq::send_multipart(dealer, message);
@@ -326,12 +321,11 @@ TEST(ZmqPublisherTest, MalformedReplayRequestsAreIgnored) {
                                                                           << " frames";
   }
   EXPECT_EQ(p.stats().replays_done + p.stats().replays_abandoned + p.stats().replays_dropped, 0u);
-  const Replayed all = Replay(ctx, replay, 0);
+  const Replayed all = Replay(ctx, ep.replay, 0);
   EXPECT_TRUE(all.ended);
   EXPECT_EQ(all.seqs, (std::vector<int64_t>{0, 1, 2}));
   publisher->reset();
   log.Close();
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
