@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <deque>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -13,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/tsan_annotations.h"
 #include "spdlog/spdlog.h"
 
 namespace mlakv::server {
@@ -46,6 +48,45 @@ std::vector<const std::string*> Hashes(const KvEvent& e) {
   return out;
 }
 
+// A batch's encoded bytes, shared by the kept batches and the messages
+// ZeroMQ has queued: a replay or a publish sends them without a copy, and a
+// batch that leaves the kept ones lives on until its last queued message is
+// sent.
+using Payload = std::shared_ptr<const std::string>;
+
+// A message whose bytes are the payload's own, held until ZeroMQ frees it
+// (on its I/O thread: the hold is a shared_ptr, counted atomically; the
+// hand-over of the message is inside libzmq, told to TSan here).
+zmq::message_t SharedMessage(const Payload& payload) {
+  auto* hold = new Payload(payload);
+  MLAKV_TSAN_HAPPENS_BEFORE(hold);
+  return zmq::message_t(
+      const_cast<char*>((*hold)->data()), (*hold)->size(),
+      [](void*, void* hint) {
+        MLAKV_TSAN_HAPPENS_AFTER(hint);
+        delete static_cast<Payload*>(hint);
+      },
+      hold);
+}
+
+// Sends the small frames (copied) and then the payload as one message.
+// False if the first frame could not be queued, and then nothing was: once
+// a message's first frame is in, ZeroMQ takes the rest of it.
+template <size_t N>
+bool SendWithPayload(zmq::socket_t& socket, const std::array<zmq::const_buffer, N>& frames, const Payload& payload) {
+  for (size_t i = 0; i < N; ++i) {
+    if (!socket.send(frames[i], zmq::send_flags::dontwait | zmq::send_flags::sndmore)) return false;
+  }
+  zmq::message_t last = SharedMessage(payload);
+  return socket.send(last, zmq::send_flags::dontwait).has_value();
+}
+
+// The end marker's empty payload.
+const Payload& EmptyPayload() {
+  static const Payload* empty = new Payload(std::make_shared<const std::string>());
+  return *empty;
+}
+
 }  // namespace
 
 struct ZmqEventPublisher::Sockets {
@@ -57,19 +98,19 @@ struct ZmqEventPublisher::Sockets {
 
 // The batches kept for replay: numbers without gaps, oldest first.
 struct ZmqEventPublisher::Kept {
-  std::deque<std::pair<int64_t, std::string>> batches;  // (seq, payload)
-  size_t bytes = 0;                                     // of the payloads
+  std::deque<std::pair<int64_t, Payload>> batches;
+  size_t bytes = 0;  // of the payloads
 
   int64_t first() const { return batches.empty() ? 0 : batches.front().first; }
   int64_t end() const { return first() + static_cast<int64_t>(batches.size()); }  // the newest + 1
-  const std::string& payload(int64_t seq) const { return batches[static_cast<size_t>(seq - first())].second; }
+  const Payload& payload(int64_t seq) const { return batches[static_cast<size_t>(seq - first())].second; }
 
   // Keeps one more; drops the oldest past either bound (never the newest).
-  void Add(int64_t seq, std::string payload, size_t max_batches, size_t max_bytes) {
-    bytes += payload.size();
+  void Add(int64_t seq, Payload payload, size_t max_batches, size_t max_bytes) {
+    bytes += payload->size();
     batches.emplace_back(seq, std::move(payload));
     while (batches.size() > 1 && (batches.size() > max_batches || bytes > max_bytes)) {
-      bytes -= batches.front().second.size();
+      bytes -= batches.front().second->size();
       batches.pop_front();
     }
   }
@@ -198,11 +239,11 @@ bool ZmqEventPublisher::AdvanceReplays(const Kept& kept, std::vector<Replay>& re
       r.next = std::max(r.next, kept.first());  // what left the kept ones is skipped
       const bool marker = r.next >= kept.end();
       const std::string seq_bytes = SeqBytes(marker ? -1 : r.next);
-      std::array<zmq::const_buffer, 4> message = {zmq::buffer(r.client), zmq::str_buffer(""), zmq::buffer(seq_bytes),
-                                                  marker ? zmq::str_buffer("") : zmq::buffer(kept.payload(r.next))};
-      zmq::send_result_t sent;
+      const std::array<zmq::const_buffer, 3> frames = {zmq::buffer(r.client), zmq::str_buffer(""),
+                                                       zmq::buffer(seq_bytes)};
+      bool sent = false;
       try {
-        sent = zmq::send_multipart(s.replay, message, zmq::send_flags::dontwait);
+        sent = SendWithPayload(s.replay, frames, marker ? EmptyPayload() : kept.payload(r.next));
       } catch (const zmq::error_t&) {  // EHOSTUNREACH: the peer is gone
         replays_abandoned_.fetch_add(1);
         over = true;
@@ -270,12 +311,12 @@ void ZmqEventPublisher::Run() {
     }
     if (events.empty()) continue;
     cursor = events.back().number + 1;
-    std::string payload = EncodeBatch(events, options_.medium_of_pool, absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+    Payload payload = std::make_shared<const std::string>(
+        EncodeBatch(events, options_.medium_of_pool, absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch())));
     const int64_t seq = next_seq++;
     const std::string seq_bytes = SeqBytes(seq);
-    std::array<zmq::const_buffer, 3> message = {zmq::buffer(options_.topic), zmq::buffer(seq_bytes),
-                                                zmq::buffer(payload)};
-    zmq::send_multipart(s.pub, message, zmq::send_flags::dontwait);  // a PUB socket drops for a slow subscriber
+    const std::array<zmq::const_buffer, 2> frames = {zmq::buffer(options_.topic), zmq::buffer(seq_bytes)};
+    SendWithPayload(s.pub, frames, payload);  // a PUB socket drops for a slow subscriber, never blocks
     kept.Add(seq, std::move(payload), options_.replay_batches, options_.replay_bytes);
     sent_.fetch_add(1);
   }

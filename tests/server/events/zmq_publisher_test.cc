@@ -11,6 +11,7 @@
 #include <array>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
@@ -283,6 +284,90 @@ TEST(ZmqPublisherTest, APeerThatLeavesMidReplayEndsIt) {
   }  // closed mid-replay
   EXPECT_TRUE(WaitFor([&] { return p.stats().replays_abandoned == 1; }, absl::Seconds(5))) << "the replay outlived its peer";
   EXPECT_EQ(p.stats().replays_done, 0u);
+  publisher->reset();
+  log.Close();
+}
+
+// Batches queued to a slow replay reader share their bytes with the kept
+// ones (no copy per reader); those that leave the kept ones while still
+// queued arrive intact, byte for byte what the PUB socket sent, and the
+// rest of the replay goes on from the oldest still kept.
+TEST(ZmqPublisherTest, BatchesThatLeaveWhileQueuedArriveIntact) {
+  const IpcEndpoints ep("evicted");
+  EventLog log({});
+  auto publisher = ZmqEventPublisher::Start(
+      {.endpoint = ep.pub, .replay_endpoint = ep.replay, .replay_batches = 50, .replay_queue = 4}, &log);
+  ASSERT_TRUE(publisher.ok()) << publisher.status();
+  ZmqEventPublisher& p = **publisher;
+  zmq::context_t ctx(1);
+  zmq::socket_t sub(ctx, zmq::socket_type::sub);
+  sub.set(zmq::sockopt::linger, 0);
+  sub.set(zmq::sockopt::rcvhwm, 0);  // keeps everything
+  sub.set(zmq::sockopt::subscribe, "");
+  sub.connect(ep.pub);
+  std::map<int64_t, std::string> published;
+  const auto drain_sub = [&] {
+    std::vector<zmq::message_t> m;
+    while (zmq::recv_multipart(sub, std::back_inserter(m), zmq::recv_flags::dontwait)) {
+      published[SeqOf(m[1])] = m[2].to_string();
+      m.clear();
+    }
+  };
+  const auto publish = [&](int n) {  // ~87 KB batches, one event each
+    const uint64_t before = p.stats().batches;
+    for (int i = 0; i < n; ++i) {
+      log.Record(Removed(2000, i));
+      ASSERT_TRUE(WaitFor([&] { return p.stats().batches == before + i + 1; }, absl::Seconds(10)));
+      drain_sub();
+    }
+  };
+  // Batches until the subscriber sees one (its subscription has reached
+  // the publisher); the replay below starts after them.
+  for (int i = 0; i < 200 && published.empty(); ++i) {
+    publish(1);
+    absl::SleepFor(absl::Milliseconds(10));
+    drain_sub();
+  }
+  ASSERT_FALSE(published.empty()) << "the subscriber never got a batch";
+  const int64_t base = static_cast<int64_t>(p.stats().batches);
+  published.clear();
+  publish(50);
+  zmq::socket_t reader(ctx, zmq::socket_type::dealer);
+  reader.set(zmq::sockopt::linger, 0);
+  reader.set(zmq::sockopt::rcvhwm, 1);
+  reader.set(zmq::sockopt::rcvtimeo, 5000);
+  reader.connect(ep.replay);
+  const std::string from0 = BigEndian(0);
+  std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(from0)};
+  zmq::send_multipart(reader, request);
+  absl::SleepFor(absl::Milliseconds(200));  // its queue fills
+  publish(100);                             // the first 100 of them leave the kept ones
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        drain_sub();
+        return published.size() == 150;
+      },
+      absl::Seconds(5)))
+      << "the subscriber got " << published.size() << " of 150 batches";
+  std::vector<int64_t> seqs;
+  bool ended = false;
+  while (!ended) {
+    std::vector<zmq::message_t> reply;
+    ASSERT_TRUE(zmq::recv_multipart(reader, std::back_inserter(reply))) << "after " << seqs.size();
+    const int64_t seq = SeqOf(reply[1]);
+    if (seq == -1) {
+      ended = true;
+      break;
+    }
+    seqs.push_back(seq);
+    EXPECT_EQ(reply[2].to_string(), published[seq]) << "batch " << seq << " changed in the queue";
+  }
+  ASSERT_FALSE(seqs.empty());
+  EXPECT_EQ(seqs.front(), base);
+  EXPECT_EQ(seqs.back(), base + 149);
+  for (size_t i = 1; i < seqs.size(); ++i) ASSERT_GT(seqs[i], seqs[i - 1]);
+  EXPECT_LT(seqs.size(), 150u) << "some queued batches had left, so a gap";
+  EXPECT_GE(std::count_if(seqs.begin(), seqs.end(), [&](int64_t s) { return s >= base + 100; }), 50);
   publisher->reset();
   log.Close();
 }
