@@ -60,6 +60,17 @@ struct KvEvent {
 // replay_bytes bounds.
 size_t KvEventBytes(const KvEvent& event);
 
+// What a publisher that follows the log for another transport (the
+// ZeroMQ publisher, server/events) reports; here, beside the log, so that the
+// metrics read it without depending on the transport.
+struct EventPublisherStats {
+  uint64_t batches = 0;            // published (numbered 0 .. batches - 1)
+  uint64_t replays_done = 0;       // replays sent whole, end marker included
+  uint64_t replays_abandoned = 0;  // the reader left, or took nothing for too long
+  uint64_t replays_dropped = 0;    // asked while the most replays were under way
+  int64_t replays_active = 0;      // under way now
+};
+
 class EventLog {
  public:
   struct Options {

@@ -271,7 +271,7 @@ bool ZmqEventPublisher::AdvanceReplays(const Kept& kept, std::vector<Replay>& re
   return any;
 }
 
-ZmqEventPublisher::Stats ZmqEventPublisher::stats() const {
+EventPublisherStats ZmqEventPublisher::stats() const {
   return {.batches = sent_.load(),
           .replays_done = replays_done_.load(),
           .replays_abandoned = replays_abandoned_.load(),

@@ -69,15 +69,10 @@ class ZmqEventPublisher {
   // The vLLM encoding of one batch (what the PUB socket sends as payload).
   static std::string EncodeBatch(const std::vector<KvEvent>& events, const std::map<std::string, std::string>& medium,
                                  double ts);
-  // What it has done, for metrics (mlakv_kv_events_zmq_*) and tests.
-  struct Stats {
-    uint64_t batches = 0;            // published (numbered 0 .. batches - 1)
-    uint64_t replays_done = 0;       // end marker sent
-    uint64_t replays_abandoned = 0;  // the peer left or took nothing for replay_stall
-    uint64_t replays_dropped = 0;    // asked while max_replays were in progress
-    int64_t replays_active = 0;      // in progress now
-  };
-  Stats stats() const;
+  // What it has done, for metrics (mlakv_kv_events_zmq_*) and tests:
+  // replays abandoned are those whose peer left or took nothing for
+  // replay_stall; dropped, those asked while max_replays were under way.
+  EventPublisherStats stats() const;
 
  private:
   struct Sockets;

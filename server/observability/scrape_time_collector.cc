@@ -48,7 +48,7 @@ void ScrapeTimeCollector::SetEventsSource(std::function<EventsLoad()> source) {
 namespace {
 
 // The ZeroMQ publisher's work (docs/events.md "vLLM's format on ZeroMQ").
-void AddZmqPublisherFamilies(const ZmqEventPublisher::Stats& zmq, std::vector<prometheus::MetricFamily>& out) {
+void AddZmqPublisherFamilies(const EventPublisherStats& zmq, std::vector<prometheus::MetricFamily>& out) {
   prometheus::MetricFamily batches =
       GaugeFamily("mlakv_kv_events_zmq_batches_total", "KV event batches published on the ZeroMQ PUB socket.");
   batches.type = prometheus::MetricType::Counter;

@@ -22,7 +22,6 @@
 #include "prometheus/metric_family.h"
 #include "server/core/kv_events.h"
 #include "server/core/pool.h"
-#include "server/events/zmq_publisher.h"
 
 namespace mlakv::server {
 
@@ -40,7 +39,7 @@ class ScrapeTimeCollector : public prometheus::Collectable {
   struct EventsLoad {
     EventLog::Stats log;
     int64_t watchers = 0;
-    std::optional<ZmqEventPublisher::Stats> zmq;  // absent: no --kv_events_endpoint
+    std::optional<EventPublisherStats> zmq;  // the ZeroMQ publisher; absent: no --kv_events_endpoint
   };
   void SetEventsSource(std::function<EventsLoad()> source);
 

@@ -151,7 +151,7 @@ TEST(ServerMetrics, RendersTheKvEventsBufferFromItsSource) {
   m->SetEventsSource([&log] {
     return ScrapeTimeCollector::EventsLoad{
         .log = log.stats(),
-        .zmq = ZmqEventPublisher::Stats{
+        .zmq = EventPublisherStats{
             .batches = 7, .replays_done = 3, .replays_abandoned = 2, .replays_dropped = 1, .replays_active = 4}};
   });
   text = m->Render();
