@@ -340,7 +340,7 @@ class Pool {
   absl::StatusOr<bool> SourcesComplete(std::span<const void* const> events);
   size_t sources_waiting() const { return waiter_->waiting(); }
 
-  // ---- appends (Stage / Commit / Abort on worker()) ------------------------
+  // ---- appends (Stage / Commit / Abort on worker(); pool_append.cc) -------
 
   // Holds `sequence` for an append, creating it (invisible until commit) if
   // new. INVALID_ARGUMENT for an empty or over-long id, ABORTED when another
