@@ -36,7 +36,7 @@ ABSL_FLAG(std::string, server_id, "",
           "name, docs/deploy.md)");
 ABSL_FLAG(std::string, kv_events_endpoint, "",
           "publish KV events on ZeroMQ in vLLM's KV event format (msgpack batches on a PUB socket), e.g. "
-          "tcp://*:5557 (docs/events.md); empty: off");
+          "tcp://*:5557 (docs/events.md; port * picks a free one, named in the ready line); empty: off");
 ABSL_FLAG(std::string, kv_events_replay_endpoint, "",
           "with --kv_events_endpoint: a ROUTER socket answering replay requests for missed batches, e.g. tcp://*:5558");
 ABSL_FLAG(std::string, kv_events_topic, "", "with --kv_events_endpoint: the topic frame of every message");

@@ -178,6 +178,7 @@ absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(Opti
   try {
     s.pub.set(zmq::sockopt::linger, 0);
     s.pub.bind(p->options_.endpoint);
+    p->bound_endpoint_ = s.pub.get(zmq::sockopt::last_endpoint);
   } catch (const zmq::error_t& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("--kv_events_endpoint ", p->options_.endpoint, ": cannot bind (", e.what(), ")"));
@@ -191,6 +192,7 @@ absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(Opti
       s.replay.set(zmq::sockopt::sndhwm, p->options_.replay_queue);
       s.replay.set(zmq::sockopt::maxmsgsize, int64_t{256});  // a request's frames are 0 and 8 bytes
       s.replay.bind(p->options_.replay_endpoint);
+      p->bound_replay_endpoint_ = s.replay.get(zmq::sockopt::last_endpoint);
       s.has_replay = true;
     } catch (const zmq::error_t& e) {
       return absl::InvalidArgumentError(absl::StrCat("--kv_events_replay_endpoint ", p->options_.replay_endpoint,

@@ -62,7 +62,9 @@ class ZmqEventPublisher {
   };
 
   // Binds the sockets (an endpoint that cannot be bound: INVALID_ARGUMENT
-  // naming it) and starts publishing from the log's oldest event.
+  // naming it) and starts publishing from the log's oldest event. A tcp
+  // endpoint's port may be * (ZeroMQ picks a free one): bound_endpoint()
+  // and bound_replay_endpoint() say which.
   static absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> Start(Options options, EventLog* log);
   ~ZmqEventPublisher();  // stops the thread; unsent events are dropped
 
@@ -73,6 +75,9 @@ class ZmqEventPublisher {
   // replays abandoned are those whose peer left or took nothing for
   // replay_stall; dropped, those asked while max_replays were under way.
   EventPublisherStats stats() const;
+  // What the sockets are bound to (ZMQ_LAST_ENDPOINT), e.g. tcp://127.0.0.1:41234; "" without replay.
+  const std::string& bound_endpoint() const { return bound_endpoint_; }
+  const std::string& bound_replay_endpoint() const { return bound_replay_endpoint_; }
 
  private:
   struct Sockets;
@@ -89,6 +94,7 @@ class ZmqEventPublisher {
   const Options options_;
   EventLog* const log_;
   std::unique_ptr<Sockets> sockets_;
+  std::string bound_endpoint_, bound_replay_endpoint_;  // set by Start, before the thread
   std::atomic<bool> stop_{false};
   // Stats, written by the thread, read by scrapes.
   std::atomic<uint64_t> sent_{0};

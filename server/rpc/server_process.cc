@@ -182,12 +182,19 @@ void ServerProcess::LogReady() const {
   }
   // This line's form is an interface (docs/server.md): nothing after the port.
   spdlog::info("listening on {}", server_->bound_address());
-  spdlog::info("mlakv-server {} ready: grpc {} ({}, {} rpc threads), metrics {}, health probe {}, pools [{}], cache {} "
-               "({} bytes)",
+  std::string kv_events = "off";
+  if (events_publisher_) {
+    kv_events = events_publisher_->bound_endpoint();
+    if (!events_publisher_->bound_replay_endpoint().empty()) {
+      absl::StrAppend(&kv_events, " replay ", events_publisher_->bound_replay_endpoint());
+    }
+  }
+  spdlog::info("mlakv-server {} ready: grpc {} ({}, {} rpc threads), metrics {}, health probe {}, kv events {}, "
+               "pools [{}], cache {} ({} bytes)",
                prepared_.version, server_->bound_address(), DescribeSecurity(prepared_.security),
                server_->rpc_threads(),
                metrics_endpoint_ ? absl::StrCat("port ", metrics_endpoint_->port()) : std::string("off"),
-               health_probe_ ? absl::StrCat("port ", health_probe_->port()) : std::string("off"), pools,
+               health_probe_ ? absl::StrCat("port ", health_probe_->port()) : std::string("off"), kv_events, pools,
                HumanBytes(total_bytes), total_bytes);
   spdlog::default_logger()->flush();
 }

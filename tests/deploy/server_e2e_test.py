@@ -143,7 +143,7 @@ class MetricsAfterWorkload(unittest.TestCase):
         self.addCleanup(srv.close)
         # The one start-up line: version, grpc address, security, rpc threads, pools with device and bytes.
         self.assertRegex(srv.ready_line, r"mlakv-server \d+\.\d+\.\d+ ready: grpc 127\.0\.0\.1:\d+ \(plaintext, \d+ rpc threads\), "
-                                         r"metrics port \d+, health probe off, pools \[default@cpu 256x64x61L "
+                                         r"metrics port \d+, health probe off, kv events off, pools \[default@cpu 256x64x61L "
                                          r"[\d.]+ MiB\], cache [\d.]+ MiB \(\d+ bytes\)")
 
         c = mlakv.Client(srv.target, timeout=30)

@@ -18,7 +18,6 @@ Run by ctest (label `events`) with MLAKV_SERVER, MLAKV_PY_GEN and PYTHONPATH set
 """
 
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -41,12 +40,6 @@ PAGE = 4
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def decode(payload):
     ts, events = msgpack.unpackb(payload, raw=False)
     return ts, events
@@ -55,15 +48,16 @@ def decode(payload):
 class ZmqEventsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.pub_port, cls.replay_port = free_port(), free_port()
         cls.config = tempfile.NamedTemporaryFile("w", suffix=".txtpb", delete=False)
         cls.config.write("pools { name: 'default' num_layers: 2 page_size: %d num_pages: 256 }" % PAGE)
         cls.config.close()
         cls.server = ServerProcess(
             "--config", cls.config.name,
-            "--kv_events_endpoint", "tcp://127.0.0.1:%d" % cls.pub_port,
-            "--kv_events_replay_endpoint", "tcp://127.0.0.1:%d" % cls.replay_port,
+            "--kv_events_endpoint", "tcp://127.0.0.1:*",
+            "--kv_events_replay_endpoint", "tcp://127.0.0.1:*",
             "--kv_events_topic", "kv@test", "--server_id", "events-test").start()
+        # The ports ZeroMQ picked, from the start-up line (no pick-then-bind race).
+        cls.pub_endpoint, cls.replay_endpoint = cls.server.kv_events_endpoints()
         cls.channel = grpc.insecure_channel(cls.server.target)
         cls.stub = pbg.KvCacheStub(cls.channel)
         cls.ctx = zmq.Context()
@@ -79,14 +73,14 @@ class ZmqEventsTest(unittest.TestCase):
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv@test")
-        sub.connect("tcp://127.0.0.1:%d" % self.pub_port)
+        sub.connect(self.pub_endpoint)
         return sub
 
     def replay(self, start):
         """Every batch the server kept from `start`, as (seq, payload), up to the end marker."""
         req = self.ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
-        req.connect("tcp://127.0.0.1:%d" % self.replay_port)
+        req.connect(self.replay_endpoint)
         req.send_multipart([b"", start.to_bytes(8, "big")])
         out = []
         poller = zmq.Poller()
@@ -181,20 +175,20 @@ class ZmqEventsTest(unittest.TestCase):
 
     def test_the_configured_replay_bound_is_what_a_replay_returns(self):
         # A second server whose replay keeps 3 batches (events.zmq_replay_batches).
-        pub_port, replay_port = free_port(), free_port()
         with tempfile.NamedTemporaryFile("w", suffix=".txtpb", delete=False) as config:
             config.write("pools { name: 'default' num_layers: 2 page_size: %d num_pages: 64 } "
                          "events { zmq_replay_batches: 3 }" % PAGE)
         server = ServerProcess("--config", config.name,
-                               "--kv_events_endpoint", "tcp://127.0.0.1:%d" % pub_port,
-                               "--kv_events_replay_endpoint", "tcp://127.0.0.1:%d" % replay_port).start()
+                               "--kv_events_endpoint", "tcp://127.0.0.1:*",
+                               "--kv_events_replay_endpoint", "tcp://127.0.0.1:*").start()
         try:
+            pub_endpoint, replay_endpoint = server.kv_events_endpoints()
             channel = grpc.insecure_channel(server.target)
             stub = pbg.KvCacheStub(channel)
             sub = self.ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect("tcp://127.0.0.1:%d" % pub_port)
+            sub.connect(pub_endpoint)
             newest = -1
             for s in range(6):  # one batch each: the next waits for it
                 n = PAGE
@@ -213,7 +207,7 @@ class ZmqEventsTest(unittest.TestCase):
                 self.assertTrue(got, "batch of b%d not seen" % s)
             req = self.ctx.socket(zmq.DEALER)
             req.setsockopt(zmq.LINGER, 0)
-            req.connect("tcp://127.0.0.1:%d" % replay_port)
+            req.connect(replay_endpoint)
             req.send_multipart([b"", (0).to_bytes(8, "big")])
             seqs = []
             while True:

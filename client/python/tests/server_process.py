@@ -52,6 +52,14 @@ class ServerProcess:
             raise RuntimeError("no metrics port in the server's start-up line (--metrics_listen not given?)")
         return int(m.group(1))
 
+    def kv_events_endpoints(self):
+        """(PUB endpoint, replay endpoint or None) of --kv_events_endpoint / --kv_events_replay_endpoint
+        as bound (a port * picks one), from the start-up line."""
+        m = re.search(r" ready: .*, kv events (\S+)(?: replay (\S+))?, pools ", self.log_text())
+        if not m or m.group(1) == "off":
+            raise RuntimeError("no kv events endpoint in the server's start-up line (--kv_events_endpoint not given?)")
+        return m.group(1), m.group(2)
+
     def log_text(self):
         if self.log is None:
             return ""
