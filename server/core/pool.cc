@@ -1,3 +1,6 @@
+// Pool: creation, page release, queries, reads and the invariants; the
+// appends are in pool_append.cc, the cache management in pool_events.cc,
+// pool_eviction.cc, pool_leases.cc and pool_sharing.cc.
 #include "server/core/pool.h"
 
 #include <algorithm>
@@ -10,10 +13,6 @@
 #include "server/backend/backend_factory.h"
 #include "server/core/pool_internal.h"
 #include "spdlog/spdlog.h"
-
-// Pool: creation, page release, queries, reads and the invariants; the
-// appends are in pool_append.cc, the cache management in pool_events.cc,
-// pool_eviction.cc, pool_leases.cc and pool_sharing.cc.
 
 namespace mlakv::server {
 
