@@ -8,18 +8,31 @@
 namespace mlakv::server {
 namespace {
 
-prometheus::MetricFamily GaugeFamily(std::string name, std::string help) {
+prometheus::MetricFamily Family(std::string name, std::string help, prometheus::MetricType type) {
   prometheus::MetricFamily f;
   f.name = std::move(name);
   f.help = std::move(help);
-  f.type = prometheus::MetricType::Gauge;
+  f.type = type;
   return f;
 }
 
+prometheus::MetricFamily GaugeFamily(std::string name, std::string help) {
+  return Family(std::move(name), std::move(help), prometheus::MetricType::Gauge);
+}
+
+prometheus::MetricFamily CounterFamily(std::string name, std::string help) {
+  return Family(std::move(name), std::move(help), prometheus::MetricType::Counter);
+}
+
+// A sample of the family's type (a gauge's or a counter's value).
 void AddSample(prometheus::MetricFamily& f, std::vector<prometheus::ClientMetric::Label> labels, double value) {
   prometheus::ClientMetric m;
   m.label = std::move(labels);
-  m.gauge.value = value;
+  if (f.type == prometheus::MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
   f.metric.push_back(std::move(m));
 }
 
@@ -50,23 +63,15 @@ namespace {
 // The ZeroMQ publisher's work (docs/events.md "vLLM's format on ZeroMQ").
 void AddZmqPublisherFamilies(const EventPublisherStats& zmq, std::vector<prometheus::MetricFamily>& out) {
   prometheus::MetricFamily batches =
-      GaugeFamily("mlakv_kv_events_zmq_batches_total", "KV event batches published on the ZeroMQ PUB socket.");
-  batches.type = prometheus::MetricType::Counter;
-  prometheus::MetricFamily replays = GaugeFamily(
+      CounterFamily("mlakv_kv_events_zmq_batches_total", "KV event batches published on the ZeroMQ PUB socket.");
+  AddSample(batches, {}, static_cast<double>(zmq.batches));
+  prometheus::MetricFamily replays = CounterFamily(
       "mlakv_kv_events_zmq_replays_total",
       "ZeroMQ replay requests by how they ended: done (end marker sent), abandoned (the peer left or took nothing "
       "for 10 s), dropped (events.zmq_max_replays were in progress).");
-  replays.type = prometheus::MetricType::Counter;
-  prometheus::ClientMetric sample;
-  sample.counter.value = static_cast<double>(zmq.batches);
-  batches.metric.push_back(sample);
-  for (const auto& [result, n] : {std::pair<const char*, uint64_t>{"done", zmq.replays_done},
-                                  {"abandoned", zmq.replays_abandoned},
-                                  {"dropped", zmq.replays_dropped}}) {
-    sample.label = {{"result", result}};
-    sample.counter.value = static_cast<double>(n);
-    replays.metric.push_back(sample);
-  }
+  AddSample(replays, {{"result", "done"}}, static_cast<double>(zmq.replays_done));
+  AddSample(replays, {{"result", "abandoned"}}, static_cast<double>(zmq.replays_abandoned));
+  AddSample(replays, {{"result", "dropped"}}, static_cast<double>(zmq.replays_dropped));
   prometheus::MetricFamily active = GaugeFamily("mlakv_kv_events_zmq_replays", "ZeroMQ replays in progress.");
   AddSample(active, {}, static_cast<double>(zmq.replays_active));
   out.push_back(std::move(batches));
@@ -153,40 +158,24 @@ std::vector<prometheus::MetricFamily> ScrapeTimeCollector::Collect() const {
   };
   std::vector<prometheus::MetricFamily> cache_families;
   for (const PoolValue& v : kPoolValues) {
-    prometheus::MetricFamily f = GaugeFamily(v.name, v.help);
-    if (v.counter) f.type = prometheus::MetricType::Counter;
-    for (const PoolSnapshot& p : pools) {
-      prometheus::ClientMetric m;
-      m.label = {{"pool", p.name}};
-      if (v.counter) {
-        m.counter.value = v.get(p);
-      } else {
-        m.gauge.value = v.get(p);
-      }
-      f.metric.push_back(std::move(m));
-    }
+    prometheus::MetricFamily f = v.counter ? CounterFamily(v.name, v.help) : GaugeFamily(v.name, v.help);
+    for (const PoolSnapshot& p : pools) AddSample(f, {{"pool", p.name}}, v.get(p));
     cache_families.push_back(std::move(f));
   }
   prometheus::MetricFamily ipc =
       GaugeFamily("mlakv_ipc_regions", "Regions (host shared memory and CUDA IPC) registered by producers.");
   AddSample(ipc, {}, static_cast<double>(regions));
-  prometheus::MetricFamily transport_busy = GaugeFamily(
+  prometheus::MetricFamily transport_busy = CounterFamily(
       "mlakv_transport_busy_seconds_total",
       "Time the Append streams' transport threads spent freeing staged messages, starting reads and finishing "
       "streams off the pools' workers; its rate over the number of threads is their utilization.");
-  transport_busy.type = prometheus::MetricType::Counter;
-  prometheus::ClientMetric busy_sample;
-  busy_sample.counter.value = transport.busy_seconds;
-  transport_busy.metric.push_back(std::move(busy_sample));
+  AddSample(transport_busy, {}, transport.busy_seconds);
   prometheus::MetricFamily transport_tasks =
       GaugeFamily("mlakv_transport_tasks", "Tasks queued on or running on the transport threads.");
   AddSample(transport_tasks, {}, static_cast<double>(transport.pending));
   prometheus::MetricFamily events_recorded =
-      GaugeFamily("mlakv_kv_events_recorded_total", "KV events recorded since the server started (docs/events.md).");
-  events_recorded.type = prometheus::MetricType::Counter;
-  prometheus::ClientMetric recorded_sample;
-  recorded_sample.counter.value = static_cast<double>(events.log.recorded);
-  events_recorded.metric.push_back(std::move(recorded_sample));
+      CounterFamily("mlakv_kv_events_recorded_total", "KV events recorded since the server started (docs/events.md).");
+  AddSample(events_recorded, {}, static_cast<double>(events.log.recorded));
   prometheus::MetricFamily events_kept =
       GaugeFamily("mlakv_kv_events_kept", "KV events in the replay buffer (at most events.replay_capacity).");
   AddSample(events_kept, {}, static_cast<double>(events.log.kept));
