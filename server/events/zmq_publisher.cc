@@ -27,8 +27,8 @@ std::string SeqBytes(int64_t seq) {
   return out;
 }
 
+// An 8-byte big-endian batch number (the caller checks the size).
 int64_t SeqFromBytes(const zmq::message_t& m) {
-  if (m.size() != 8) return -1;
   uint64_t u = 0;
   for (size_t i = 0; i < 8; ++i) u = (u << 8) | static_cast<const uint8_t*>(m.data())[i];
   return static_cast<int64_t>(u);

@@ -60,24 +60,37 @@ struct IpcEndpoints {
   const std::string dir, pub, replay;
 };
 
-struct Replayed {
-  std::vector<int64_t> seqs;
-  size_t payload_bytes = 0;
-  bool ended = false;
-};
+// A DEALER connected to the replay socket; rcvhwm 0 and rcvtimeo -1 leave
+// ZeroMQ's defaults (1,000 messages; wait forever).
+zmq::socket_t ReplayReader(zmq::context_t& ctx, const std::string& endpoint, int rcvhwm = 0, int rcvtimeo_ms = 5000) {
+  zmq::socket_t reader(ctx, zmq::socket_type::dealer);
+  reader.set(zmq::sockopt::linger, 0);
+  if (rcvhwm > 0) reader.set(zmq::sockopt::rcvhwm, rcvhwm);
+  reader.set(zmq::sockopt::rcvtimeo, rcvtimeo_ms);
+  reader.connect(endpoint);
+  return reader;
+}
 
-Replayed Replay(zmq::context_t& ctx, const std::string& endpoint, int64_t start) {
-  zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
-  dealer.set(zmq::sockopt::linger, 0);
-  dealer.set(zmq::sockopt::rcvtimeo, 5000);
-  dealer.connect(endpoint);
+// Sends a replay request ["", start].
+void AskReplay(zmq::socket_t& reader, int64_t start) {
   const std::string start_bytes = BigEndian(start);
   std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(start_bytes)};
-  zmq::send_multipart(dealer, request);
+  zmq::send_multipart(reader, request);
+}
+
+struct Replayed {
+  std::vector<int64_t> seqs;
+  std::vector<std::string> payloads;  // [seqs]
+  size_t payload_bytes = 0;
+  bool ended = false;  // the end marker came
+};
+
+// What the reader receives until the end marker, a timeout or a reply of the wrong shape.
+Replayed ReadReplay(zmq::socket_t& reader) {
   Replayed out;
   while (true) {
     std::vector<zmq::message_t> reply;
-    if (!zmq::recv_multipart(dealer, std::back_inserter(reply))) break;  // timed out
+    if (!zmq::recv_multipart(reader, std::back_inserter(reply))) break;  // timed out
     if (reply.size() != 3) break;
     const int64_t seq = SeqOf(reply[1]);
     if (seq == -1) {
@@ -86,8 +99,32 @@ Replayed Replay(zmq::context_t& ctx, const std::string& endpoint, int64_t start)
     }
     out.seqs.push_back(seq);
     out.payload_bytes += reply[2].size();
+    out.payloads.push_back(reply[2].to_string());
   }
   return out;
+}
+
+Replayed Replay(zmq::context_t& ctx, const std::string& endpoint, int64_t start) {
+  zmq::socket_t reader = ReplayReader(ctx, endpoint);
+  AskReplay(reader, start);
+  return ReadReplay(reader);
+}
+
+bool WaitFor(const std::function<bool()>& done, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!done() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(2));
+  return done();
+}
+
+// Records `n` batches of one event of `pages` hashed pages each (200: ~8.7
+// KB), each after the last one was published, and waits for the last.
+void PublishBatches(EventLog& log, ZmqEventPublisher& publisher, int n, int pages = 200) {
+  const uint64_t before = publisher.stats().batches;
+  for (int i = 0; i < n; ++i) {
+    log.Record(Removed(pages, i));
+    ASSERT_TRUE(WaitFor([&] { return publisher.stats().batches == before + i + 1; }, absl::Seconds(10)))
+        << "batch " << i << " not published";
+  }
 }
 
 TEST(ZmqPublisherTest, TheReplayKeepsNoMoreThanItsBytesOldestFirst) {
@@ -99,17 +136,9 @@ TEST(ZmqPublisherTest, TheReplayKeepsNoMoreThanItsBytesOldestFirst) {
   ASSERT_TRUE(publisher.ok()) << publisher.status();
   // One event per batch: each recorded after the last one was published.
   constexpr int kBatches = 30;
-  size_t one_payload = 0;
-  for (int i = 0; i < kBatches; ++i) {
-    if (i == 0) one_payload = ZmqEventPublisher::EncodeBatch({Removed(200, 0)}, {}, 0.0).size();
-    log.Record(Removed(200, i));
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while ((*publisher)->stats().batches < static_cast<uint64_t>(i + 1) && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(1));
-    }
-    ASSERT_EQ((*publisher)->stats().batches, static_cast<uint64_t>(i + 1)) << "batch " << i << " not published";
-  }
+  const size_t one_payload = ZmqEventPublisher::EncodeBatch({Removed(200, 0)}, {}, 0.0).size();
   ASSERT_GT(one_payload, 8000u);
+  PublishBatches(log, **publisher, kBatches);
   zmq::context_t ctx(1);
   const Replayed all = Replay(ctx, ep.replay, 0);
   ASSERT_TRUE(all.ended) << "no end marker";
@@ -133,10 +162,7 @@ TEST(ZmqPublisherTest, ABatchLargerThanTheBoundIsStillReplayed) {
   auto publisher =
       ZmqEventPublisher::Start({.endpoint = ep.pub, .replay_endpoint = ep.replay, .replay_bytes = 1024}, &log);
   ASSERT_TRUE(publisher.ok()) << publisher.status();
-  log.Record(Removed(200, 1));
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while ((*publisher)->stats().batches < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
-  ASSERT_EQ((*publisher)->stats().batches, 1u);
+  PublishBatches(log, **publisher, 1);
   zmq::context_t ctx(1);
   const Replayed all = Replay(ctx, ep.replay, 0);
   ASSERT_TRUE(all.ended);
@@ -156,59 +182,18 @@ TEST(ZmqPublisherTest, ALongReplayReachesASlowReaderWhole) {
   auto publisher = ZmqEventPublisher::Start({.endpoint = ep.pub, .replay_endpoint = ep.replay}, &log);
   ASSERT_TRUE(publisher.ok()) << publisher.status();
   constexpr int kBatches = 3000;
-  for (int i = 0; i < kBatches; ++i) {
-    log.Record(Removed(20, i));
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while ((*publisher)->stats().batches < static_cast<uint64_t>(i + 1) && absl::Now() < deadline) {
-      absl::SleepFor(absl::Microseconds(50));
-    }
-    ASSERT_EQ((*publisher)->stats().batches, static_cast<uint64_t>(i + 1)) << "batch " << i << " not published";
-  }
+  PublishBatches(log, **publisher, kBatches, 20);
   zmq::context_t ctx(1);
-  zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
-  dealer.set(zmq::sockopt::linger, 0);
-  dealer.set(zmq::sockopt::rcvhwm, 10);
-  dealer.set(zmq::sockopt::rcvtimeo, 10000);
-  dealer.connect(ep.replay);
-  const std::string start = BigEndian(0);
-  std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(start)};
-  zmq::send_multipart(dealer, request);
+  zmq::socket_t reader = ReplayReader(ctx, ep.replay, /*rcvhwm=*/10, /*rcvtimeo_ms=*/10000);
+  AskReplay(reader, 0);
   absl::SleepFor(absl::Milliseconds(500));  // the publisher meets a full queue
-  std::vector<int64_t> seqs;
-  bool ended = false;
-  while (true) {
-    std::vector<zmq::message_t> reply;
-    if (!zmq::recv_multipart(dealer, std::back_inserter(reply))) break;  // timed out
-    ASSERT_EQ(reply.size(), 3u);
-    const int64_t seq = SeqOf(reply[1]);
-    if (seq == -1) {
-      ended = true;
-      break;
-    }
-    seqs.push_back(seq);
-  }
-  EXPECT_TRUE(ended) << "no end marker after " << seqs.size() << " batches";
+  const Replayed got = ReadReplay(reader);
+  const std::vector<int64_t>& seqs = got.seqs;
+  EXPECT_TRUE(got.ended) << "no end marker after " << seqs.size() << " batches";
   ASSERT_EQ(seqs.size(), static_cast<size_t>(kBatches)) << "the replay lost batches";
   for (int i = 0; i < kBatches; ++i) ASSERT_EQ(seqs[i], i);
   publisher->reset();
   log.Close();
-}
-
-// Records `n` batches of ~8.7 KB (one event each) and waits until they are published.
-void PublishBatches(EventLog& log, ZmqEventPublisher& publisher, int n) {
-  const uint64_t before = publisher.stats().batches;
-  for (int i = 0; i < n; ++i) {
-    log.Record(Removed(200, i));
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (publisher.stats().batches < before + i + 1 && absl::Now() < deadline) absl::SleepFor(absl::Microseconds(50));
-    ASSERT_EQ(publisher.stats().batches, before + i + 1) << "batch " << i << " not published";
-  }
-}
-
-bool WaitFor(const std::function<bool()>& done, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (!done() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(2));
-  return done();
 }
 
 // A peer that asks for a replay and then reads nothing holds its slot only
@@ -228,22 +213,14 @@ TEST(ZmqPublisherTest, APeerThatStopsReadingHoldsNothingUpForLong) {
   ZmqEventPublisher& p = **publisher;
   PublishBatches(log, p, 300);
   zmq::context_t ctx(1);
-  zmq::socket_t stalled(ctx, zmq::socket_type::dealer);
-  stalled.set(zmq::sockopt::linger, 0);
-  stalled.set(zmq::sockopt::rcvhwm, 1);
-  stalled.connect(ep.replay);
-  const std::string from0 = BigEndian(0);
-  std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(from0)};
-  zmq::send_multipart(stalled, request);
+  zmq::socket_t stalled = ReplayReader(ctx, ep.replay, /*rcvhwm=*/1);
+  AskReplay(stalled, 0);
   absl::SleepFor(absl::Milliseconds(50));
   // Publishing goes on while the replay waits.
   PublishBatches(log, p, 20);
   // The one slot is taken: another asker's request is dropped.
-  zmq::socket_t other(ctx, zmq::socket_type::dealer);
-  other.set(zmq::sockopt::linger, 0);
-  other.set(zmq::sockopt::rcvtimeo, 150);
-  other.connect(ep.replay);
-  zmq::send_multipart(other, request);
+  zmq::socket_t other = ReplayReader(ctx, ep.replay, 0, /*rcvtimeo_ms=*/150);
+  AskReplay(other, 0);
   std::vector<zmq::message_t> reply;
   EXPECT_FALSE(zmq::recv_multipart(other, std::back_inserter(reply))) << "a request past max_replays was answered";
   EXPECT_EQ(p.stats().replays_abandoned, 0u);
@@ -272,13 +249,8 @@ TEST(ZmqPublisherTest, APeerThatLeavesMidReplayEndsIt) {
   PublishBatches(log, p, 500);  // ~4.4 MB: more than the socket buffers between the two
   zmq::context_t ctx(1);
   {
-    zmq::socket_t leaver(ctx, zmq::socket_type::dealer);
-    leaver.set(zmq::sockopt::linger, 0);
-    leaver.set(zmq::sockopt::rcvhwm, 1);
-    leaver.connect(ep.replay);
-    const std::string from0 = BigEndian(0);
-    std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(from0)};
-    zmq::send_multipart(leaver, request);
+    zmq::socket_t leaver = ReplayReader(ctx, ep.replay, /*rcvhwm=*/1);
+    AskReplay(leaver, 0);
     std::vector<zmq::message_t> first;
     ASSERT_TRUE(zmq::recv_multipart(leaver, std::back_inserter(first)));  // the replay has begun
   }  // closed mid-replay
@@ -314,10 +286,8 @@ TEST(ZmqPublisherTest, BatchesThatLeaveWhileQueuedArriveIntact) {
     }
   };
   const auto publish = [&](int n) {  // ~87 KB batches, one event each
-    const uint64_t before = p.stats().batches;
     for (int i = 0; i < n; ++i) {
-      log.Record(Removed(2000, i));
-      ASSERT_TRUE(WaitFor([&] { return p.stats().batches == before + i + 1; }, absl::Seconds(10)));
+      PublishBatches(log, p, 1, 2000);
       drain_sub();
     }
   };
@@ -332,14 +302,8 @@ TEST(ZmqPublisherTest, BatchesThatLeaveWhileQueuedArriveIntact) {
   const int64_t base = static_cast<int64_t>(p.stats().batches);
   published.clear();
   publish(50);
-  zmq::socket_t reader(ctx, zmq::socket_type::dealer);
-  reader.set(zmq::sockopt::linger, 0);
-  reader.set(zmq::sockopt::rcvhwm, 1);
-  reader.set(zmq::sockopt::rcvtimeo, 5000);
-  reader.connect(ep.replay);
-  const std::string from0 = BigEndian(0);
-  std::array<zmq::const_buffer, 2> request = {zmq::str_buffer(""), zmq::buffer(from0)};
-  zmq::send_multipart(reader, request);
+  zmq::socket_t reader = ReplayReader(ctx, ep.replay, /*rcvhwm=*/1);
+  AskReplay(reader, 0);
   absl::SleepFor(absl::Milliseconds(200));  // its queue fills
   publish(100);                             // the first 100 of them leave the kept ones
   ASSERT_TRUE(WaitFor(
@@ -349,18 +313,11 @@ TEST(ZmqPublisherTest, BatchesThatLeaveWhileQueuedArriveIntact) {
       },
       absl::Seconds(5)))
       << "the subscriber got " << published.size() << " of 150 batches";
-  std::vector<int64_t> seqs;
-  bool ended = false;
-  while (!ended) {
-    std::vector<zmq::message_t> reply;
-    ASSERT_TRUE(zmq::recv_multipart(reader, std::back_inserter(reply))) << "after " << seqs.size();
-    const int64_t seq = SeqOf(reply[1]);
-    if (seq == -1) {
-      ended = true;
-      break;
-    }
-    seqs.push_back(seq);
-    EXPECT_EQ(reply[2].to_string(), published[seq]) << "batch " << seq << " changed in the queue";
+  const Replayed got = ReadReplay(reader);
+  ASSERT_TRUE(got.ended) << "after " << got.seqs.size();
+  const std::vector<int64_t>& seqs = got.seqs;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    EXPECT_EQ(got.payloads[i], published[seqs[i]]) << "batch " << seqs[i] << " changed in the queue";
   }
   ASSERT_FALSE(seqs.empty());
   EXPECT_EQ(seqs.front(), base);
@@ -394,10 +351,7 @@ TEST(ZmqPublisherTest, MalformedReplayRequestsAreIgnored) {
       {"", std::string(300, '\xff')},          // over the size limit: disconnected
       {std::string(100000, 'a'), "", start}};  // so is this one
   for (const std::vector<std::string>& frames : bad) {
-    zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
-    dealer.set(zmq::sockopt::linger, 0);
-    dealer.set(zmq::sockopt::rcvtimeo, 150);
-    dealer.connect(ep.replay);
+    zmq::socket_t dealer = ReplayReader(ctx, ep.replay, 0, /*rcvtimeo_ms=*/150);
     std::vector<zmq::const_buffer> message;
     for (const std::string& f : frames) message.push_back(zmq::buffer(f));
     zmq::send_multipart(dealer, message);
