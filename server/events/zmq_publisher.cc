@@ -177,6 +177,9 @@ absl::StatusOr<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::Start(Opti
   Sockets& s = *p->sockets_;
   try {
     s.pub.set(zmq::sockopt::linger, 0);
+    // A subscriber slower than the batches holds at most this many queued
+    // (the payloads shared with the kept ones); past it PUB drops for it.
+    s.pub.set(zmq::sockopt::sndhwm, p->options_.send_queue);
     s.pub.bind(p->options_.endpoint);
     p->bound_endpoint_ = s.pub.get(zmq::sockopt::last_endpoint);
   } catch (const zmq::error_t& e) {

@@ -57,6 +57,7 @@ class ZmqEventPublisher {
     size_t replay_bytes = size_t{64} << 20;  // and at most this many payload bytes (the newest always kept)
     size_t max_replays = 16;                 // replays in progress at once
     int replay_queue = 16;                   // messages queued to one replay peer (ZMQ_SNDHWM): each up to ~1 MiB
+    int send_queue = 1000;                   // batches queued to one PUB subscriber (ZMQ_SNDHWM); then dropped for it
     absl::Duration replay_stall = absl::Seconds(10);  // a replay whose peer takes nothing this long ends
     std::map<std::string, std::string> medium_of_pool{};  // pool -> "GPU" / "CPU"
   };

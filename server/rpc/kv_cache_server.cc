@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -80,7 +81,9 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   service_options.events = server->events_.get();
   service_options.server_id = options.server_id;
   service_options.metrics = options.metrics;
-  service_options.max_watchers = ev.max_watchers() == 0 ? kDefaultMaxWatchers : static_cast<int>(ev.max_watchers());
+  // A uint32 past INT_MAX would wrap to a negative limit that turns every watcher away.
+  service_options.max_watchers =
+      ev.max_watchers() == 0 ? kDefaultMaxWatchers : static_cast<int>(std::min<uint32_t>(ev.max_watchers(), INT_MAX));
   // A new server holds nothing: its first event says so, for routers that
   // knew an earlier process under the same id.
   server->events_->Record(KvEvent{.kind = KvEvent::Kind::kCleared});

@@ -35,6 +35,8 @@ inline constexpr int kDefaultMaxWatchers = 64;
 inline constexpr uint32_t kDefaultZmqReplayBatches = 10000;
 inline constexpr uint64_t kDefaultZmqReplayBytes = uint64_t{64} << 20;
 inline constexpr uint32_t kDefaultZmqMaxReplays = 16;
+inline constexpr uint32_t kDefaultZmqSendQueue = 1000;  // ZeroMQ's own default
+inline constexpr uint32_t kMaxZmqSendQueue = 100000;
 inline constexpr uint64_t kDefaultMaxRegionBytes = 1ull << 40;
 
 // The config with no file: one default pool, everything else unset.

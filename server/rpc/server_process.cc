@@ -117,13 +117,18 @@ absl::Status ServerProcess::StartKvCacheServer() {
 absl::Status ServerProcess::StartEventPublisher() {
   if (prepared_.kv_events_endpoint.empty()) return absl::OkStatus();
   const v1::EventsConfig& ev = prepared_.config.events();
+  if (ev.zmq_send_queue() > kMaxZmqSendQueue) {
+    return absl::InvalidArgumentError(absl::StrCat("events.zmq_send_queue ", ev.zmq_send_queue(), " exceeds ",
+                                                   kMaxZmqSendQueue, " (batches of up to ~1 MiB each)"));
+  }
   ZmqEventPublisher::Options o{
       .endpoint = prepared_.kv_events_endpoint,
       .replay_endpoint = prepared_.kv_events_replay_endpoint,
       .topic = prepared_.kv_events_topic,
       .replay_batches = ev.zmq_replay_batches() == 0 ? kDefaultZmqReplayBatches : ev.zmq_replay_batches(),
       .replay_bytes = ev.zmq_replay_bytes() == 0 ? kDefaultZmqReplayBytes : ev.zmq_replay_bytes(),
-      .max_replays = ev.zmq_max_replays() == 0 ? kDefaultZmqMaxReplays : ev.zmq_max_replays()};
+      .max_replays = ev.zmq_max_replays() == 0 ? kDefaultZmqMaxReplays : ev.zmq_max_replays(),
+      .send_queue = static_cast<int>(ev.zmq_send_queue() == 0 ? kDefaultZmqSendQueue : ev.zmq_send_queue())};
   for (const auto& pool : server_->pools()) o.medium_of_pool[pool->name()] = pool->device().is_cuda() ? "GPU" : "CPU";
   MLAKV_ASSIGN_OR_RETURN(events_publisher_, ZmqEventPublisher::Start(std::move(o), &server_->events()));
   return absl::OkStatus();
@@ -143,9 +148,10 @@ void ServerProcess::ConnectPoolGauges() {
   prepared_.metrics->SetIpcRegionSource([s = server_.get()] { return static_cast<int64_t>(s->regions().size()); });
   prepared_.metrics->SetTransportSource([s = server_.get()] { return s->service().TransportLoad(); });
   prepared_.metrics->SetEventsSource([s = server_.get(), zmq = events_publisher_.get()] {
-    ScrapeTimeCollector::EventsLoad load{.log = s->events().stats(), .watchers = s->service().watchers()};
-    if (zmq != nullptr) load.zmq = zmq->stats();
-    return load;
+    return ScrapeTimeCollector::EventsLoad{
+        .log = s->events().stats(),
+        .watchers = s->service().watchers(),
+        .zmq = zmq != nullptr ? std::optional<EventPublisherStats>(zmq->stats()) : std::nullopt};
   });
 }
 

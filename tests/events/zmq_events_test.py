@@ -231,6 +231,19 @@ class ZmqEventsTest(unittest.TestCase):
             bad.start()
         self.assertIn("--kv_events_endpoint", str(err.exception) + bad.log_text())
 
+    def test_a_send_queue_past_its_limit_fails_start_up_naming_it(self):
+        with tempfile.NamedTemporaryFile("w", suffix=".txtpb", delete=False) as config:
+            config.write("pools { name: 'default' num_layers: 2 page_size: 4 num_pages: 64 } "
+                         "events { zmq_send_queue: 100001 }")
+        try:
+            bad = ServerProcess("--config", config.name, "--kv_events_endpoint", "tcp://127.0.0.1:*")
+            with self.assertRaises(RuntimeError) as err:
+                bad.start()
+            text = str(err.exception) + bad.log_text()
+            self.assertIn("events.zmq_send_queue 100001 exceeds 100000", text)
+        finally:
+            os.unlink(config.name)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -329,6 +329,58 @@ TEST(ZmqPublisherTest, BatchesThatLeaveWhileQueuedArriveIntact) {
   log.Close();
 }
 
+// A subscriber that stops reading holds at most send_queue batches at the
+// publisher (plus what the sockets' buffers take); the rest are dropped for
+// it, and the numbers it reads show the gap. With ZeroMQ's default (1,000)
+// the same subscriber keeps all 300.
+TEST(ZmqPublisherTest, ASubscriberThatStopsReadingHoldsAtMostItsSendQueue) {
+  const auto received_by_a_stalled_subscriber = [](int send_queue, const std::string& name) {
+    const IpcEndpoints ep(name);
+    EventLog log({});
+    ZmqEventPublisher::Options o{.endpoint = ep.pub};
+    if (send_queue > 0) o.send_queue = send_queue;
+    auto publisher = ZmqEventPublisher::Start(o, &log);
+    EXPECT_TRUE(publisher.ok()) << publisher.status();
+    if (!publisher.ok()) return std::vector<int64_t>{};
+    zmq::context_t ctx(1);
+    zmq::socket_t sub(ctx, zmq::socket_type::sub);
+    sub.set(zmq::sockopt::linger, 0);
+    sub.set(zmq::sockopt::rcvhwm, 1);
+    sub.set(zmq::sockopt::rcvbuf, 64 << 10);
+    sub.set(zmq::sockopt::subscribe, "");
+    sub.connect(ep.pub);
+    std::vector<int64_t> seqs;
+    const auto drain = [&](int timeout_ms) {
+      sub.set(zmq::sockopt::rcvtimeo, timeout_ms);
+      std::vector<zmq::message_t> m;
+      while (zmq::recv_multipart(sub, std::back_inserter(m))) {
+        seqs.push_back(SeqOf(m[1]));
+        m.clear();
+      }
+    };
+    // Batches until one arrives (the subscription reached the publisher).
+    for (int i = 0; i < 200 && seqs.empty(); ++i) {
+      PublishBatches(log, **publisher, 1, 2000);
+      drain(10);
+    }
+    EXPECT_FALSE(seqs.empty()) << "the subscriber never got a batch";
+    seqs.clear();
+    PublishBatches(log, **publisher, 300, 2000);  // ~87 KB each, nobody reading
+    absl::SleepFor(absl::Milliseconds(200));       // what is queued reaches the socket
+    drain(500);
+    publisher->reset();
+    log.Close();
+    return seqs;
+  };
+  const std::vector<int64_t> bounded = received_by_a_stalled_subscriber(4, "sendq4");
+  EXPECT_LT(bounded.size(), 40u) << "a queue of 4 held " << bounded.size() << " batches of 300";
+  ASSERT_FALSE(bounded.empty());
+  EXPECT_LT(bounded.back() - bounded.front() + 1, 300) << "the newest were dropped: a gap at the end";
+  for (size_t i = 1; i < bounded.size(); ++i) EXPECT_GT(bounded[i], bounded[i - 1]);
+  const std::vector<int64_t> all = received_by_a_stalled_subscriber(0, "sendq-default");
+  EXPECT_EQ(all.size(), 300u) << "ZeroMQ's default queue of 1,000 holds them all";
+}
+
 // What a peer sends the replay socket is not trusted: requests of the
 // wrong shape are left unanswered, a frame over 256 bytes disconnects its
 // sender (ZMQ_MAXMSGSIZE), and a good request afterwards is answered.

@@ -304,5 +304,15 @@ TEST_F(WatchEventsTest, TheWatcherLimitIsEnforced) {
   EXPECT_EQ(first->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
+// A limit past INT_MAX (the field is a uint32) is as good as none; it used
+// to wrap to a negative one that turned every watcher away.
+TEST_F(WatchEventsTest, AWatcherLimitPastIntMaxAdmitsWatchers) {
+  StopServer();
+  StartServer("cpu", "name: 'default' num_layers: 1 page_size: 4 num_pages: 16", "events { max_watchers: 4294967295 }");
+  Watched w = Watch(1, 1);  // the server's first event: everything cleared
+  EXPECT_TRUE(w.status.ok() || w.status.error_code() == grpc::StatusCode::CANCELLED) << Describe(w.status);
+  ASSERT_EQ(w.events.size(), 1u) << Describe(w.status);
+}
+
 }  // namespace
 }  // namespace mlakv::server::testing
