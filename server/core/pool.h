@@ -214,15 +214,15 @@ struct LeaseListing {
 };
 
 struct ForkRequest {
-  std::string target;
-  SequenceRef source;                     // or, with source.id empty:
-  std::vector<std::string> block_hashes;  // a block-hash chain
+  std::string target{};
+  SequenceRef source{};                     // or, with source.id empty:
+  std::vector<std::string> block_hashes{};  // a block-hash chain
   uint32_t length = 0;                    // source fork: tokens (0: the source's length)
   bool pin = false;
   // Run right before the target becomes visible, with the pages it will
   // hold (the RPC layer: the call still alive, the response within the send
   // limit); an error there undoes the fork. May be empty.
-  std::function<absl::Status(size_t pages)> last_check;
+  std::function<absl::Status(size_t pages)> last_check{};
 };
 
 struct ForkResult {

@@ -50,7 +50,7 @@ struct WaitLimits {
   // caller gave up -- an Append whose client cancelled, or that the server
   // cancelled at shutdown -- and the wait ends with CANCELLED at once instead
   // of at the deadline. Empty: never. Must be cheap and must not block.
-  std::function<bool()> abandoned;
+  std::function<bool()> abandoned{};
 
   bool Abandoned() const { return abandoned && abandoned(); }
 };

@@ -39,7 +39,7 @@ class ScrapeTimeCollector : public prometheus::Collectable {
   struct EventsLoad {
     EventLog::Stats log;
     int64_t watchers = 0;
-    std::optional<EventPublisherStats> zmq;  // the ZeroMQ publisher; absent: no --kv_events_endpoint
+    std::optional<EventPublisherStats> zmq{};  // the ZeroMQ publisher; absent: no --kv_events_endpoint
   };
   void SetEventsSource(std::function<EventsLoad()> source);
 

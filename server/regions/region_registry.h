@@ -78,12 +78,12 @@ struct RegionRef {
 // One layer's rows as a request names them: bytes, or a reference per tensor.
 struct LayerRowsRequest {
   int32_t layer = 0;
-  absl::string_view ckv, kpe;  // bytes carried in the message (empty with a reference)
+  absl::string_view ckv{}, kpe{};  // bytes carried in the message (empty with a reference)
   // Or the bytes in pieces (the message's slices, server/rpc/append_wire.h);
   // then ckv / kpe are empty.
   const BytePieces* ckv_pieces = nullptr;
   const BytePieces* kpe_pieces = nullptr;
-  std::optional<RegionRef> ckv_ref, kpe_ref;
+  std::optional<RegionRef> ckv_ref{}, kpe_ref{};
   float ckv_scale = 0.0f, kpe_scale = 0.0f;
 };
 

@@ -390,7 +390,9 @@ TEST_F(FleetTest, AFourthServerFoundByDnsTakesAQuarterOfNewSequencesAndMovesNone
   EXPECT_EQ((*fleet)->Servers().size(), 3u);
   for (int i = 0; i < kNew; ++i) {
     std::optional<std::string> owner = (*fleet)->OwnerOf(absl::StrCat("new-", i));
-    if (owner) EXPECT_NE(*owner, "mlakv-5");
+    if (owner) {
+      EXPECT_NE(*owner, "mlakv-5");
+    }
   }
 }
 

@@ -76,7 +76,9 @@ TEST(Rendezvous, ALeavingServerHandsOnOnlyItsOwn) {
     const std::string id = absl::StrCat("s", i);
     const std::string& before = four[Pick(id, four)];
     const std::string& after = without_second[Pick(id, without_second)];
-    if (before != four[1]) EXPECT_EQ(after, before) << id;
+    if (before != four[1]) {
+      EXPECT_EQ(after, before) << id;
+    }
   }
 }
 

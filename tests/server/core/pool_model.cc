@@ -27,7 +27,6 @@ constexpr int kPages = 12;
 constexpr int kSequences = 4;     // ids "s0".."s3"
 constexpr uint32_t kMaxSequences = 3;
 constexpr float kCkv = 0.25f, kKpe = 0.5f;
-constexpr size_t kEntryBytes = format::kEntryBytes;
 
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

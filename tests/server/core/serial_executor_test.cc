@@ -180,7 +180,9 @@ TEST(SerialExecutorTest, RunHereAndPostNeverOverlap) {
   std::atomic<int> inside{0}, overlaps{0}, ran{0};
   auto task = [&] {
     if (inside.fetch_add(1) != 0) overlaps.fetch_add(1);
-    for (volatile int spin = 0; spin < 200; ++spin) {
+    [[maybe_unused]] volatile int sink = 0;  // stores the compiler keeps: the loop takes time
+    for (int spin = 0; spin < 200; ++spin) {
+      sink = spin;
     }
     inside.fetch_sub(1);
     ran.fetch_add(1);
@@ -294,7 +296,9 @@ TEST(SerialExecutorTest, RunOrPostBesidePostAndRunHereNeverOverlaps) {
       for (int i = 0; i < kTasks; ++i) {
         auto task = [&, t, i] {
           if (inside.fetch_add(1) != 0) overlaps.fetch_add(1);
-          for (volatile int spin = 0; spin < 200; ++spin) {
+          [[maybe_unused]] volatile int sink = 0;  // stores the compiler keeps: the loop takes time
+          for (int spin = 0; spin < 200; ++spin) {
+            sink = spin;
           }
           inside.fetch_sub(1);
           ran.fetch_add(1);

@@ -100,7 +100,7 @@ TEST_F(WatchEventsTest, AKnownWorkloadArrivesInOrderWithHashesAndTheServersId) {
 TEST_F(WatchEventsTest, NumbersTheServerDoesNotHaveAreOutOfRange) {
   StopServer();
   StartServer("cpu", "name: 'default' num_layers: 2 page_size: 4 num_pages: 256", "events { replay_capacity: 4 }");
-  for (int i = 0; i < 6; ++i) AppendPages("s" + std::to_string(i), 1);  // events 1..7; kept: 4..7
+  for (int i = 0; i < 6; ++i) AppendPages(absl::StrCat("s", i), 1);  // events 1..7; kept: 4..7
   Watched old = Watch(2, 1);
   EXPECT_EQ(old.status.error_code(), grpc::StatusCode::OUT_OF_RANGE) << Describe(old.status);
   EXPECT_TRUE(absl::StrContains(old.status.error_message(), "the oldest is 4")) << old.status.error_message();
@@ -174,7 +174,9 @@ TEST_F(WatchEventsTest, LargeEventsComeInResponsesAClientWithDefaultLimitsAccept
     for (const v1::KvEvent& e : resp.events()) {
       EXPECT_EQ(e.number(), last + 1) << "no gap";
       last = e.number();
-      if (e.has_stored()) EXPECT_EQ(e.stored().block_hashes_size(), 1024);
+      if (e.has_stored()) {
+        EXPECT_EQ(e.stored().block_hashes_size(), 1024);
+      }
     }
   }
   ctx.TryCancel();
