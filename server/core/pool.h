@@ -217,7 +217,7 @@ struct ForkRequest {
   std::string target{};
   SequenceRef source{};                     // or, with source.id empty:
   std::vector<std::string> block_hashes{};  // a block-hash chain
-  uint32_t length = 0;                    // source fork: tokens (0: the source's length)
+  uint32_t length = 0;                      // source fork: tokens (0: the source's length)
   bool pin = false;
   // Run right before the target becomes visible, with the pages it will
   // hold (the RPC layer: the call still alive, the response within the send
