@@ -71,6 +71,16 @@ zmq::socket_t ReplayReader(zmq::context_t& ctx, const std::string& endpoint, int
   return reader;
 }
 
+// A SUB to every topic with a receive queue of `rcvhwm` messages (0: no limit).
+zmq::socket_t Subscriber(zmq::context_t& ctx, const std::string& endpoint, int rcvhwm) {
+  zmq::socket_t sub(ctx, zmq::socket_type::sub);
+  sub.set(zmq::sockopt::linger, 0);
+  sub.set(zmq::sockopt::rcvhwm, rcvhwm);
+  sub.set(zmq::sockopt::subscribe, "");
+  sub.connect(endpoint);
+  return sub;
+}
+
 // Sends a replay request ["", start].
 void AskReplay(zmq::socket_t& reader, int64_t start) {
   const std::string start_bytes = BigEndian(start);
@@ -272,11 +282,7 @@ TEST(ZmqPublisherTest, BatchesThatLeaveWhileQueuedArriveIntact) {
   ASSERT_TRUE(publisher.ok()) << publisher.status();
   ZmqEventPublisher& p = **publisher;
   zmq::context_t ctx(1);
-  zmq::socket_t sub(ctx, zmq::socket_type::sub);
-  sub.set(zmq::sockopt::linger, 0);
-  sub.set(zmq::sockopt::rcvhwm, 0);  // keeps everything
-  sub.set(zmq::sockopt::subscribe, "");
-  sub.connect(ep.pub);
+  zmq::socket_t sub = Subscriber(ctx, ep.pub, /*rcvhwm=*/0);  // keeps everything
   std::map<int64_t, std::string> published;
   const auto drain_sub = [&] {
     std::vector<zmq::message_t> m;
@@ -343,12 +349,8 @@ TEST(ZmqPublisherTest, ASubscriberThatStopsReadingHoldsAtMostItsSendQueue) {
     EXPECT_TRUE(publisher.ok()) << publisher.status();
     if (!publisher.ok()) return std::vector<int64_t>{};
     zmq::context_t ctx(1);
-    zmq::socket_t sub(ctx, zmq::socket_type::sub);
-    sub.set(zmq::sockopt::linger, 0);
-    sub.set(zmq::sockopt::rcvhwm, 1);
+    zmq::socket_t sub = Subscriber(ctx, ep.pub, /*rcvhwm=*/1);
     sub.set(zmq::sockopt::rcvbuf, 64 << 10);
-    sub.set(zmq::sockopt::subscribe, "");
-    sub.connect(ep.pub);
     std::vector<int64_t> seqs;
     const auto drain = [&](int timeout_ms) {
       sub.set(zmq::sockopt::rcvtimeo, timeout_ms);
