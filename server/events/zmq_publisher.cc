@@ -59,14 +59,17 @@ using Payload = std::shared_ptr<const std::string>;
 // hand-over of the message is inside libzmq, told to TSan here).
 zmq::message_t SharedMessage(const Payload& payload) {
   auto* hold = new Payload(payload);
-  MLAKV_TSAN_HAPPENS_BEFORE(hold);
-  return zmq::message_t(
+  zmq::message_t message(
       const_cast<char*>((*hold)->data()), (*hold)->size(),
       [](void*, void* hint) {
         MLAKV_TSAN_HAPPENS_AFTER(hint);
         delete static_cast<Payload*>(hint);
       },
       hold);
+  // After this thread's last touch of `hold` (the reads above), before the
+  // send hands the message to ZeroMQ's I/O thread.
+  MLAKV_TSAN_HAPPENS_BEFORE(hold);
+  return message;
 }
 
 // Sends the small frames (copied) and then the payload as one message.
