@@ -67,6 +67,12 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
     return absl::InvalidArgumentError(
         absl::StrCat("max_regions ", max_regions, " exceeds ", MappingFaultGuard::kMaxRanges));
   }
+  // Checked here, not where the publisher starts, so that a config a later
+  // --kv_events_endpoint would refuse is refused without one too.
+  if (ev.zmq_send_queue() > kMaxZmqSendQueue) {
+    return absl::InvalidArgumentError(absl::StrCat("events.zmq_send_queue ", ev.zmq_send_queue(), " exceeds ",
+                                                   kMaxZmqSendQueue, " (batches of up to ~1 MiB each)"));
+  }
   server->regions_ = std::make_unique<RegionRegistry>(RegionRegistry::Options{
       .allow_ipc = options.allow_ipc,
       .max_regions = max_regions,

@@ -117,10 +117,6 @@ absl::Status ServerProcess::StartKvCacheServer() {
 absl::Status ServerProcess::StartEventPublisher() {
   if (prepared_.kv_events_endpoint.empty()) return absl::OkStatus();
   const v1::EventsConfig& ev = prepared_.config.events();
-  if (ev.zmq_send_queue() > kMaxZmqSendQueue) {
-    return absl::InvalidArgumentError(absl::StrCat("events.zmq_send_queue ", ev.zmq_send_queue(), " exceeds ",
-                                                   kMaxZmqSendQueue, " (batches of up to ~1 MiB each)"));
-  }
   ZmqEventPublisher::Options o{
       .endpoint = prepared_.kv_events_endpoint,
       .replay_endpoint = prepared_.kv_events_replay_endpoint,

@@ -19,6 +19,7 @@
 #include "kernels/quantize_rows.h"
 #include "absl/strings/match.h"
 #include "server/core/pool.h"
+#include "server/rpc/server_config.h"
 #include "tests/server/rpc/service_fixture.h"
 #include "tests/testing/vector_files.h"
 
@@ -1174,6 +1175,26 @@ TEST_F(ServiceTest, SecondServerOnAPortInUseIsRefused) {
   absl::StatusOr<std::unique_ptr<KvCacheServer>> second = KvCacheServer::Create(options);
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
   EXPECT_THAT(std::string(second.status().message()), ::testing::HasSubstr("cannot listen on '" + options.listen));
+}
+
+// The PUB socket's queue limit is the config's, refused at start whether or
+// not this process publishes (a fleet's config that only fails once someone
+// adds --kv_events_endpoint would fail at the worst moment).
+TEST_F(ServiceTest, AnEventSendQueuePastItsLimitIsRefusedWithoutAPublisher) {
+  KvCacheServer::Options options;
+  options.config.add_pools()->set_name("default");
+  options.config.mutable_pools(0)->set_num_layers(1);
+  options.config.mutable_pools(0)->set_page_size(4);
+  options.config.mutable_pools(0)->set_num_pages(4);
+  options.default_device = kDevice;
+  options.config.mutable_events()->set_zmq_send_queue(kMaxZmqSendQueue + 1);
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> refused = KvCacheServer::Create(options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("events.zmq_send_queue 100001 exceeds 100000"));
+  options.config.mutable_events()->set_zmq_send_queue(kMaxZmqSendQueue);
+  absl::StatusOr<std::unique_ptr<KvCacheServer>> at_limit = KvCacheServer::Create(options);
+  EXPECT_TRUE(at_limit.ok()) << at_limit.status();
 }
 
 // Over real HTTP/2 on loopback, where a cancel and a half-close reach the

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Measures the aims of issues 16 and 18 (docs/performance.md "Where the open
+# aims stand") on a GPU machine in one call, with the bundle that
+# scripts/device_bundle.sh wrote to .devrt/bundle.tar.xz.
+#
+#   OUT=dir bench/run_aims.sh [PART...]
+#
+# PARTs (default: gpu suites floor ipc bytes save kernel), each writing
+# OUT/PART.txt:
+#   gpu     the card, driver, cores, bundle commit
+#   suites  the GPU test programs (the kernel vectors byte-exact, the cuda
+#           backend, the service on cuda pools and CUDA IPC regions)
+#   floor   rpc_floor_bench: GetPool against a minimal sync server
+#   ipc     ipc_append_bench against a running server: the 262k-row IPC
+#           append over the kernel alone, one row, the decode step by
+#           reference (PACKED / COMPACT / BASIC views), ROUNDS rounds; with
+#           AB_SERVERS="mlakv-server-prev mlakv-server" the servers take turns
+#   bytes   mlakv bench: the compact bytes decode step; ingest on one and on
+#           eight connections
+#   save    client/python/tests/cuda_save_test.py (needs torch there):
+#           layer-wise save overhead and last layer -> commit
+#   kernel  quantize_append_bench: every case against the same run's copy
+#   sweep   quantize_append_bench --sweep at 16,384 and 32,768 rows
+# Environment: ROUNDS (3), AB_SERVERS (mlakv-server), SAVE_TOKENS
+# (1024,4096,16384), SAVE_RUNS (7), KERNEL_RUNS (2), DEVICE (cuda:0; cpu tries
+# the bytes part's plumbing on a machine without a GPU), NUM_PAGES (8192).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?OUT must name the folder for the results}"
+mkdir -p "$OUT"
+rt=$(mktemp -d)
+tar xJf .devrt/bundle.tar.xz -C "$rt" || { echo "run_aims: no .devrt/bundle.tar.xz (scripts/device_bundle.sh)" >&2; exit 1; }
+# shellcheck disable=SC1091
+source "$rt/env"
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(gpu suites floor ipc bytes save kernel)
+rounds=${ROUNDS:-3}
+ab_servers=${AB_SERVERS:-mlakv-server}
+port=50611
+
+# One pool large enough for a 262,144-row sequence (4,096 pages) and the
+# benches' sequences beside it: 8,192 pages x 61 layers x 22.5 KB = 11.3 GB.
+cfg="$rt/aims.cfg"
+cat > "$cfg" <<'CFG'
+pools { name: "default" device: "DEVICE" num_layers: 61 page_size: 64 num_pages: PAGES }
+CFG
+sed -i "s/DEVICE/${DEVICE:-cuda:0}/; s/PAGES/${NUM_PAGES:-8192}/" "$cfg"
+
+server_pid=
+start_server() {  # start_server BINARY: serves $cfg on $port, waits until it answers
+  "$1" --config "$cfg" --allow_ipc --listen "127.0.0.1:$port" --log_level warn >"$OUT/$1.log" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 1 600); do
+    mlakv pools --server "127.0.0.1:$port" --timeout_s 1 >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  echo "run_aims: $1 did not answer on 127.0.0.1:$port" >&2
+  return 1
+}
+stop_server() {
+  [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
+  server_pid=
+}
+trap stop_server EXIT
+
+part_gpu() {
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  echo "cores: $(nproc)  bundle: $(cat "$rt/commit" 2>/dev/null)"
+}
+
+part_suites() {
+  for t in quantize_append_cuda_test cuda_backend_test service_cuda_test service_cuda_regions_test \
+           cache_service_cuda_test; do
+    echo "== $t"
+    "$t" --gtest_brief=1 2>&1 | tail -4
+  done
+}
+
+part_floor() {
+  rpc_floor_bench --rounds 2 --samples 2000 2>&1
+}
+
+part_ipc() {
+  for r in $(seq 1 "$rounds"); do
+    for s in $ab_servers; do
+      echo "== round $r: $s"
+      start_server "$s" || continue
+      ipc_append_bench --server "127.0.0.1:$port" --decode_step --repeats 400 2>&1
+      ipc_append_bench --server "127.0.0.1:$port" --rows 262144 --repeats 20 2>&1
+      ipc_append_bench --server "127.0.0.1:$port" --rows 1 --repeats 200 2>&1
+      stop_server
+    done
+  done
+}
+
+part_bytes() {
+  start_server mlakv-server || return
+  echo "== compact bytes decode step (256 sequences x 61 layers)"
+  mlakv bench --server "127.0.0.1:$port" --mode decode --compact --layers 61 --duration_s 4 2>&1 | tr '\r' '\n' | grep -v '^\['
+  echo "== ingest, one connection"
+  mlakv bench --server "127.0.0.1:$port" --concurrency 1 --duration_s 4 2>&1 | tr '\r' '\n' | grep -v '^\['
+  echo "== ingest, eight connections"
+  mlakv bench --server "127.0.0.1:$port" --concurrency 8 --duration_s 4 2>&1 | tr '\r' '\n' | grep -v '^\['
+  stop_server
+}
+
+part_save() {
+  MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH=client/python \
+    python3 client/python/tests/cuda_save_test.py --runs "${SAVE_RUNS:-7}" \
+    --tokens "${SAVE_TOKENS:-1024,4096,16384}" --commit call,end 2>&1
+  echo "exit $?"
+}
+
+part_kernel() {
+  for r in $(seq 1 "${KERNEL_RUNS:-2}"); do
+    echo "== run $r"
+    quantize_append_bench --repeats 200 2>&1
+  done
+}
+
+part_sweep() {
+  for c in prefill_4x4096 prefill_8x4096; do
+    echo "== sweep $c"
+    quantize_append_bench --sweep --only "$c" --repeats 200 2>&1
+  done
+}
+
+for p in "${parts[@]}"; do
+  if ! declare -f "part_$p" >/dev/null; then
+    echo "run_aims: no part \"$p\"" >&2
+    continue
+  fi
+  echo "run_aims: $p $(date -u +%T)" >&2
+  "part_$p" >"$OUT/$p.txt" 2>&1
+done
