@@ -411,7 +411,11 @@ absl::Status LaunchLayers(const QuantizeAppendParams* layers, int count, const Q
 
 }  // namespace
 
-QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
+namespace {
+
+// Rows per lookup and the grid's shape by row count, shared by the one-layer
+// and the layers launch.
+QuantizeAppendConfig ConfigByRowCount(int64_t num_rows) {
   QuantizeAppendConfig c;
   // Few rows: one per warp, for the most warps in flight. Many rows: one
   // placement lookup serves 8 or 16 rows (lanes 0..15 run the chains side by
@@ -441,6 +445,25 @@ QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
   return c;
 }
 
+}  // namespace
+
+QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
+  QuantizeAppendConfig c = ConfigByRowCount(num_rows);
+  // From 16k to 32k rows, the same 32 warps per SM as 8 blocks of 4 warps
+  // instead of 4 blocks of 8: every sweep of 16,384 rows on an H100 put it
+  // first or second of the 26 configurations, 0.3-1.6 points of the copy
+  // above 4 x 8 (2026-12-05 two hosts, 2026-12-06 23:38 87.7% against
+  // 86.5-87.3%, 2026-12-07 08:19 86.9% against 86.0%); at 32,768 rows it
+  // was 0.8 points below (docs/performance.md "The aims on an H100 host
+  // with the committed aims script"). Layers launches keep 4 x 8: their
+  // rows are dealt by warp, and no sweep measured the smaller blocks there.
+  if (num_rows >= 16384 && num_rows < 32768) {
+    c.warps_per_block = 4;
+    c.blocks_per_sm = 8;
+  }
+  return c;
+}
+
 absl::Status QuantizeAppendWithConfig(const QuantizeAppendParams& p, const QuantizeAppendConfig& config,
                                       cudaStream_t stream) {
   if (p.num_rows == 0) return absl::OkStatus();
@@ -464,7 +487,7 @@ QuantizeAppendConfig DefaultQuantizeAppendLayersConfig(int64_t max_rows) {
   // from 32 rows 2 (64 x 61: 14.2 us against 16.4 us; 32 x 61: 13.5 against
   // 14.2). quantize_append_bench --sweep --only decode_step on the H200,
   // 2026-12-02, docs/performance.md.
-  QuantizeAppendConfig config = DefaultQuantizeAppendConfig(max_rows);
+  QuantizeAppendConfig config = ConfigByRowCount(max_rows);
   config.block_ranges = false;
   const int decode_rows_per_warp = max_rows >= 128 ? 8 : max_rows >= 32 ? 2 : 1;
   config.rows_per_warp = std::max(config.rows_per_warp, decode_rows_per_warp);

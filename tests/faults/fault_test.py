@@ -465,7 +465,11 @@ class SigtermUnderLoad(unittest.TestCase):
     ends OK, UNAVAILABLE (refused while draining) or CANCELLED (cut by the grace)."""
 
     def test_drain_under_load(self):
-        path = config_file("pools { name: 'default' num_layers: 2 page_size: 4 num_pages: 4096 }")
+        # Every call appends a new 8-row sequence (2 pages) and none is freed:
+        # 65,536 pages hold 32,768 of them, 16x what four clients append in
+        # the second before the signal on a fast machine (2,048 filled 4,096
+        # pages there and later calls met RESOURCE_EXHAUSTED).
+        path = config_file("pools { name: 'default' num_layers: 2 page_size: 4 num_pages: 65536 }")
         server = ServerProcess("--config", path, "--drain_grace_s", "5").start()
         try:
             stop = threading.Event()

@@ -472,21 +472,25 @@ TEST(LauncherChoice, ALayersLaunchTakesMoreRowsPerLookupForDecodeSteps) {
   EXPECT_EQ(DefaultQuantizeAppendLayersConfig(1 << 20).rows_per_warp, 16);
   EXPECT_FALSE(DefaultQuantizeAppendLayersConfig(32768).block_ranges);
   // A layer of a chunked-prefill size in a layers launch keeps 8 (the
-  // decode rule's floor), not the one-layer launch's 4.
+  // decode rule's floor), not the one-layer launch's 4, and blocks of 8
+  // warps, 4 per SM.
   EXPECT_EQ(DefaultQuantizeAppendLayersConfig(16384).rows_per_warp, 8);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(16384).warps_per_block, 8);
+  EXPECT_EQ(DefaultQuantizeAppendLayersConfig(16384).blocks_per_sm, 4);
 }
 
 // The one-layer launch: one row per warp below 16k rows; 4 per lookup from
 // 16k to 64k rows (chunked-prefill sizes), as contiguous ranges per block,
-// 4 blocks per SM; 16 from 64k, ranges below 128k and dealt by warp above.
+// 32 warps per SM (8 blocks of 4 below 32k rows, 4 of 8 above); 16 from
+// 64k, ranges below 128k and dealt by warp above.
 TEST(LauncherChoice, OneLayerLaunchByRowCount) {
   EXPECT_EQ(DefaultQuantizeAppendConfig(16383).rows_per_warp, 1);
   EXPECT_FALSE(DefaultQuantizeAppendConfig(16383).block_ranges);
-  for (int64_t rows : {16384, 32768, 65535}) {
+  for (int64_t rows : {16384, 32767, 32768, 65535}) {
     const QuantizeAppendConfig c = DefaultQuantizeAppendConfig(rows);
     EXPECT_EQ(c.rows_per_warp, 4) << rows;
-    EXPECT_EQ(c.warps_per_block, 8) << rows;
-    EXPECT_EQ(c.blocks_per_sm, 4) << rows;
+    EXPECT_EQ(c.warps_per_block, rows < 32768 ? 4 : 8) << rows;
+    EXPECT_EQ(c.blocks_per_sm, rows < 32768 ? 8 : 4) << rows;
     EXPECT_TRUE(c.block_ranges) << rows;
   }
   EXPECT_EQ(DefaultQuantizeAppendConfig(65536).rows_per_warp, 16);
