@@ -454,8 +454,8 @@ QuantizeAppendConfig DefaultQuantizeAppendConfig(int64_t num_rows) {
   // first or second of the 26 configurations, 0.3-1.6 points of the copy
   // above 4 x 8 (2026-12-05 two hosts, 2026-12-06 23:38 87.7% against
   // 86.5-87.3%, 2026-12-07 08:19 86.9% against 86.0%); at 32,768 rows it
-  // was 0.8 points below (docs/performance.md "The aims on an H100 host
-  // with the committed aims script"). Layers launches keep 4 x 8: their
+  // was 0.8 points below (docs/performance.md "The aims from a committed
+  // script; 16k-row launches as 8 blocks of 4 warps"). Layers launches keep 4 x 8: their
   // rows are dealt by warp, and no sweep measured the smaller blocks there.
   if (num_rows >= 16384 && num_rows < 32768) {
     c.warps_per_block = 4;
