@@ -8,8 +8,9 @@
 # PARTs (default: gpu suites floor ipc bytes save kernel), each writing
 # OUT/PART.txt:
 #   gpu     the card, driver, cores, bundle commit
-#   suites  the GPU test programs (the kernel vectors byte-exact, the cuda
-#           backend, the service on cuda pools and CUDA IPC regions)
+#   suites  every test ctest labels gpu: the kernel vectors byte-exact, the
+#           cuda backend, the service on cuda pools and CUDA IPC regions, the
+#           CLI end to end on cuda:0, the Python client's CUDA regions
 #   floor   rpc_floor_bench: GetPool against a minimal sync server
 #   ipc     ipc_append_bench against a running server: the 262k-row IPC
 #           append over the kernel alone, one row, the decode step by
@@ -69,12 +70,22 @@ part_gpu() {
   echo "cores: $(nproc)  bundle: $(cat "$rt/commit" 2>/dev/null)"
 }
 
+# Every test ctest labels `gpu` (ctest cannot run here: no build tree):
+# the C++ programs, the CLI end to end against a cuda:0 server, and the
+# Python client's CUDA regions (the save's test is the save part).
 part_suites() {
-  for t in quantize_append_cuda_test cuda_backend_test service_cuda_test service_cuda_regions_test \
-           cache_service_cuda_test; do
+  for t in quantize_append_cuda_test quantize_cli_cuda_test cuda_backend_test service_cuda_test \
+           service_cuda_regions_test cache_service_cuda_test gpu_device_test multi_gpu_test; do
     echo "== $t"
     "$t" --gtest_brief=1 2>&1 | tail -4
   done
+  echo "== mlakv_e2e_test, its CUDA tests (cpu server)"
+  mlakv_e2e_test --gtest_brief=1 --gtest_filter='*Cuda*' 2>&1 | tail -4
+  echo "== mlakv_e2e_test on a cuda:0 server"
+  MLAKV_E2E_DEVICE=cuda:0 mlakv_e2e_test --gtest_brief=1 --gtest_filter='-Device/*' 2>&1 | tail -4
+  echo "== cuda_region_test.py"
+  MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH=client/python python3 client/python/tests/cuda_region_test.py 2>&1 |
+    tail -4
 }
 
 part_floor() {

@@ -26,11 +26,15 @@ programs=(
   bench/append_host_bench
   bench/backend_append_bench
   tests/quantize_append_cuda_test
+  tests/quantize_cli_cuda_test
   tests/server/backend/cuda_backend_test
   tests/server/rpc/service_cuda_test
   tests/server/rpc/service_cuda_regions_test
   tests/server/rpc/cache_service_cuda_test
   tests/server/rpc/cuda_ipc_producer
+  tests/server/rpc/gpu_device_test
+  tests/server/rpc/multi_gpu_test
+  tests/e2e/mlakv_e2e_test
 )
 
 stage=$(mktemp -d)
@@ -54,6 +58,7 @@ export PATH="$here/bin:$PATH"
 export MLAKV_VECTORS_DIR="$here/vectors"
 export MLAKV_CUDA_IPC_PRODUCER="$here/bin/cuda_ipc_producer"
 export MLAKV_PY_GEN="$here/gen"
+export MLAKV_SERVER_BINARY="$here/bin/mlakv-server" MLAKV_CLI_BINARY="$here/bin/mlakv" MLAKV_CLI="$here/bin/mlakv"
 ENV
 git describe --always --dirty > "$stage/commit" 2>/dev/null || true
 mkdir -p .devrt
