@@ -62,7 +62,7 @@ stop_server() {
   [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
   server_pid=
 }
-trap stop_server EXIT
+trap 'stop_server; rm -rf "$rt"' EXIT
 
 part_gpu() {
   date -u
