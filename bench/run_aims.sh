@@ -42,10 +42,9 @@ port=50611
 # One pool large enough for a 262,144-row sequence (4,096 pages) and the
 # benches' sequences beside it: 8,192 pages x 61 layers x 22.5 KB = 11.3 GB.
 cfg="$rt/aims.cfg"
-cat > "$cfg" <<'CFG'
-pools { name: "default" device: "DEVICE" num_layers: 61 page_size: 64 num_pages: PAGES }
+cat > "$cfg" <<CFG
+pools { name: "default" device: "${DEVICE:-cuda:0}" num_layers: 61 page_size: 64 num_pages: ${NUM_PAGES:-8192} }
 CFG
-sed -i "s/DEVICE/${DEVICE:-cuda:0}/; s/PAGES/${NUM_PAGES:-8192}/" "$cfg"
 
 server_pid=
 start_server() {  # start_server BINARY: serves $cfg on $port, waits until it answers
