@@ -16,15 +16,21 @@
 #           append over the kernel alone, one row, the decode step by
 #           reference (PACKED / COMPACT / BASIC views), ROUNDS rounds; with
 #           AB_SERVERS="mlakv-server-prev mlakv-server" the servers take turns
+#   phases  the ipc part's 262k append and decode step against a server at
+#           debug level: the medians of its per-call phases (host staging,
+#           enqueue, synchronize, the kernel on the GPU's clock)
 #   bytes   mlakv bench: the compact bytes decode step; ingest on one and on
 #           eight connections
 #   save    client/python/tests/cuda_save_test.py (needs torch there):
-#           layer-wise save overhead and last layer -> commit
+#           layer-wise save overhead and last layer -> commit; then
+#           save_layer_bench.py: s.layer's host time by piece
 #   kernel  quantize_append_bench: every case against the same run's copy
 #   sweep   quantize_append_bench --sweep at 16,384 and 32,768 rows
 # Environment: ROUNDS (3), AB_SERVERS (mlakv-server), SAVE_TOKENS
-# (1024,4096,16384), SAVE_RUNS (7), KERNEL_RUNS (2), DEVICE (cuda:0; cpu tries
-# the bytes part's plumbing on a machine without a GPU), NUM_PAGES (8192).
+# (1024,4096,16384), SAVE_RUNS (7), SAVE_PY (client/python: the folder of
+# the mlakv package the save part imports; another to time another
+# version), KERNEL_RUNS (2), DEVICE (cuda:0; cpu tries the bytes part's
+# plumbing on a machine without a GPU), NUM_PAGES (8192).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder for the results}"
@@ -47,8 +53,8 @@ pools { name: "default" device: "${DEVICE:-cuda:0}" num_layers: 61 page_size: 64
 CFG
 
 server_pid=
-start_server() {  # start_server BINARY: serves $cfg on $port, waits until it answers
-  "$1" --config "$cfg" --allow_ipc --listen "127.0.0.1:$port" --log_level warn >"$OUT/$1.log" 2>&1 &
+start_server() {  # start_server BINARY [LOG_LEVEL]: serves $cfg on $port, waits until it answers
+  "$1" --config "$cfg" --allow_ipc --listen "127.0.0.1:$port" --log_level "${2:-warn}" >"$OUT/$1.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 1 600); do
     mlakv pools --server "127.0.0.1:$port" --timeout_s 1 >/dev/null 2>&1 && return 0
@@ -82,6 +88,8 @@ part_suites() {
   mlakv_e2e_test --gtest_brief=1 --gtest_filter='*Cuda*' 2>&1 | tail -4
   echo "== mlakv_e2e_test on a cuda:0 server"
   MLAKV_E2E_DEVICE=cuda:0 mlakv_e2e_test --gtest_brief=1 --gtest_filter='-Device/*' 2>&1 | tail -4
+  echo "== cuda_bookkeeping_test.py"
+  PYTHONPATH=client/python python3 client/python/tests/cuda_bookkeeping_test.py 2>&1 | tail -4
   echo "== cuda_region_test.py"
   MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH=client/python python3 client/python/tests/cuda_region_test.py 2>&1 |
     tail -4
@@ -104,6 +112,21 @@ part_ipc() {
   done
 }
 
+# The same benches against a server logging every call's phases (debug
+# level: the logging and the backend's timing events cost a few us a call,
+# so these calls are slower than part_ipc's): where the server's share of a
+# 262k append and of a decode step goes on this host, and whether the
+# kernel in the server takes what it takes alone in the bench's process.
+part_phases() {
+  start_server mlakv-server debug || return
+  ipc_append_bench --server "127.0.0.1:$port" --rows 262144 --repeats 50 2>&1
+  ipc_append_bench --server "127.0.0.1:$port" --decode_step --repeats 200 2>&1
+  stop_server
+  echo "== the server's phases (us), bench/phases_summary.py"
+  python3 bench/phases_summary.py "$OUT/mlakv-server.log"
+  xz -f "$OUT/mlakv-server.log"
+}
+
 part_bytes() {
   start_server mlakv-server || return
   echo "== compact bytes decode step (256 sequences x 61 layers)"
@@ -116,10 +139,12 @@ part_bytes() {
 }
 
 part_save() {
-  MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH=client/python \
+  MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH="${SAVE_PY:-client/python}" \
     python3 client/python/tests/cuda_save_test.py --runs "${SAVE_RUNS:-7}" \
     --tokens "${SAVE_TOKENS:-1024,4096,16384}" --commit call,end 2>&1
   echo "exit $?"
+  MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH="${SAVE_PY:-client/python}" \
+    python3 client/python/tests/save_layer_bench.py 2>&1
 }
 
 part_kernel() {

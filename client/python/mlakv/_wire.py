@@ -72,5 +72,7 @@ def _set_part(layer_rows, field, part, lo, hi, dim):
         setattr(layer_rows, field, part[lo:hi].tobytes())
         return
     stride = part.row_stride_bytes or dim * _rows.ELEMENT_BYTES
-    getattr(layer_rows, field + "_ref").CopyFrom(pb.RegionRef(
-        region=part.region, offset=part.offset + lo * stride, row_stride_bytes=part.row_stride_bytes))
+    ref = getattr(layer_rows, field + "_ref")  # set in place: no RegionRef built to be copied
+    ref.region = part.region
+    ref.offset = part.offset + lo * stride
+    ref.row_stride_bytes = part.row_stride_bytes

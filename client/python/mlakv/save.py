@@ -127,6 +127,7 @@ class LayerwiseSave:
         self._layers = set()
         self._rows = None
         self._row_dtype = None
+        self._like = None  # the last CUDA pair's layout (Client._prepare_like), else None
         self._error = None  # the first failure found on the client side
         self._result = None
         self._finished = False
@@ -222,7 +223,7 @@ class LayerwiseSave:
     def _add(self, layer, ckv, kpe, ckv_scale, kpe_scale):
         if layer in self._layers:
             raise client_error("layer %d given twice" % layer)
-        prepared = self._client._prepare(ckv, kpe, dtype=self._dtype)
+        prepared, self._like = self._client._prepare_layer(self._like, ckv, kpe, dtype=self._dtype)
         if self._rows is None:
             self._rows, self._row_dtype = prepared.rows, prepared.dtype
         elif prepared.rows != self._rows or prepared.dtype != self._row_dtype:

@@ -19,6 +19,7 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grpc  # noqa: E402
+import numpy  # noqa: E402
 
 import mlakv  # noqa: E402
 from mlakv import regions as _regions  # noqa: E402
@@ -242,6 +243,65 @@ class CudaBookkeepingTest(unittest.TestCase):
             c.append("s", 0, self.carve(2, 512), self.carve(2, 64), start=0)
         self.assertEqual(order, ["sync", "append"])
         self.assert_client_error(mlakv.Client, "127.0.0.1:1", cuda_sync="sometimes")
+
+    def refs(self, prepared):
+        return [(r.region, r.offset, r.row_stride_bytes) for r in prepared.ckv + prepared.kpe]
+
+    def test_a_layer_laid_out_like_the_last_skips_the_checks(self):
+        # A layer-wise save's layers: views of one [layers, N, dim] buffer.
+        ckv, kpe = self.carve(4, 10, 512), self.carve(4, 10, 64)
+        first, like = self.c._prepare_layer(None, ckv[0], kpe[0])
+        self.assertIsNotNone(like)
+        self.assertEqual((len(self.c.registered), self.driver.calls), (1, 1))
+        name = self.c.registered[0].name
+        for i in (1, 2, 3):
+            with mock.patch.object(self.c, "_prepare", side_effect=AssertionError("the checks ran again")):
+                prepared, again = self.c._prepare_layer(like, ckv[i], kpe[i])
+            self.assertIs(again, like)
+            self.assertEqual(self.refs(prepared), [(name, self.offset(ckv[i]), 1024), (name, self.offset(kpe[i]), 128)])
+            self.assertEqual((prepared.rows, prepared.dtype, prepared.cuda), (10, first.dtype, first.cuda))
+            # What the full checks give for the same pair.
+            self.assertEqual(self.refs(prepared), self.refs(self.c._prepare(ckv[i], kpe[i])))
+        self.assertEqual((len(self.c.registered), self.driver.calls), (1, 1))
+
+    def test_a_layer_laid_out_otherwise_is_checked_in_full(self):
+        ckv, kpe = self.carve(3, 10, 512), self.carve(3, 10, 64)
+        _, like = self.c._prepare_layer(None, ckv[0], kpe[0])
+        kv = self.carve(10, 576)
+        other_block = self.driver.add(torch.zeros(10, 512, dtype=torch.bfloat16))
+        cases = [
+            ("other row count", self.carve(11, 512), self.carve(11, 64)),
+            ("other dtype", self.carve(10, 512, dtype=torch.float16), self.carve(10, 64, dtype=torch.float16)),
+            ("other strides", kv[:, :512], kv[:, 512:]),
+            ("host rows", numpy.zeros((10, 512), dtype=numpy.uint16), kpe[1]),
+            ("another allocation", other_block, kpe[1]),
+        ]
+        for what, c_in, k_in in cases:
+            with self.subTest(what=what):
+                self.assertIsNone(self.c._prepare_like(like, c_in, k_in))
+        # In another allocation: registered, and a layout of its own.
+        prepared, other = self.c._prepare_layer(like, other_block, kpe[1])
+        self.assertIsNot(other, like)
+        self.assertEqual(len(self.c.registered), 2)
+        self.assertEqual(prepared.ckv[0].region, self.c.registered[1].name)
+        # Refused by the full checks as before (the caller names the layer).
+        with self.assertRaises(mlakv.Error) as ctx:
+            self.c._prepare_layer(like, ckv[1], self.carve(10, 64, dtype=torch.float16))
+        self.assertIn("dtype", ctx.exception.message)
+
+    def test_a_region_unregistered_between_layers_is_looked_up_again(self):
+        ckv, kpe = self.carve(3, 10, 512), self.carve(3, 10, 64)
+        _, like = self.c._prepare_layer(None, ckv[0], kpe[0])
+        self.c.unregister(self.c.cuda_regions()[0])
+        prepared, again = self.c._prepare_layer(like, ckv[1], kpe[1])
+        self.assertIsNot(again, like)
+        self.assertEqual(len(self.c.registered), 2)
+        self.assertEqual(prepared.ckv[0].region, self.c.registered[1].name)
+        self.c.release_cuda_regions()
+        prepared, last = self.c._prepare_layer(again, ckv[2], kpe[2])
+        self.assertIsNot(last, again)
+        self.assertEqual(len(self.c.registered), 3)
+        self.assertEqual(prepared.kpe[0].region, self.c.registered[2].name)
 
     def assert_client_error(self, fn, *args, **kwargs):
         with self.assertRaises(mlakv.Error) as ctx:

@@ -146,6 +146,30 @@ class CudaRegionTest(RegionServerTestCase):
                 self.assert_same_bytes("event-%d" % i, "event-bytes-%d" % i, 0)
             self.assertTrue(all(r.has_event for r in self.client.regions() if r.name in c.cuda_regions()))
 
+    def test_save_of_views_and_of_other_allocations(self):
+        # Layers 0, 1, 3 and 5 are views of one [6, N, dim] buffer (each
+        # layer's refs from the last one's layout); layer 2 lies in an
+        # allocation of its own (64 MB: its own cudaMalloc block), layer 4
+        # is strided; every layer stores what the bytes path stores.
+        t = self.torch
+        ckv, kpe = self.rows(300, lead=(6,))
+        own = t.empty(64 << 20, dtype=t.uint8, device="cuda:0")
+        own_ckv = own[:300 * 1024].view(t.bfloat16).view(300, 512)
+        own_ckv.copy_(ckv[2])
+        kv = t.cat([ckv[4], kpe[4]], dim=1)  # [300, 576]: rows 1152 bytes apart
+        sources = {l: (ckv[l], kpe[l]) for l in (0, 1, 3, 5)}
+        sources[2] = (own_ckv, kpe[2])
+        sources[4] = (kv[:, :512], kv[:, 512:])
+        before = len(self.c.cuda_regions())
+        with self.c.save("views", **SCALES) as s:
+            for l in range(6):
+                s.layer(l, *sources[l])
+        self.assertEqual(list(self.c.sequence("views").layer_lengths)[:6], [300] * 6)
+        self.assertGreaterEqual(len(self.c.cuda_regions()), before + 1)  # the 64 MB block at least
+        for l in range(6):
+            self.client.append("views-bytes", l, sources[l][0].cpu(), sources[l][1].cpu(), start=0, **SCALES)
+            self.assert_same_bytes("views", "views-bytes", l)
+
     def test_client_side_refusals(self):
         t = self.torch
         ckv, kpe = self.rows(4)
