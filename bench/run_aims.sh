@@ -5,8 +5,11 @@
 #
 #   OUT=dir bench/run_aims.sh [PART...]
 #
-# PARTs (default: gpu suites floor ipc bytes save kernel), each writing
-# OUT/PART.txt:
+# PARTs (default: suites floor ipc bytes save kernel), each writing
+# OUT/PART.txt; then OUT/summary.txt (also printed): the gpu part and each
+# aim against the figures measured (bench/aims_summary.py), and the servers'
+# logs as OUT/logs.tar.xz -- eight files at most, what the device tool
+# brings back:
 #   gpu     the card, driver, cores, bundle commit
 #   suites  every test ctest labels gpu: the kernel vectors byte-exact, the
 #           cuda backend, the service on cuda pools and CUDA IPC regions, the
@@ -40,7 +43,7 @@ tar xJf .devrt/bundle.tar.xz -C "$rt" || { echo "run_aims: no .devrt/bundle.tar.
 # shellcheck disable=SC1091
 source "$rt/env"
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(gpu suites floor ipc bytes save kernel)
+[ ${#parts[@]} -gt 0 ] || parts=(suites floor ipc bytes save kernel)
 rounds=${ROUNDS:-3}
 ab_servers=${AB_SERVERS:-mlakv-server}
 port=50611
@@ -53,8 +56,9 @@ pools { name: "default" device: "${DEVICE:-cuda:0}" num_layers: 61 page_size: 64
 CFG
 
 server_pid=
+part=
 start_server() {  # start_server BINARY [LOG_LEVEL]: serves $cfg on $port, waits until it answers
-  "$1" --config "$cfg" --allow_ipc --listen "127.0.0.1:$port" --log_level "${2:-warn}" >"$OUT/$1.log" 2>&1 &
+  "$1" --config "$cfg" --allow_ipc --listen "127.0.0.1:$port" --log_level "${2:-warn}" >>"$OUT/$part-$1.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 1 600); do
     mlakv pools --server "127.0.0.1:$port" --timeout_s 1 >/dev/null 2>&1 && return 0
@@ -123,8 +127,7 @@ part_phases() {
   ipc_append_bench --server "127.0.0.1:$port" --decode_step --repeats 200 2>&1
   stop_server
   echo "== the server's phases (us), bench/phases_summary.py"
-  python3 bench/phases_summary.py "$OUT/mlakv-server.log"
-  xz -f "$OUT/mlakv-server.log"
+  python3 bench/phases_summary.py "$OUT/phases-mlakv-server.log"
 }
 
 part_bytes() {
@@ -161,11 +164,18 @@ part_sweep() {
   done
 }
 
-for p in "${parts[@]}"; do
-  if ! declare -f "part_$p" >/dev/null; then
-    echo "run_aims: no part \"$p\"" >&2
+for part in "${parts[@]}"; do
+  if ! declare -f "part_$part" >/dev/null; then
+    echo "run_aims: no part \"$part\"" >&2
     continue
   fi
-  echo "run_aims: $p $(date -u +%T)" >&2
-  "part_$p" >"$OUT/$p.txt" 2>&1
+  echo "run_aims: $part $(date -u +%T)" >&2
+  "part_$part" >"$OUT/$part.txt" 2>&1
 done
+{ part_gpu; python3 bench/aims_summary.py "$OUT"; } >"$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"
+logs=$(cd "$OUT" && ls -- *.log 2>/dev/null)
+if [ -n "$logs" ]; then
+  # shellcheck disable=SC2086
+  (cd "$OUT" && tar cJf logs.tar.xz $logs && rm -f $logs)
+fi
