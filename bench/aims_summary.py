@@ -100,8 +100,7 @@ def row(aim, figures, meets, fmt):
         aim, ", ".join(fmt % x for x in figures), met, len(figures), fmt % statistics.median(figures))
 
 
-def main():
-    out = sys.argv[1]
+def main_for(out):
     lines = []
     floor = read(out, "floor.txt")
     if floor is not None:
@@ -138,6 +137,13 @@ def main():
         return 1
     print("\n".join(lines))
     return 0
+
+
+def main():
+    if len(sys.argv) != 2:
+        print(__doc__.split("\n\n")[1])
+        return 2
+    return main_for(sys.argv[1])
 
 
 if __name__ == "__main__":

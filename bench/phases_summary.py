@@ -17,9 +17,9 @@ import sys
 FIELD = re.compile(r"(\w+)=(-?[0-9.]+)")
 
 
-def main():
+def main_for(log):
     groups = collections.defaultdict(lambda: collections.defaultdict(list))
-    with open(sys.argv[1], errors="replace") as f:
+    with open(log, errors="replace") as f:
         for line in f:
             if "cuda backend append:" in line:
                 kind = "backend"
@@ -42,6 +42,13 @@ def main():
             "%s p50 %.1f p90 %.1f" % (name, statistics.median(v), sorted(v)[int(len(v) * 0.9)])
             for name, v in fields.items())))
     return 0
+
+
+def main():
+    if len(sys.argv) != 2:
+        print(__doc__.split("\n\n")[1])
+        return 2
+    return main_for(sys.argv[1])
 
 
 if __name__ == "__main__":
