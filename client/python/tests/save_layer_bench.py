@@ -12,7 +12,12 @@ x --saves saves, each piece in its own loop):
     layout (views of one [layers, N, dim] buffer, shifted by a stride);
   * current stream: torch.cuda.current_stream, once a layer (the fence's stream);
   * s.layer: the whole call in a save of --layers layers of --tokens rows,
-    the save committed (untimed) after each pass.
+    the save committed (untimed) after each pass; split into the calls that
+    hand a group of layers to the stream (every layers_per_message-th: the
+    fence's event record and the queue's hand-over) and the others;
+  * the same inside a stand-in forward pass (one [tokens, 7168] x [7168,
+    7168] matmul per layer, as cuda_save_test.py's loop), where the GPU is
+    busy and the caller's thread shares the GIL with the stream's.
 
     MLAKV_SERVER=.../mlakv-server MLAKV_PY_GEN=.../gen PYTHONPATH=client/python \\
         python3 client/python/tests/save_layer_bench.py [--tokens 1024] [--saves 20]
@@ -82,15 +87,31 @@ def main():
                     t = time.perf_counter()
                     torch.cuda.current_stream(0)
                     streams.append(time.perf_counter() - t)
-            for n in range(a.saves):
-                s = c.save("bench-%d" % n, **SCALES)
-                for i in range(a.layers):
-                    x, y = ckv[i], kpe[i]
-                    t = time.perf_counter()
-                    s.layer(i, x, y)
-                    layer.append(time.perf_counter() - t)
-                s.wait()
-                c.free("bench-%d" % n)
+            per_message = 8  # LayerwiseSave's default layers_per_message
+            x_in = torch.randn(a.tokens, 7168, device="cuda:0", dtype=torch.bfloat16)
+            w = torch.randn(7168, 7168, device="cuda:0", dtype=torch.bfloat16) / 7168 ** 0.5
+
+            def saves(compute):
+                hands, others = [], []
+                for n in range(a.saves):
+                    s = c.save("bench-%d" % n, **SCALES)
+                    for i in range(a.layers):
+                        if compute:  # the layer's compute writes its rows, as a forward pass would
+                            y = torch.mm(x_in, w)
+                            ckv[i].copy_(y[:, :512])
+                            kpe[i].copy_(y[:, 512:576])
+                        x, y = ckv[i], kpe[i]
+                        t = time.perf_counter()
+                        s.layer(i, x, y)
+                        hand = (i + 1) % per_message == 0 or i + 1 == a.layers
+                        (hands if hand else others).append(time.perf_counter() - t)
+                    s.wait()
+                    c.free("bench-%d" % n)
+                return hands, others
+
+            hands, others = saves(False)
+            layer = hands + others
+            loop_hands, loop_others = saves(True)
             from google.protobuf.internal import api_implementation
 
             print("s.layer of CUDA views, %d layers x %d tokens, %d saves (%s, torch %s, protobuf %s)" % (
@@ -101,6 +122,11 @@ def main():
                 print(summary("prepare (like the last)", like_last))
             print(summary("current stream", streams))
             print(summary("s.layer", layer))
+            print(summary("  handing a group over", hands))
+            print(summary("  the others", others))
+            print(summary("s.layer in a forward pass", loop_hands + loop_others))
+            print(summary("  handing a group over", loop_hands))
+            print(summary("  the others", loop_others))
     os.unlink(cfg.name)
     return 0
 
