@@ -105,6 +105,12 @@ class _LayerRows:
         return sum(p.shape[1] * _rows.ELEMENT_BYTES for p in self.ckv + self.kpe if isinstance(p, np.ndarray))
 
 
+def _extent(rows, row_stride_bytes, dim):
+    """Bytes from the first row's start to the last row's end (a stride of 0: one row)."""
+    row_bytes = dim * _rows.ELEMENT_BYTES
+    return (rows - 1) * (row_stride_bytes or row_bytes) + row_bytes
+
+
 class _CudaLayout:
     """A one-layer (ckv, kpe) pair of CUDA tensors that _prepare accepted, as
     Client._prepare_like compares a later pair with it."""
@@ -127,7 +133,7 @@ class _CudaLayout:
         layout.strides = tuple(x.stride() for x in pair)
         layout.regions = tuple(prepared.cuda)
         layout.row_strides = tuple(r.row_stride_bytes for r in refs)
-        layout.extents = tuple((prepared.rows - 1) * (stride or dim * _rows.ELEMENT_BYTES) + dim * _rows.ELEMENT_BYTES
+        layout.extents = tuple(_extent(prepared.rows, stride, dim)
                                for stride, dim in zip(layout.row_strides, (_rows.CKV_DIM, _rows.KPE_DIM)))
         layout.dtype, layout.rows = prepared.dtype, prepared.rows
         return layout
@@ -790,13 +796,11 @@ class Client:
         """RegionRefs (one per layer) for the checked views of a CUDA tensor;
         registers the allocations not registered yet. Returns (refs, regions)."""
         refs, used = [], []
-        row_bytes = dim * _rows.ELEMENT_BYTES
         for address, rows, stride in views:
             if rows == 0:  # nothing to read: an empty bytes part
                 refs.append(np.zeros((0, dim), dtype=np.uint16))
                 continue
-            extent = (rows - 1) * (stride or row_bytes) + row_bytes
-            region = self._cuda_region(t, address, extent)
+            region = self._cuda_region(t, address, _extent(rows, stride, dim))
             refs.append(pb.RegionRef(region=region.name, offset=address - region.base, row_stride_bytes=stride))
             used.append(region)
         return refs, used
