@@ -35,7 +35,7 @@
 # version), KERNEL_RUNS (2), DEVICE (cuda:0; cpu tries the bytes part's
 # plumbing on a machine without a GPU), NUM_PAGES (8192).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must name the folder for the results}"
 mkdir -p "$OUT"
 rt=$(mktemp -d)
