@@ -102,6 +102,13 @@ def requests():
                          ("commit_append_too_many", pb.CommitAppendRequest(messages=3)),
                          ("commit_append_other_token", pb.CommitAppendRequest(commit_token="other", messages=2))):
         write(t, name, b"\x0c" + c1.SerializeToString() + SEP + c2.SerializeToString() + SEP + commit.SerializeToString())
+    # A stream refused at its first message (a ckv of 100 bytes) while
+    # CommitAppend names a token no stream holds: what grew gRPC's in-process
+    # transport by ~65 KB a run (the target now uses loopback TCP).
+    bad = pb.AppendRequest(sequence="c", row_count=1, dtype=pb.ROW_DTYPE_BFLOAT16,
+                           layers=[pb.LayerRows(layer=0, ckv=b"y" * 100, ckv_scale=0.5, kpe_scale=0.25)])
+    write(t, "commit_append_after_a_refused_stream", b"\x0c" + bad.SerializeToString() + SEP + c2.SerializeToString() +
+          SEP + pb.CommitAppendRequest(commit_token="tok", messages=2).SerializeToString())
 
 
 if __name__ == "__main__":
