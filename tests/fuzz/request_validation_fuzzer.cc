@@ -1,18 +1,20 @@
 // libFuzzer target: request validation of the service. The input is split
 // into protobuf messages for one of the calls that change or read a pool
 // (AppendBatch, an Append stream of up to four messages, one committed by
-// CommitAppend, ReadSequence,
-// TruncateSequence, FreeSequence, GetPage), sent to a server in this process
-// (cpu backend) over loopback TCP, as clients reach mlakv-server. Not over
-// gRPC's in-process transport: in gRPC 1.51 it kept ~65 KB of every Append
-// stream the server failed before the client's half-close while another
-// call ran (an Append stream refused at its first message, then
-// CommitAppend): 11 minutes of fuzzing (3.5M inputs) grew past the 2 GB RSS limit, with
-// the server's own calls all deleted (counted) and the same inputs over TCP
-// holding steady -- and as fast. Whatever comes: the server answers, the pool's invariants
+// CommitAppend, ReadSequence, TruncateSequence, FreeSequence, GetPage,
+// leases, forks, MatchPrefix, GetSequence), sent to a server in this process
+// (cpu backend). Whatever comes: the server answers, the pool's invariants
 // hold, and a call that fails leaves the pool exactly as it was (pages,
 // sequences, tokens per layer). Inputs that do not parse as the request type
 // are skipped (the raw Append path is covered by tests/faults/).
+//
+// The calls go over loopback TCP, as clients reach mlakv-server, not over
+// gRPC's in-process transport: in gRPC 1.51 that kept ~65 KB of every Append
+// stream the server failed before the client's half-close while another
+// call ran (a stream refused at its first message, then CommitAppend), and
+// 11 minutes of fuzzing (3.5M inputs) grew past the 2 GB RSS limit -- with
+// the server's own calls all deleted (counted), and the same inputs over TCP
+// holding steady and running as fast.
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
