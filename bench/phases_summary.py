@@ -28,8 +28,8 @@ def main_for(log):
             else:
                 continue
             head, _, timed = line.partition(" us: ")
-            rows = dict(FIELD.findall(head)).get("rows", "?")
-            layers = dict(FIELD.findall(head)).get("layers", "")
+            named = dict(FIELD.findall(head))
+            rows, layers = named.get("rows", "?"), named.get("layers", "")
             key = (kind, rows + (" x %s layers" % layers if layers else ""))
             for name, value in FIELD.findall(timed):
                 groups[key][name].append(float(value))

@@ -707,8 +707,6 @@ class Client:
         """Forgets region `name`; returns the appends in flight that still hold it."""
         resp = self._call(self._stub.UnregisterRegion, pb.UnregisterRegionRequest(name=name))
         with self._cuda_lock:
-            for r in self._cuda_regions:
-                r.registered = r.registered and r.name != name
             self._cuda_regions = [r for r in self._cuda_regions if r.name != name]
         return resp.appends_in_flight
 
@@ -735,8 +733,6 @@ class Client:
         should give that memory back; later appends register again."""
         with self._cuda_lock:
             regions, self._cuda_regions = self._cuda_regions, []
-            for r in regions:
-                r.registered = False
         first_error = None
         for r in regions:
             try:
@@ -835,7 +831,10 @@ class Client:
                 return None
             region = like.regions[k]
             address = x.data_ptr()
-            if not region.registered or not region.contains(address, like.extents[k]):
+            # Still registered (not unregistered or released since). Read
+            # without _cuda_lock: removals replace the list, and a region
+            # appended meanwhile is not the one looked for.
+            if region not in self._cuda_regions or not region.contains(address, like.extents[k]):
                 return None
             refs[k] = pb.RegionRef(region=region.name, offset=address - region.base,
                                    row_stride_bytes=like.row_strides[k])

@@ -263,10 +263,6 @@ class CudaRegion:
         # cache allocation) share it; they record on that thread's current
         # stream, and the server, waiting on the latest record, waits for all.
         self.lock = threading.RLock()
-        # False once the client unregistered it (Client.unregister,
-        # release_cuda_regions): a layer-wise save's next layer then looks
-        # its allocation up again instead of naming a region the server forgot.
-        self.registered = True
 
     def contains(self, address, extent):
         return self.base <= address and address + extent <= self.base + self.size
