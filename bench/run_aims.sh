@@ -14,6 +14,7 @@
 #   suites  every test ctest labels gpu: the kernel vectors byte-exact, the
 #           cuda backend, the service on cuda pools and CUDA IPC regions, the
 #           CLI end to end on cuda:0, the Python client's CUDA regions
+#   client  the Python client's CUDA tests alone (suites runs them too)
 #   floor   rpc_floor_bench: GetPool against a minimal sync server
 #   ipc     ipc_append_bench against a running server: the 262k-row IPC
 #           append over the kernel alone, one row, the decode step by
@@ -26,13 +27,14 @@
 #           eight connections
 #   save    client/python/tests/cuda_save_test.py (needs torch there):
 #           layer-wise save overhead and last layer -> commit; then
-#           save_layer_bench.py: s.layer's host time by piece
+#           save_layer_bench.py: s.layer's host time by piece; with
+#           SAVE_PYS="DIR DIR...", ROUNDS rounds of those packages in turn
 #   kernel  quantize_append_bench: every case against the same run's copy
 #   sweep   quantize_append_bench --sweep at 16,384 and 32,768 rows
 # Environment: ROUNDS (3), AB_SERVERS (mlakv-server), SAVE_TOKENS
 # (1024,4096,16384), SAVE_RUNS (7), SAVE_PY (client/python: the folder of
 # the mlakv package the save part imports; another to time another
-# version), KERNEL_RUNS (2), DEVICE (cuda:0; cpu tries the bytes part's
+# version; SAVE_PYS: several, in turn), KERNEL_RUNS (2), DEVICE (cuda:0; cpu tries the bytes part's
 # plumbing on a machine without a GPU), NUM_PAGES (8192).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -92,6 +94,10 @@ part_suites() {
   mlakv_e2e_test --gtest_brief=1 --gtest_filter='*Cuda*' 2>&1 | tail -4
   echo "== mlakv_e2e_test on a cuda:0 server"
   MLAKV_E2E_DEVICE=cuda:0 mlakv_e2e_test --gtest_brief=1 --gtest_filter='-Device/*' 2>&1 | tail -4
+  part_client
+}
+
+part_client() {
   echo "== cuda_bookkeeping_test.py"
   PYTHONPATH=client/python python3 client/python/tests/cuda_bookkeeping_test.py 2>&1 | tail -4
   echo "== cuda_region_test.py"
@@ -142,11 +148,24 @@ part_bytes() {
 }
 
 part_save() {
-  MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH="${SAVE_PY:-client/python}" \
+  if [ -z "${SAVE_PYS:-}" ]; then
+    save_with "${SAVE_PY:-client/python}"
+    return
+  fi
+  for r in $(seq 1 "$rounds"); do
+    for py in $SAVE_PYS; do
+      echo "== round $r: $py"
+      save_with "$py"
+    done
+  done
+}
+
+save_with() {  # save_with PACKAGE_DIR
+  MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH="$1" \
     python3 client/python/tests/cuda_save_test.py --runs "${SAVE_RUNS:-7}" \
     --tokens "${SAVE_TOKENS:-1024,4096,16384}" --commit call,end 2>&1
   echo "exit $?"
-  MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH="${SAVE_PY:-client/python}" \
+  MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH="$1" \
     python3 client/python/tests/save_layer_bench.py 2>&1
 }
 

@@ -6,6 +6,7 @@ Results are the generated protobuf messages of proto/mlakv/v1/kv_cache.proto
 back as numpy arrays. Every failure raises mlakv.Error(code, message).
 """
 
+import concurrent.futures
 import dataclasses
 import os
 import threading
@@ -187,6 +188,8 @@ class Client:
         self._shm_rows = []  # regions.ShmRows registered through this client
         self._layer_counts = {}  # pool name -> num_layers, looked up once for layer-wise saves
         self._no_commit_append = False  # the server answered CommitAppend UNIMPLEMENTED: saves end their streams
+        self._opener = None  # one thread that starts saves' Append calls (_start_in_background), made on first use
+        self._opener_lock = threading.Lock()
         self.closed = False
 
     # -- lifetime ---------------------------------------------------------
@@ -206,6 +209,10 @@ class Client:
         except Error:
             pass
         self.closed = True
+        with self._opener_lock:
+            opener, self._opener = self._opener, None
+        if opener is not None:
+            opener.shutdown(wait=True)  # a call being started is started, and closed with the channel
         self._channel.close()
 
     def __enter__(self):
@@ -213,6 +220,18 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _start_in_background(self, start):
+        """start() on the client's opener thread (one, kept for the client's
+        life): a concurrent.futures.Future of its result, or None once the
+        client is closing (the caller then starts inline)."""
+        with self._opener_lock:
+            if self.closed:
+                return None
+            if self._opener is None:
+                self._opener = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                     thread_name_prefix="mlakv-save-open")
+            return self._opener.submit(start)
 
     def _call(self, method, request, timeout=None):
         try:

@@ -121,7 +121,8 @@ class LayerwiseSave:
         self._queue = queue.Queue()  # lists of (layer, prepared), then _END
         self._pending = []  # (layer, prepared) not queued yet: held back (short prompts) or a group filling up
         self._pending_streams = None  # {device: torch stream} the pending CUDA layers were written on
-        self._future = None
+        self._future = None  # the Append call (a grpc future) once opened
+        self._opening = None  # while the client's opener thread starts it: a concurrent.futures.Future of the call
         self._held = []  # CUDA region locks (cuda_sync="event"), released when the save ends
         self._sent_layers = []  # message index -> the layers it carries
         self._layers = set()
@@ -178,11 +179,16 @@ class LayerwiseSave:
                 raise self._error
             if not self._layers:
                 raise client_error("save of %r: no layer was given" % (self._sequence,))
-            if self._future is None:
-                self._open()
+            if not self._opened():
+                self._open(background=False)  # wait() blocks anyway: no hop to another thread
             try:
                 self._flush()
             except BaseException:  # the last group's fence failed: nothing may commit
+                self._abort()
+                raise
+            try:
+                call = self._stream()
+            except BaseException:  # the call could not start (a closed channel): nothing was sent
                 self._abort()
                 raise
             committed = self._commit_by_call()
@@ -191,10 +197,10 @@ class LayerwiseSave:
                 self._result = committed
                 return self._result
             if self._poll_wait:
-                while not self._future.done():
+                while not call.done():
                     time.sleep(0)  # lets gRPC's threads take the GIL
             try:
-                self._result = self._future.result()
+                self._result = call.result()
             except grpc.RpcError as err:
                 self._error = self._named(Error.from_rpc_error(err))
                 raise self._error from None
@@ -206,7 +212,13 @@ class LayerwiseSave:
         """True once the save has ended (committed or failed); never blocks."""
         if self._result is not None or (self._finished and self._error is not None):
             return True
-        return self._future is not None and self._future.done()
+        if self._opening is not None:
+            if not self._opening.done():
+                return False
+            if self._opening.exception() is not None:
+                return True  # the call never started; wait() raises why
+        call = self._stream()
+        return call is not None and call.done()
 
     def __enter__(self) -> "LayerwiseSave":
         return self
@@ -238,12 +250,12 @@ class LayerwiseSave:
             self._pending_streams = streams
         self._layers.add(layer)
         self._pending.append((layer, prepared))
-        if self._future is None and prepared.rows < self._min_tokens:
+        if not self._opened() and prepared.rows < self._min_tokens:
             return
-        if self._future is None:
+        if not self._opened():
             if self._num_layers is None:
                 self._num_layers = self._client._layer_count(self._pool)
-            self._open()
+            self._open(background=True)
         if len(self._pending) >= self._per_message or len(self._layers) >= self._num_layers:
             self._flush()
 
@@ -294,9 +306,36 @@ class LayerwiseSave:
         self.committed_by_call = True
         return resp
 
-    def _open(self):
+    def _opened(self):
+        return self._future is not None or self._opening is not None
+
+    def _open(self, background):
+        """Starts the Append call. background: on the client's opener thread
+        (Client._start_in_background), so that the caller's s.layer() returns
+        at once -- gRPC Python starts a call with a stream of requests by
+        starting a thread to read them (and its channel's polling thread when
+        no other call is in flight), ~0.3 ms on the development VM and 2-3x
+        that on a slow GPU host, which the first layer's call paid in the
+        forward pass (docs/performance.md "A save's stream opened off the
+        caller's thread"). The messages the caller queues meanwhile wait in
+        the save's queue until the call's thread reads them."""
         c = self._client
-        self._future = c._stub.Append.future(self._messages(), timeout=c.timeout, metadata=c._metadata)
+
+        def start():
+            return c._stub.Append.future(self._messages(), timeout=c.timeout, metadata=c._metadata)
+
+        self._opening = c._start_in_background(start) if background else None
+        if self._opening is None:  # inline, or the client is closing
+            self._future = start()
+
+    def _stream(self):
+        """The Append call's future (None before it is opened), waiting for an
+        open under way on the opener thread; what that open raised is raised
+        here."""
+        if self._future is None and self._opening is not None:
+            opening, self._opening = self._opening, None
+            self._future = opening.result()
+        return self._future
 
     def _messages(self):
         """The stream's messages, built on gRPC's thread as layers arrive.
@@ -389,8 +428,12 @@ class LayerwiseSave:
         self._cancel()
 
     def _cancel(self):
-        if self._future is not None:
-            self._future.cancel()
+        try:
+            call = self._stream()
+        except Exception:  # the call never started: nothing to cancel
+            call = None
+        if call is not None:
+            call.cancel()
             self._queue.put(_END)
 
     def _abort(self):

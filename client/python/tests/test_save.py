@@ -3,6 +3,7 @@ host rows: byte-exact against the blocking append, atomic under every failure
 (a bad layer, a failing message, the caller's exception), the short-prompt
 path, and the stream open while the caller is still giving layers."""
 
+import threading
 import time
 import unittest
 
@@ -44,7 +45,7 @@ class LayerwiseSaveTest(ServerTestCase):
                 if layer == 0:
                     # Layer-wise: the stream is open while the caller goes on,
                     # and nothing is visible before the commit.
-                    self.assertIsNotNone(s._future)
+                    self.assertTrue(s._opened())
                     self.assertNotStored("lw-300")
         self.assertTrue(s.done())
         self.assertTrue(s.committed_by_call, "the commit was the waiting thread's CommitAppend")
@@ -61,7 +62,7 @@ class LayerwiseSaveTest(ServerTestCase):
         s = self.client.save("short", **SCALES)
         for layer, (ckv, kpe) in enumerate(rows):
             s.layer(layer, ckv, kpe)
-        self.assertIsNone(s._future, "below layerwise_min_tokens no stream is opened before wait()")
+        self.assertFalse(s._opened(), "below layerwise_min_tokens no stream is opened before wait()")
         resp = s.wait()
         self.assertEqual(resp.sequence.length, 40)
         for layer, (ckv, kpe) in enumerate(rows):
@@ -197,6 +198,88 @@ class LayerwiseSaveTest(ServerTestCase):
                 s.layer(layer, ckv, kpe)
         self.assertTrue(s.committed_by_call)
         self.client.free("by-call-again")
+        self.assertEqual(self.client.pool().pages_used, 0)
+
+    def test_the_stream_is_started_off_the_callers_thread(self):
+        """The first layer hands the call's start (gRPC Python starts threads
+        for it) to the client's opener thread; a save that ends below the
+        threshold starts its call in wait(), on the caller's thread."""
+        real = self.client._stub.Append
+        started_on = []
+
+        class Recording:
+            def future(self, *args, **kwargs):
+                started_on.append(threading.current_thread().name)
+                return real.future(*args, **kwargs)
+
+        rows = prompt(11, 300)
+        self.client._stub.Append = Recording()
+        try:
+            for n in range(3):  # one opener thread for every save of the client
+                with self.client.save("opened-%d" % n, **SCALES) as s:
+                    for layer, (ckv, kpe) in enumerate(rows):
+                        s.layer(layer, ckv, kpe)
+            with self.client.save("short-inline", **SCALES) as s:
+                for layer, (ckv, kpe) in enumerate(rows):
+                    s.layer(layer, ckv[:40], kpe[:40])
+        finally:
+            self.client._stub.Append = real
+        self.assertEqual(len(started_on), 4, started_on)
+        self.assertEqual(len(set(started_on[:3])), 1, started_on)
+        self.assertTrue(started_on[0].startswith("mlakv-save-open"), started_on)
+        self.assertEqual(started_on[3], threading.current_thread().name)
+        for n in range(3):
+            self.assertEqual(self.client.sequence("opened-%d" % n).length, 300)
+            self.client.free("opened-%d" % n)
+        self.assertEqual(self.client.sequence("short-inline").length, 40)
+        self.client.free("short-inline")
+
+    def test_a_call_that_cannot_start_fails_the_save_and_writes_nothing(self):
+        """What starting the call raised on the opener thread is raised by
+        wait(); done() says the save ended; nothing is written."""
+        real = self.client._stub.Append
+
+        class Broken:
+            def future(self, *args, **kwargs):
+                raise ValueError("Cannot invoke RPC on closed channel!")
+
+        rows = prompt(12, 300)
+        self.client._stub.Append = Broken()
+        try:
+            s = self.client.save("never-started", **SCALES)
+            for layer in range(5):
+                s.layer(layer, *rows[layer])
+            deadline = time.monotonic() + 10
+            while not s.done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self.assertTrue(s.done(), "a save whose call failed to start has ended")
+            with self.assertRaises(ValueError):
+                s.wait()
+            with self.assertRaises(mlakv.Error) as ctx:  # and stays failed
+                s.wait()
+            self.assertEqual(ctx.exception.code, grpc.StatusCode.CANCELLED)
+        finally:
+            self.client._stub.Append = real
+        self.assertNotStored("never-started")
+        self.assertEqual(self.client.pool().pages_used, 0)
+
+    def test_closing_the_client_mid_save_writes_nothing(self):
+        """A client closed while its save's call is being started or is open:
+        the save fails at wait() and the server keeps nothing of it."""
+        rows = prompt(13, 300)
+        for given in (1, 30):
+            client = mlakv.Client(self.server.target, timeout=30)
+            s = client.save("closed-%d" % given, **SCALES)
+            for layer in range(given):
+                s.layer(layer, *rows[layer])
+            client.close()
+            with self.assertRaises(mlakv.Error) as ctx:
+                s.wait()
+            self.assertEqual(ctx.exception.code, grpc.StatusCode.CANCELLED, str(ctx.exception))
+            self.assertNotStored("closed-%d" % given)
+        deadline = time.monotonic() + 10  # the server ends the cancelled streams
+        while self.client.pool().pages_used != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.assertEqual(self.client.pool().pages_used, 0)
 
     def test_a_save_to_a_pool_that_does_not_exist_fails_naming_the_pool(self):
