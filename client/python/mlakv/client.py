@@ -189,6 +189,7 @@ class Client:
         self._layer_counts = {}  # pool name -> num_layers, looked up once for layer-wise saves
         self._no_commit_append = False  # the server answered CommitAppend UNIMPLEMENTED: saves end their streams
         self._opener = None  # one thread that starts saves' Append calls (_start_in_background), made on first use
+        self._opener_pid = 0  # the process that made it (a forked child's copy has no thread behind it)
         self._opener_lock = threading.Lock()
         self.closed = False
 
@@ -228,9 +229,10 @@ class Client:
         with self._opener_lock:
             if self.closed:
                 return None
-            if self._opener is None:
+            if self._opener is None or self._opener_pid != os.getpid():
                 self._opener = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                      thread_name_prefix="mlakv-save-open")
+                self._opener_pid = os.getpid()
             return self._opener.submit(start)
 
     def _call(self, method, request, timeout=None):

@@ -314,8 +314,8 @@ class LayerwiseSave:
         (Client._start_in_background), so that the caller's s.layer() returns
         at once -- gRPC Python starts a call with a stream of requests by
         starting a thread to read them (and its channel's polling thread when
-        no other call is in flight), ~0.3 ms on the development VM and 2-3x
-        that on a slow GPU host, which the first layer's call paid in the
+        no other call is in flight), ~0.3 ms on the development VM and ~0.5 ms
+        on an H100 host, which the first layer's call paid in the
         forward pass (docs/performance.md "A save's stream opened off the
         caller's thread"). The messages the caller queues meanwhile wait in
         the save's queue until the call's thread reads them."""

@@ -234,6 +234,25 @@ class LayerwiseSaveTest(ServerTestCase):
         self.assertEqual(self.client.sequence("short-inline").length, 40)
         self.client.free("short-inline")
 
+    def test_a_forked_child_gets_an_opener_of_its_own(self):
+        """After a fork the parent's opener has no thread behind it in the
+        child: a start there makes a new one (the pid is compared)."""
+        client = mlakv.Client(self.server.target, timeout=30)
+        try:
+            self.assertEqual(client._start_in_background(lambda: 1).result(timeout=10), 1)
+            parents = client._opener
+            real_getpid = mlakv.client.os.getpid
+            mlakv.client.os.getpid = lambda: real_getpid() + 1  # as in a child
+            try:
+                self.assertEqual(client._start_in_background(lambda: 2).result(timeout=10), 2)
+            finally:
+                mlakv.client.os.getpid = real_getpid
+            self.assertIsNot(client._opener, parents)
+            parents.shutdown(wait=True)
+        finally:
+            client.close()
+        self.assertIsNone(client._start_in_background(lambda: 3), "a closed client starts nothing")
+
     def test_a_call_that_cannot_start_fails_the_save_and_writes_nothing(self):
         """What starting the call raised on the opener thread is raised by
         wait(); done() says the save ended; nothing is written."""
