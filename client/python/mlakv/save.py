@@ -428,6 +428,10 @@ class LayerwiseSave:
         self._cancel()
 
     def _cancel(self):
+        opening = self._opening
+        if opening is not None and opening.cancel():  # its start had not begun: no call, nothing sent
+            self._opening = None
+            return
         try:
             call = self._stream()
         except Exception:  # the call never started: nothing to cancel
