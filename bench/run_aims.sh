@@ -34,7 +34,9 @@
 # Environment: ROUNDS (3), AB_SERVERS (mlakv-server), SAVE_TOKENS
 # (1024,4096,16384), SAVE_RUNS (7), SAVE_PY (client/python: the folder of
 # the mlakv package the save part imports; another to time another
-# version; SAVE_PYS: several, in turn), KERNEL_RUNS (2), DEVICE (cuda:0; cpu tries the bytes part's
+# version; SAVE_PYS: several, in turn), SAVE_COMMIT (call,end),
+# SAVE_GROUPS (8: layers_per_message, comma-separated to compare),
+# SAVE_LAYER_BENCH (1; 0 skips save_layer_bench.py), KERNEL_RUNS (2), DEVICE (cuda:0; cpu tries the bytes part's
 # plumbing on a machine without a GPU), NUM_PAGES (8192).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -163,8 +165,10 @@ part_save() {
 save_with() {  # save_with PACKAGE_DIR
   MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH="$1" \
     python3 client/python/tests/cuda_save_test.py --runs "${SAVE_RUNS:-7}" \
-    --tokens "${SAVE_TOKENS:-1024,4096,16384}" --commit call,end 2>&1
+    --tokens "${SAVE_TOKENS:-1024,4096,16384}" --commit "${SAVE_COMMIT:-call,end}" \
+    --layers_per_message "${SAVE_GROUPS:-8}" 2>&1
   echo "exit $?"
+  [ "${SAVE_LAYER_BENCH:-1}" = 0 ] && return
   MLAKV_SERVER="$rt/bin/mlakv-server" PYTHONPATH="$1" \
     python3 client/python/tests/save_layer_bench.py 2>&1
 }
