@@ -3,6 +3,8 @@
 //
 //   append_host_bench [--sequences 256] [--layers 61] [--steps 400]        a decode step
 //   append_host_bench --sequences 1 --layers 1 --rows 262144 --view full   a prefill chunk
+//   append_host_bench --sequences 1 --written_layers 1 --rows 262144 --view lengths
+//                                                   ipc_append_bench's 262k append (one layer of 61)
 //   append_host_bench --view compact --steps 400 --passes 80               a decode step, long enough to profile
 //   append_host_bench --view compact --layers 4 --context 16384            a decode step at 16k tokens of context
 //
@@ -57,7 +59,9 @@
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(int, sequences, 256, "sequences per step");
-ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step)");
+ABSL_FLAG(int, layers, 61, "layers of the pool (all written every step, unless --written_layers)");
+ABSL_FLAG(int, written_layers, 0, "layers each step writes, from layer 0 (0: every layer; 1 with --rows 262144: "
+          "ipc_append_bench's one-layer append into a 61-layer pool)");
 ABSL_FLAG(int, steps, 400, "steps (calls) timed");
 ABSL_FLAG(int, rows, 1, "rows per sequence per step (> 1: fresh sequences every step)");
 ABSL_FLAG(std::string, view, "basic", "the response's view: basic, compact, lengths, packed or full");
@@ -98,6 +102,7 @@ double Us(Clock::time_point a, Clock::time_point b) { return Micros(b - a); }
 
 int Run() {
   const int sequences = absl::GetFlag(FLAGS_sequences), layers = absl::GetFlag(FLAGS_layers);
+  const int written = absl::GetFlag(FLAGS_written_layers) > 0 ? std::min(layers, absl::GetFlag(FLAGS_written_layers)) : layers;
   const int steps = absl::GetFlag(FLAGS_steps);
   const int rows_per = absl::GetFlag(FLAGS_rows);
   const bool fresh = rows_per > 1;
@@ -148,7 +153,7 @@ int Run() {
     sr->set_sequence(std::move(id));
     sr->set_row_count(rows_per);
   }
-  for (int l = 0; l < layers; ++l) {
+  for (int l = 0; l < written; ++l) {
     v1::LayerRows* lr = req.add_batch_layers();
     lr->set_layer(l);
     lr->set_ckv(ckv);
@@ -162,7 +167,7 @@ int Run() {
   // The same step as a client sends it by reference (ipc_append_bench
   // --decode_step): each layer one range of a CUDA region.
   v1::AppendBatchRequest by_reference = req;
-  for (int l = 0; l < layers; ++l) {
+  for (int l = 0; l < written; ++l) {
     v1::LayerRows* lr = by_reference.mutable_batch_layers(l);
     lr->clear_ckv();
     lr->clear_kpe();
@@ -171,7 +176,7 @@ int Run() {
     lr->mutable_kpe_ref()->set_region("ipc-decode");
     lr->mutable_kpe_ref()->set_offset(static_cast<uint64_t>(l) * batch_rows * 128);
   }
-  std::vector<uint64_t> slots(static_cast<size_t>(sequences) * layers, 0);
+  std::vector<uint64_t> slots(static_cast<size_t>(sequences) * written, 0);
   const int passes = std::max(1, absl::GetFlag(FLAGS_passes));
   for (int pass = 0; pass < passes; ++pass) {
     if (pass > 0 && !fresh) {  // every sequence back to empty, untimed
@@ -301,9 +306,9 @@ int Run() {
     }
   }
   if (absl::Status st = (*pool)->CheckInvariants(); !st.ok()) Fail("invariants", st);
-  std::printf("AppendBatch host work: %d sequences x %d rows x %d layers, %d steps x %d passes, view %s (segments handed to the "
+  std::printf("AppendBatch host work: %d sequences x %d rows x %d of %d layers, %d steps x %d passes, view %s (segments handed to the "
               "backend: %llu, layers with a placement of their own: %llu)\n",
-              sequences, rows_per, layers, steps, passes, absl::GetFlag(FLAGS_view).c_str(), static_cast<unsigned long long>(backend->appended_segments),
+              sequences, rows_per, written, layers, steps, passes, absl::GetFlag(FLAGS_view).c_str(), static_cast<unsigned long long>(backend->appended_segments),
               static_cast<unsigned long long>(backend->separate_placements));
   auto line = [](const char* what, std::vector<double> v) {
     const Summary s = Summarize(std::move(v));
