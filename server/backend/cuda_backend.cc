@@ -144,9 +144,12 @@ absl::Status CudaBackend::EnsureStaging(size_t bytes) {
   if (pinned_ != nullptr) cudaFreeHost(pinned_);
   scratch_ = nullptr;
   pinned_ = nullptr;
+  pinned_dev_ = nullptr;
   staging_bytes_ = 0;
-  MLAKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), want, cudaHostAllocDefault),
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(reinterpret_cast<void**>(&pinned_), want, cudaHostAllocMapped),
                              absl::StrCat("cudaHostAlloc of ", want, " bytes of pinned staging"));
+  MLAKV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(reinterpret_cast<void**>(&pinned_dev_), pinned_, 0),
+                             "cudaHostGetDevicePointer of the pinned staging");
   MLAKV_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&scratch_), want),
                              absl::StrCat("cudaMalloc of ", want, " bytes of staging"));
   staging_bytes_ = want;
@@ -206,6 +209,9 @@ struct CudaBackend::StagedAppend {
   std::vector<CopyJob> host_copies;
   std::vector<Gather> gathers;
   std::vector<const void*> wait_events;
+  // The params read placements and page tables from pinned_ itself: no copy
+  // of the staging buffer is enqueued (ReadPlacementInPlace).
+  bool placement_in_place = false;
 };
 
 // Appends `job` to `jobs`, or extends the last job when `job` continues it
@@ -238,6 +244,7 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   MLAKV_RETURN_IF_ERROR(EnsureStaging(total));
   MLAKV_ASSIGN_OR_RETURN(StagedAppend staged, Stage(layers, slots));
   if (staged.params.empty()) return absl::OkStatus();
+  ReadPlacementInPlace(total, &staged);
   if (!timed) return Launch(staged, total);
   const auto staged_at = std::chrono::steady_clock::now();
   Timing t;
@@ -436,6 +443,37 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
   return out;
 }
 
+// A call of a few rows from device memory (a decode worker's one-sequence
+// append, a one-row IPC append) has nothing to copy to the device but its
+// placement and page table, tens of bytes: the kernel reads them from the
+// pinned buffer itself, which the GPU maps, instead of a DMA enqueued ahead
+// of it (a copy operation and its API call less on the call's path). Only
+// for a few rows per layer: every block of the kernel reads its segment's
+// placement and its pages' indices, over PCIe from there. The buffer is not
+// written again before the call's synchronize (the next call stages after
+// it), so what the kernel reads is what was staged.
+constexpr size_t kInPlacePlacementBytes = 1024;
+constexpr int64_t kInPlaceRowsPerLayer = 64;
+
+void CudaBackend::ReadPlacementInPlace(size_t total, StagedAppend* staged) const {
+  if (!staged->host_copies.empty() || total > kInPlacePlacementBytes || pinned_dev_ == nullptr) return;
+  for (const QuantizeAppendParams& p : staged->params) {
+    if (p.num_rows > kInPlaceRowsPerLayer) return;
+  }
+  // Stage() pointed the params at scratch_, the buffer's device copy.
+  const auto in_pinned = [&](const int32_t* on_device) {
+    return reinterpret_cast<const int32_t*>(pinned_dev_ + (reinterpret_cast<const uint8_t*>(on_device) - scratch_));
+  };
+  for (QuantizeAppendParams& p : staged->params) {
+    p.segment_indptr = in_pinned(p.segment_indptr);
+    p.segment_request = in_pinned(p.segment_request);
+    p.segment_start = in_pinned(p.segment_start);
+    p.kv_indptr = in_pinned(p.kv_indptr);
+    p.kv_indices = in_pinned(p.kv_indices);
+  }
+  staged->placement_in_place = true;
+}
+
 // Copies the rows into pinned staging and the staging buffer to the device,
 // waits for the producers' events, gathers device rows, launches one kernel
 // per layer and checks that the kernel's bounds guard skipped nothing.
@@ -493,8 +531,10 @@ absl::Status CudaBackend::CheckNothingSkipped() {
 absl::Status CudaBackend::Enqueue(const StagedAppend& staged, size_t total, bool timed) {
   if (timed) MLAKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(timing_[0], stream_), "cudaEventRecord (timing)");
   copier_->Copy(staged.host_copies);
-  MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
-                             absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
+  if (!staged.placement_in_place) {
+    MLAKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch_, pinned_, total, cudaMemcpyHostToDevice, stream_),
+                               absl::StrCat("cudaMemcpyAsync of ", total, " bytes of staged rows"));
+  }
   // The producers' events, polled (a yield between polls) until the limit:
   // nothing of the call is launched when one is late.
   const absl::Time deadline = absl::Now() + options_.source_timeout;

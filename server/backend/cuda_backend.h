@@ -77,6 +77,9 @@ class CudaBackend : public CacheBackend {
   // the kernel's bounds guard skipped rows since the previous check.
   absl::Status CheckNothingSkipped();
   absl::Status EnsureStaging(size_t bytes);
+  // A small call's placement read by the kernel from the pinned buffer (see
+  // the definition); sets StagedAppend::placement_in_place.
+  void ReadPlacementInPlace(size_t total, StagedAppend* staged) const;
   absl::Status CheckEntries(int32_t layer, std::span<const int64_t> entries) const;
   // Copies runs between the layer's caches and host rows; `to_device` picks the direction.
   absl::Status CopyEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& rows, bool to_device);
@@ -87,7 +90,8 @@ class CudaBackend : public CacheBackend {
   // for multi-megabyte appends (the worker's largest cost per 4 MB message).
   std::unique_ptr<ParallelCopy> copier_;
   cudaStream_t stream_ = nullptr;
-  uint8_t* pinned_ = nullptr;        // host staging (cudaHostAlloc)
+  uint8_t* pinned_ = nullptr;        // host staging (cudaHostAlloc, mapped)
+  uint8_t* pinned_dev_ = nullptr;    // pinned_ as the device addresses it
   uint8_t* scratch_ = nullptr;       // device copy of the staging buffer
   size_t staging_bytes_ = 0;         // capacity of both
   // Rows the kernel's bounds guard skipped, counted since the pool started

@@ -112,6 +112,16 @@ TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
   s = Append({RegionMessage("packed", 0, n, rows.dtype, {0}, Ref("r", 0), Ref("r", kpe_off))});
   ASSERT_TRUE(s.ok()) << Describe(s);
   ExpectSameStored("packed", "bytes", {0}, n);
+  // A few rows a call (one row, the rest of a page, two across a page's
+  // end; every layer at once): the backend's kernel reads their placement
+  // from its pinned buffer instead of a copy (CudaBackend::ReadPlacementInPlace);
+  // then the rest in one call, copied as before. The same bytes either way.
+  for (const auto& [start, count] : std::vector<std::pair<uint64_t, uint64_t>>{{0, 1}, {1, 63}, {64, 2}, {66, n - 66}}) {
+    s = Append({RegionMessage("few", static_cast<uint32_t>(start), static_cast<uint32_t>(count), rows.dtype,
+                              {0, 1, 2, 3}, Ref("r", start * kCkvRow), Ref("r", kpe_off + start * kKpeRow))});
+    ASSERT_TRUE(s.ok()) << "rows [" << start << ", +" << count << "): " << Describe(s);
+  }
+  ExpectSameStored("few", "bytes", {0, 1, 2, 3}, n);
   // Strided rows.
   s = Append({RegionMessage("strided", 0, n, rows.dtype, {1}, Ref("r", strided_off, stride),
                             Ref("r", strided_off + kCkvRow, stride))});
