@@ -159,7 +159,8 @@ absl::Status CudaBackend::EnsureStaging(size_t bytes) {
 // Layout of the staging buffer, per layer: ckv rows, kpe rows, the rows'
 // placement by segment (segment_indptr, segment_request, segment_start:
 // 3 x segments + 1 ints, no per-row arrays), kv_indptr, kv_indices (each
-// 256-byte aligned). The whole buffer goes to the device in one copy.
+// 256-byte aligned). The whole buffer goes to the device in one copy, or
+// none: a few device rows' kernel reads it in place (ReadPlacementInPlace).
 struct CudaBackend::LayerSlots {
   size_t ckv = 0, kpe = 0, placement = 0, indptr = 0, indices = 0;  // offsets in the staging buffer
   int64_t rows = 0;
@@ -445,7 +446,7 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
 
 // A call of a few rows from device memory (a decode worker's one-sequence
 // append, a one-row IPC append) has nothing to copy to the device but its
-// placement and page table, tens of bytes: the kernel reads them from the
+// placement and page table (three 256-byte slots): the kernel reads them from the
 // pinned buffer itself, which the GPU maps, instead of a DMA enqueued ahead
 // of it (a copy operation and its API call less on the call's path). Only
 // for a few rows per layer: every block of the kernel reads its segment's
@@ -474,7 +475,8 @@ void CudaBackend::ReadPlacementInPlace(size_t total, StagedAppend* staged) const
   staged->placement_in_place = true;
 }
 
-// Copies the rows into pinned staging and the staging buffer to the device,
+// Copies the rows into pinned staging and the staging buffer to the device
+// (unless the kernel reads it in place),
 // waits for the producers' events, gathers device rows, launches one kernel
 // per layer and checks that the kernel's bounds guard skipped nothing.
 //
