@@ -160,7 +160,7 @@ absl::Status CudaBackend::EnsureStaging(size_t bytes) {
 // placement by segment (segment_indptr, segment_request, segment_start:
 // 3 x segments + 1 ints, no per-row arrays), kv_indptr, kv_indices (each
 // 256-byte aligned). The whole buffer goes to the device in one copy, or
-// none: a few device rows' kernel reads it in place (ReadPlacementInPlace).
+// none: a few device rows' kernel reads it in place (ReadsPlacementInPlace).
 struct CudaBackend::LayerSlots {
   size_t ckv = 0, kpe = 0, placement = 0, indptr = 0, indices = 0;  // offsets in the staging buffer
   int64_t rows = 0;
@@ -211,7 +211,7 @@ struct CudaBackend::StagedAppend {
   std::vector<Gather> gathers;
   std::vector<const void*> wait_events;
   // The params read placements and page tables from pinned_ itself: no copy
-  // of the staging buffer is enqueued (ReadPlacementInPlace).
+  // of the staging buffer is enqueued (ReadsPlacementInPlace).
   bool placement_in_place = false;
 };
 
@@ -243,9 +243,8 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   ScopedCudaDevice guard(options_.device.ordinal());
   MLAKV_RETURN_IF_ERROR(guard.status());
   MLAKV_RETURN_IF_ERROR(EnsureStaging(total));
-  MLAKV_ASSIGN_OR_RETURN(StagedAppend staged, Stage(layers, slots));
+  MLAKV_ASSIGN_OR_RETURN(StagedAppend staged, Stage(layers, slots, ReadsPlacementInPlace(total, slots)));
   if (staged.params.empty()) return absl::OkStatus();
-  ReadPlacementInPlace(total, &staged);
   if (!timed) return Launch(staged, total);
   const auto staged_at = std::chrono::steady_clock::now();
   Timing t;
@@ -336,9 +335,13 @@ absl::StatusOr<size_t> CudaBackend::PlanStaging(std::span<const LayerAppend> lay
 // row copies and device-row gathers, and builds the params twice: with host
 // pointers (validated here) and with device pointers (launched).
 absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const LayerAppend> layers,
-                                                             const std::vector<LayerSlots>& slots) {
+                                                             const std::vector<LayerSlots>& slots, bool in_place) {
   const Geometry& g = options_.geometry;
   StagedAppend out;
+  out.placement_in_place = in_place;
+  // Where the kernel finds the staged placements and page tables: the
+  // buffer's device copy, or the pinned buffer as the GPU maps it.
+  const uint8_t* placement_base = in_place ? pinned_dev_ : scratch_;
   for (size_t li = 0; li < layers.size(); ++li) {
     const LayerAppend& la = layers[li];
     const LayerSlots& s = slots[li];
@@ -430,13 +433,13 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
       p.ckv_row_stride = s.direct->ckv_stride_bytes / static_cast<int64_t>(esize);
       p.kpe_row_stride = s.direct->kpe_stride_bytes / static_cast<int64_t>(esize);
     }
-    const auto* dev_placement = reinterpret_cast<const int32_t*>(scratch_ + s.placement);
+    const auto* dev_placement = reinterpret_cast<const int32_t*>(placement_base + s.placement);
     p.segment_indptr = dev_placement;
     p.segment_request = dev_placement + s.segments + 1;
     p.segment_start = dev_placement + 2 * s.segments + 1;
     p.num_segments = s.segments;
-    p.kv_indptr = reinterpret_cast<const int32_t*>(scratch_ + s.indptr);
-    p.kv_indices = reinterpret_cast<const int32_t*>(scratch_ + s.indices);
+    p.kv_indptr = reinterpret_cast<const int32_t*>(placement_base + s.indptr);
+    p.kv_indices = reinterpret_cast<const int32_t*>(placement_base + s.indices);
     p.skipped_rows = skipped_;
     p.skipped_flag = skipped_flag_dev_;
     out.params.push_back(p);
@@ -456,23 +459,14 @@ absl::StatusOr<CudaBackend::StagedAppend> CudaBackend::Stage(std::span<const Lay
 constexpr size_t kInPlacePlacementBytes = 1024;
 constexpr int64_t kInPlaceRowsPerLayer = 64;
 
-void CudaBackend::ReadPlacementInPlace(size_t total, StagedAppend* staged) const {
-  if (!staged->host_copies.empty() || total > kInPlacePlacementBytes || pinned_dev_ == nullptr) return;
-  for (const QuantizeAppendParams& p : staged->params) {
-    if (p.num_rows > kInPlaceRowsPerLayer) return;
-  }
-  // Stage() pointed the params at scratch_, the buffer's device copy.
-  const auto in_pinned = [&](const int32_t* on_device) {
-    return reinterpret_cast<const int32_t*>(pinned_dev_ + (reinterpret_cast<const uint8_t*>(on_device) - scratch_));
-  };
-  for (QuantizeAppendParams& p : staged->params) {
-    p.segment_indptr = in_pinned(p.segment_indptr);
-    p.segment_request = in_pinned(p.segment_request);
-    p.segment_start = in_pinned(p.segment_start);
-    p.kv_indptr = in_pinned(p.kv_indptr);
-    p.kv_indices = in_pinned(p.kv_indices);
-  }
-  staged->placement_in_place = true;
+bool CudaBackend::ReadsPlacementInPlace(size_t total, const std::vector<LayerSlots>& slots) const {
+  if (total > kInPlacePlacementBytes || pinned_dev_ == nullptr) return false;
+  // Every layer's rows read in place from device memory: nothing of the
+  // call but placements goes through the staging buffer (a host or gathered
+  // row would not fit in 1 KB anyway; said here, not left implied).
+  return std::all_of(slots.begin(), slots.end(), [](const LayerSlots& s) {
+    return s.rows == 0 || (s.direct.has_value() && s.rows <= kInPlaceRowsPerLayer);
+  });
 }
 
 // Copies the rows into pinned staging and the staging buffer to the device

@@ -63,7 +63,10 @@ class CudaBackend : public CacheBackend {
   // The three steps of Append: where each layer's parts go in the staging
   // buffer (its total size), packing them there, and the device work.
   absl::StatusOr<size_t> PlanStaging(std::span<const LayerAppend> layers, std::vector<LayerSlots>* slots) const;
-  absl::StatusOr<StagedAppend> Stage(std::span<const LayerAppend> layers, const std::vector<LayerSlots>& slots);
+  // `in_place`: the params read placements and page tables from the pinned
+  // buffer itself (ReadsPlacementInPlace), else from its device copy.
+  absl::StatusOr<StagedAppend> Stage(std::span<const LayerAppend> layers, const std::vector<LayerSlots>& slots,
+                                     bool in_place);
   // When the host finished enqueueing and synchronizing (debug level only).
   struct Timing {
     std::chrono::steady_clock::time_point enqueued, synced;
@@ -77,9 +80,10 @@ class CudaBackend : public CacheBackend {
   // the kernel's bounds guard skipped rows since the previous check.
   absl::Status CheckNothingSkipped();
   absl::Status EnsureStaging(size_t bytes);
-  // A small call's placement read by the kernel from the pinned buffer (see
-  // the definition); sets StagedAppend::placement_in_place.
-  void ReadPlacementInPlace(size_t total, StagedAppend* staged) const;
+  // Whether a planned call is small enough for its kernel to read its
+  // placement from the pinned buffer, with no copy to the device (see the
+  // definition).
+  bool ReadsPlacementInPlace(size_t total, const std::vector<LayerSlots>& slots) const;
   absl::Status CheckEntries(int32_t layer, std::span<const int64_t> entries) const;
   // Copies runs between the layer's caches and host rows; `to_device` picks the direction.
   absl::Status CopyEntries(int32_t layer, std::span<const int64_t> entries, const EntryRows& rows, bool to_device);
