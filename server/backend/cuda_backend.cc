@@ -253,9 +253,10 @@ absl::Status CudaBackend::Append(std::span<const LayerAppend> layers) {
   float gpu_copies_ms = -1, gpu_kernel_ms = -1;
   if (s.ok() && cudaEventElapsedTime(&gpu_copies_ms, timing_[0], timing_[1]) == cudaSuccess &&
       cudaEventElapsedTime(&gpu_kernel_ms, timing_[1], timing_[2]) == cudaSuccess) {
-    spdlog::debug("cuda backend append: layers={} rows={} bytes_staged={} us: stage={:.1f} enqueue={:.1f} sync={:.1f} "
-                  "gpu_to_kernel={:.1f} gpu_kernel={:.1f}",
+    spdlog::debug("cuda backend append: layers={} rows={} bytes_staged={} placement={} us: stage={:.1f} enqueue={:.1f} "
+                  "sync={:.1f} gpu_to_kernel={:.1f} gpu_kernel={:.1f}",
                   staged.params.size(), staged.params[0].num_rows, total,
+                  staged.placement_in_place ? "in_place" : "copied",
                   us(started, staged_at), us(staged_at, t.enqueued), us(t.enqueued, t.synced), gpu_copies_ms * 1e3,
                   gpu_kernel_ms * 1e3);
   }

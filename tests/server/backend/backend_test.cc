@@ -9,12 +9,18 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/nvfp4_format.h"
 #include "kernels/quantize_rows.h"
 #include "server/backend/backend_factory.h"
 #include "spdlog/sinks/ringbuffer_sink.h"
 #include "spdlog/spdlog.h"
 #include "tests/testing/vector_files.h"
+
+#ifdef MLAKV_BACKEND_TEST_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #ifndef MLAKV_BACKEND_TEST_DEVICE
 #define MLAKV_BACKEND_TEST_DEVICE "cpu"
@@ -136,11 +142,87 @@ TEST_F(BackendTest, AtDebugLevelAnAppendStoresTheSameBytesAndLogsItsSplit) {
     return;
   }
   ASSERT_EQ(lines.size(), 1u);
-  for (const char* part : {"cuda backend append: layers=1 rows=6 ", " us: stage=", " enqueue=", " sync=",
-                           " gpu_to_kernel=", " gpu_kernel="}) {
+  for (const char* part : {"cuda backend append: layers=1 rows=6 ", " placement=copied ", " us: stage=", " enqueue=",
+                           " sync=", " gpu_to_kernel=", " gpu_kernel="}) {
     EXPECT_NE(lines[0].find(part), std::string::npos) << part << " not in: " << lines[0];
   }
 }
+
+#ifdef MLAKV_BACKEND_TEST_CUDA
+// A call whose every layer reads its rows in place from device memory, at
+// most 64 rows a layer, has the kernel read its placement and page table from
+// the mapped pinned buffer instead of a copy (CudaBackend::
+// ReadsPlacementInPlace); 65 rows, or one layer of host rows beside device
+// rows, copy it. Either way every layer stores the bytes the format says:
+// the debug line names the path taken, so neither path passes unexercised.
+TEST_F(BackendTest, AFewDeviceRowsHaveTheirPlacementReadInPlaceAndStoreTheSameBytes) {
+  auto big = CreateCacheBackend(device_, {.num_layers = 2, .num_pages = 40, .page_size = 4});
+  ASSERT_TRUE(big.ok()) << big.status();
+  backend_ = std::move(*big);
+  // A copy of `rows` in device memory, freed with the test.
+  std::vector<void*> allocations;
+  absl::Cleanup free_rows = [&] {
+    for (void* p : allocations) EXPECT_EQ(cudaFree(p), cudaSuccess);
+  };
+  auto on_device = [&](const Rows& rows) {
+    void* ckv = nullptr;
+    void* kpe = nullptr;
+    EXPECT_EQ(cudaMalloc(&ckv, rows.ckv.size() * 2), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&kpe, rows.kpe.size() * 2), cudaSuccess);
+    allocations.push_back(ckv);
+    allocations.push_back(kpe);
+    EXPECT_EQ(cudaMemcpy(ckv, rows.ckv.data(), rows.ckv.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(kpe, rows.kpe.data(), rows.kpe.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    return RowSource{.ckv = ckv, .kpe = kpe, .device = device_.ordinal(), .ckv_stride_bytes = 512 * 2,
+                     .kpe_stride_bytes = 64 * 2};
+  };
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(16);
+  const std::shared_ptr<spdlog::logger> before = spdlog::default_logger();
+  const spdlog::level::level_enum level = before->level();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("backend_test", sink));
+  spdlog::set_level(spdlog::level::debug);
+  absl::Cleanup restore_logger = [&] {
+    spdlog::set_default_logger(before);
+    spdlog::set_level(level);
+  };
+
+  struct Case {
+    int32_t rows;
+    bool layer1_on_host;
+    const char* placement;
+  };
+  int32_t next_page = 0;
+  for (const Case& c : {Case{1, false, "in_place"}, Case{64, false, "in_place"}, Case{65, false, "copied"},
+                        Case{3, true, "copied"}}) {
+    SCOPED_TRACE(::testing::Message() << c.rows << " rows" << (c.layer1_on_host ? ", layer 1 from the host" : ""));
+    const Rows layer0(c.rows, static_cast<uint32_t>(100 + c.rows)), layer1(c.rows, static_cast<uint32_t>(200 + c.rows));
+    // Request 0 owns the next pages; its positions 0..rows-1.
+    const int32_t pages = static_cast<int32_t>((c.rows + 3) / 4);
+    std::vector<int32_t> indices;
+    std::vector<int64_t> placed;
+    for (int32_t p = 0; p < pages; ++p) indices.push_back(next_page + p);
+    for (int64_t r = 0; r < c.rows; ++r) placed.push_back(int64_t{next_page} * 4 + r);
+    next_page += pages;
+    const std::vector<int32_t> indptr = {0, pages};
+    const AppendSegment seg{.rows = {}, .count = c.rows, .request = 0, .start = 0};
+    const RowSource rows1 = c.layer1_on_host ? RowSource{.ckv = layer1.ckv.data(), .kpe = layer1.kpe.data()}
+                                             : on_device(layer1);
+    const std::vector<LayerAppend> layers = {
+        {.layer = 0, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe, .segments = {&seg, 1},
+         .rows = on_device(layer0), .kv_indptr = indptr, .kv_indices = indices},
+        {.layer = 1, .dtype = DType::kBFloat16, .ckv_scale = kCkv, .kpe_scale = kKpe, .segments = {&seg, 1},
+         .rows = rows1, .kv_indptr = indptr, .kv_indices = indices}};
+    const absl::Status appended = backend_->Append(layers);
+    ASSERT_TRUE(appended.ok()) << appended;
+    ExpectStored(0, placed, layer0);
+    ExpectStored(1, placed, layer1);
+    const std::vector<std::string> lines = sink->last_formatted();
+    ASSERT_FALSE(lines.empty());
+    EXPECT_NE(lines.back().find(absl::StrCat("layers=2 rows=", c.rows, " ")), std::string::npos) << lines.back();
+    EXPECT_NE(lines.back().find(absl::StrCat(" placement=", c.placement, " ")), std::string::npos) << lines.back();
+  }
+}
+#endif  // MLAKV_BACKEND_TEST_CUDA
 
 // AppendBatch's compact form: both layers share one segments span (no rows
 // of their own) and each layer's rows lie back to back in `rows`, read in
