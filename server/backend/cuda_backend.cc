@@ -471,9 +471,9 @@ bool CudaBackend::ReadsPlacementInPlace(size_t total, const std::vector<LayerSlo
 }
 
 // Copies the rows into pinned staging and the staging buffer to the device
-// (unless the kernel reads it in place),
-// waits for the producers' events, gathers device rows, launches one kernel
-// per layer and checks that the kernel's bounds guard skipped nothing.
+// (unless the kernel reads it in place), waits for the producers' events,
+// gathers device rows, launches the kernel for all the call's layers and
+// checks that the kernel's bounds guard skipped nothing.
 //
 // The producers' events are waited for on the host, before anything that
 // reads their rows is enqueued, not with cudaStreamWaitEvent: without MPS the server

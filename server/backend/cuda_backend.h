@@ -3,7 +3,9 @@
 //
 // One CUDA stream per pool (per backend). Appended rows, positions and page
 // tables are packed into one pinned host buffer, copied to a device scratch
-// buffer in one cudaMemcpyAsync, then one kernel per layer is launched; every
+// buffer in one cudaMemcpyAsync (or, for a few device rows, read by the
+// kernel from the mapped pinned buffer itself), then one kernel is launched
+// for all the call's layers (kMaxLayersPerLaunch a launch); every
 // call synchronizes the stream before it returns, so the caller's buffers are
 // free again and errors are reported by the call that caused them. Reads and
 // restores copy whole runs of consecutive cache entries with cudaMemcpyAsync.

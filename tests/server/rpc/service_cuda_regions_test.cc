@@ -114,7 +114,7 @@ TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
   ExpectSameStored("packed", "bytes", {0}, n);
   // A few rows a call (one row, the rest of a page, two across a page's
   // end; every layer at once): the backend's kernel reads their placement
-  // from its pinned buffer instead of a copy (CudaBackend::ReadPlacementInPlace);
+  // from its pinned buffer instead of a copy (CudaBackend::ReadsPlacementInPlace);
   // then the rest in one call, copied as before. The same bytes either way.
   for (const auto& [start, count] : std::vector<std::pair<uint64_t, uint64_t>>{{0, 1}, {1, 63}, {64, 2}, {66, n - 66}}) {
     s = Append({RegionMessage("few", static_cast<uint32_t>(start), static_cast<uint32_t>(count), rows.dtype,
