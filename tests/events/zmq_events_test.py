@@ -189,14 +189,32 @@ class ZmqEventsTest(unittest.TestCase):
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(pub_endpoint)
-            newest = -1
-            for s in range(6):  # one batch each: the next waits for it
+
+            def append_page(sequence):  # one full page: one batch with one BlockStored
                 n = PAGE
-                m = pb.AppendRequest(sequence="b%d" % s, start=0, row_count=n, dtype=pb.ROW_DTYPE_BFLOAT16,
-                                     block_hashes=[b"b%d" % s])
+                m = pb.AppendRequest(sequence=sequence, start=0, row_count=n, dtype=pb.ROW_DTYPE_BFLOAT16,
+                                     block_hashes=[sequence.encode()])
                 for layer in (0, 1):
                     m.layers.add(layer=layer, ckv=BF16_ONE * 512 * n, kpe=BF16_ONE * 64 * n, ckv_scale=1.0, kpe_scale=1.0)
                 stub.Append(iter([m]), timeout=10)
+
+            # The slow joiner: a batch published before the subscription
+            # reached the server is dropped for this subscriber, so warm-up
+            # batches go out until one arrives (earlier than b0..b5: the
+            # replay's last 3 are still b3..b5).
+            joined = False
+            for w in range(100):
+                append_page("warm-%d" % w)
+                if sub.poll(100):
+                    sub.recv_multipart()
+                    joined = True
+                    break
+            self.assertTrue(joined, "no batch reached the subscriber in 100 tries")
+            while sub.poll(100):  # the warm-ups' batches still on their way
+                sub.recv_multipart()
+            newest = -1
+            for s in range(6):  # one batch each: the next waits for it
+                append_page("b%d" % s)
                 deadline = time.monotonic() + 5
                 got = False
                 while not got and time.monotonic() < deadline:

@@ -32,15 +32,24 @@ class LayerwiseSaveTest(ServerTestCase):
                 np.testing.assert_array_equal(x[key], y[key], err_msg="layer %d %s" % (layer, key))
             self.assertEqual((x["ckv_scale"], x["kpe_scale"]), (y["ckv_scale"], y["kpe_scale"]))
 
-    def assertPagesBack(self, expected=0):
-        """The pool's pages back to `expected`. A cancel reaches the server
-        as the end of the stream, which it handles after a message already
-        on its way (the server rolls that message back then): the pages of a
-        save cancelled right after a message come back within milliseconds,
-        not necessarily before the caller's next call."""
+    def assertPagesBack(self, expected=0, settle_s=0.5):
+        """The pool's pages back to `expected`, and still there `settle_s`
+        later. A cancel reaches the server as the end of the stream, which it
+        handles after a message already on its way: that message may reserve
+        its pages after the caller's wait() has raised, and the server rolls
+        them back when it sees the cancel -- so a single look can see 0 just
+        before the late message's pages appear (seen under ASan in CI, 5 != 0).
+        Waits at most 10 s for `expected` to hold for `settle_s`."""
         deadline = time.monotonic() + 10
-        while self.client.pool().pages_used != expected and time.monotonic() < deadline:
-            time.sleep(0.001)
+        held_since = None
+        while time.monotonic() < deadline:
+            if self.client.pool().pages_used != expected:
+                held_since = None
+            elif held_since is None:
+                held_since = time.monotonic()
+            elif time.monotonic() - held_since >= settle_s:
+                break
+            time.sleep(0.005)
         self.assertEqual(self.client.pool().pages_used, expected)
 
     def assertNotStored(self, sequence):
