@@ -78,6 +78,13 @@ void AppendReactor::OnReadDone(bool ok) {
       }
       if (ok) index = ++messages_received_;
       if (ok && commit_call_ != nullptr && index > commit_after_) {
+        if (commit_certain_) {
+          // Too late to roll back: the commit passed its last check and
+          // lands with the messages named. This one is dropped, and is what
+          // the stream ends with (Done).
+          message_after_finish_ = true;
+          return;
+        }
         FailLocked(absl::FailedPreconditionError(
             absl::StrCat("message ", index, " of the Append stream came after CommitAppend named ", commit_after_,
                          " messages; the whole append was rolled back")));
@@ -178,10 +185,20 @@ bool AppendReactor::OnCommitRequested(CommitAppendCall* call, uint32_t messages,
   commit_call_ = call;  // answered by Done, whatever happens next
   commit_scope_.emplace(scope);
   commit_after_ = static_cast<int>(std::min<uint32_t>(messages, INT32_MAX));
+  const bool count_wrong =
+      messages_received_ > commit_after_ || (commit_started_ && messages_received_ < commit_after_);
+  if (count_wrong && commit_certain_) {
+    // The half-close's commit passed its last check (or landed): it stands,
+    // and only this call, which named another count, is refused.
+    commit_call_status_ = absl::FailedPreconditionError(absl::StrCat(
+        "CommitAppend named ", messages, " messages, but the Append stream had ended after ", messages_received_,
+        " and its half-close committed them first; that commit stands"));
+    return false;
+  }
   if (finishing_ || doomed_) return false;
   // The token came with the first message, so a pool is named by the time a
   // second message or the half-close is read: FailLocked posts a rollback.
-  if (messages_received_ > commit_after_ || (commit_started_ && messages_received_ < commit_after_)) {
+  if (count_wrong) {
     FailLocked(absl::FailedPreconditionError(absl::StrCat(
         "CommitAppend named ", messages, " messages, but the Append stream ",
         commit_started_ ? "ended after " : "has already carried ", messages_received_,
@@ -300,6 +317,7 @@ void AppendReactor::StartReadInto(int slot) {
 void AppendReactor::OnWatchdogTick(absl::Time now) {
   const absl::Duration limit = service_->options().append_idle_timeout;
   bool end_committed = false;
+  std::optional<absl::Status> finish;
   {
     absl::MutexLock lock(&mu_);
     if (finish_at_half_close_) {
@@ -316,10 +334,15 @@ void AppendReactor::OnWatchdogTick(absl::Time now) {
           "the Append stream delivered no message for ", absl::FormatDuration(limit),
           " (the server's append_idle_timeout_seconds) after message ", messages_received_,
           "; the whole append was rolled back")));
+      // With no first message yet, nothing is staged or queued: FailLocked
+      // posted no rollback, and the finish is this caller's to take.
+      finish = TakeFinishLocked();
     }
   }
   // OnDone, which removes this stream from the watchdog, waits for this tick to return.
   if (end_committed) Finish(grpc::Status::OK);
+  // Done logs and counts the call: off the watchdog's thread, which ticks every stream under its lock.
+  if (finish) service_->control().Post([this, status = *std::move(finish)] { Done(status); });
 }
 
 // ---- worker side -----------------------------------------------------------------
@@ -604,6 +627,16 @@ absl::Status AppendReactor::CommitStream() {
           "the response would describe ", pages, " pages (up to ", bound, " bytes), over the ", max_bytes,
           "-byte message limit; nothing was written: ", SmallerViewAdvice(view_), " in the first message"));
     }
+    {
+      // The last word: AtomicAppend::Commit cannot fail after this check, so
+      // a doom read from here on (a message after CommitAppend's count, a
+      // CommitAppend naming another count) finds commit_certain_ and leaves
+      // the commit standing instead of claiming a rollback.
+      absl::MutexLock lock(&mu_);
+      if (doomed_) return doom_status_;  // doomed during the size check
+      commit_certain_ = true;
+    }
+    if (service_->options().after_last_check_for_testing) service_->options().after_last_check_for_testing();
     return absl::OkStatus();
   };
   const uint64_t rows = append_->rows_written();
@@ -673,15 +706,17 @@ void AppendReactor::AnswerCommitCall(const absl::Status& status) {
   if (token_registered_) service_->open_appends().Remove(commit_token_, this);
   CommitAppendCall* call;
   std::optional<KvCacheService::RpcScope> scope;
+  absl::Status answer = status;
   {
     absl::MutexLock lock(&mu_);
     call = std::exchange(commit_call_, nullptr);
     scope = commit_scope_;
+    if (commit_call_status_) answer = *commit_call_status_;  // the call's own refusal (OnCommitRequested)
   }
   if (call == nullptr) return;
-  if (status.ok()) *call->response() = std::move(committed_);
+  if (answer.ok()) *call->response() = std::move(committed_);
   const auto detail = [&] { return absl::StrCat("commit_token=", Quote(commit_token_), " ", Detail()); };
-  call->Finish(scope->Done(FinishCall("CommitAppend", detail, status)));
+  call->Finish(scope->Done(FinishCall("CommitAppend", detail, answer)));
 }
 
 void AppendReactor::Done(const absl::Status& status) {

@@ -232,8 +232,15 @@ class AppendReactor final : public cq::ReaderCall<grpc::ByteBuffer, grpc::ByteBu
   // watchdog, append_idle_timeout after `committed_at_`.
   bool finish_at_half_close_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time committed_at_ ABSL_GUARDED_BY(mu_);
-  // A message was read (and dropped) after the stream began finishing.
+  // A message was read (and dropped) after the stream began finishing, or
+  // after its commit by CommitAppend became certain.
   bool message_after_finish_ ABSL_GUARDED_BY(mu_) = false;
+  // The commit passed its last check (CommitStream): it lands whatever is
+  // read from now on, so nothing may doom the stream any more.
+  bool commit_certain_ ABSL_GUARDED_BY(mu_) = false;
+  // CommitAppend's answer when it differs from the stream's: a count that
+  // came too late to roll back the half-close's commit.
+  std::optional<absl::Status> commit_call_status_ ABSL_GUARDED_BY(mu_);
   // The committed response, for the CommitAppend call (written by the
   // commit task, read in Done after it).
   v1::AppendResponse committed_;

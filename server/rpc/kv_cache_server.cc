@@ -87,6 +87,7 @@ absl::StatusOr<std::unique_ptr<KvCacheServer>> KvCacheServer::Create(const Optio
   service_options.events = server->events_.get();
   service_options.server_id = options.server_id;
   service_options.metrics = options.metrics;
+  service_options.after_last_check_for_testing = options.after_last_check_for_testing;
   // A uint32 past INT_MAX would wrap to a negative limit that turns every watcher away.
   service_options.max_watchers =
       ev.max_watchers() == 0 ? kDefaultMaxWatchers : static_cast<int>(std::min<uint32_t>(ev.max_watchers(), INT_MAX));

@@ -7,6 +7,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -44,6 +45,8 @@ class KvCacheServer {
     // (cq::QueueThreads::DefaultThreads()).
     int rpc_threads = 0;
     // ---- end operations ----
+    // Tests only (KvCacheService::Options::after_last_check_for_testing).
+    std::function<void()> after_last_check_for_testing;
   };
 
   static absl::StatusOr<std::unique_ptr<KvCacheServer>> Create(const Options& options);

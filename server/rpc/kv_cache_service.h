@@ -130,6 +130,10 @@ class KvCacheService final {
     int max_watchers = 64;
     // Per-RPC metrics of the synchronous methods (not owned); null: none.
     ServerMetrics* metrics = nullptr;
+    // Tests only: runs on the pool's worker when an Append stream's commit
+    // has passed its last check, just before the pool commits it (to hold a
+    // commit in that window while the test races a message or a call).
+    std::function<void()> after_last_check_for_testing;
   };
 
   explicit KvCacheService(Options options);

@@ -515,6 +515,53 @@ class SigtermUnderLoad(unittest.TestCase):
             server.stop()
             os.unlink(path)
 
+    def test_drain_after_a_stream_that_never_sent_a_message(self):
+        # A stream opened and never written to, ended by the idle timeout: it
+        # once stayed counted in flight for ever, and SIGTERM's drain hung.
+        path = config_file("pools { name: 'default' num_layers: 2 page_size: 4 num_pages: 64 } "
+                           "append_idle_timeout_seconds: 1")
+        server = ServerProcess("--config", path, "--drain_grace_s", "2").start()
+        try:
+            release = threading.Event()
+            ended = {}
+
+            def silent():
+                release.wait(30)
+                return
+                yield  # a generator that sends nothing until released
+
+            def stream():
+                with grpc.insecure_channel(server.target) as ch:
+                    raw = ch.stream_unary(APPEND, request_serializer=None,
+                                          response_deserializer=pb.AppendResponse.FromString)
+                    started = time.monotonic()
+                    try:
+                        raw(silent(), timeout=30)
+                        ended["code"] = grpc.StatusCode.OK
+                    except grpc.RpcError as e:
+                        ended["code"], ended["details"] = e.code(), e.details()
+                    ended["seconds"] = time.monotonic() - started
+
+            t = threading.Thread(target=stream)
+            t.start()
+            t.join(6)
+            self.assertFalse(t.is_alive(), "the silent stream was not ended by the idle timeout")
+            self.assertEqual(ended["code"], grpc.StatusCode.DEADLINE_EXCEEDED, ended)
+            self.assertIn("after message 0", ended["details"])
+            self.assertLess(ended["seconds"], 4, ended)
+            started = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = server.proc.wait(15)
+            finally:
+                release.set()
+            self.assertEqual(rc, 0, server.log_text()[-3000:])
+            self.assertLess(time.monotonic() - started, 4, "the drain waited for the ended stream")
+        finally:
+            release.set()
+            server.stop()
+            os.unlink(path)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

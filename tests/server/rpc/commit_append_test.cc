@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <future>
 #include <random>
 #include <string>
@@ -233,6 +234,92 @@ TEST_F(CommitAppendTest, AMessageAfterTheNamedCountRollsBackACommitNotYetRun) {
   writer->WritesDone();
   EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   ExpectNothingLeft("s");
+}
+
+// Once a commit has passed its last check it lands; what the client does
+// in the window before the pool commits must not be reported as a rollback
+// (nor silently accepted). The fixture's hook holds the first commit there.
+class CommitAppendRaceTest : public CommitAppendTest {
+ protected:
+  void SetUp() override {
+    set_after_last_check([this] {
+      if (!armed_.exchange(false)) return;  // the first commit only (not ExpectCommitted's reference)
+      reached_.Notify();
+      release_.WaitForNotification();
+    });
+    Start();
+  }
+  void TearDown() override {
+    if (!release_.HasBeenNotified()) release_.Notify();  // a failed step must not leave the worker held
+    CommitAppendTest::TearDown();
+  }
+  void HoldFirstCommitThen(const std::function<void()>& meanwhile) {
+    ASSERT_TRUE(reached_.WaitForNotificationWithTimeout(absl::Seconds(10))) << "no commit reached its last check";
+    meanwhile();
+    absl::SleepFor(absl::Milliseconds(200));  // the server reads what came meanwhile
+    release_.Notify();
+  }
+  std::atomic<bool> armed_{true};
+  absl::Notification reached_, release_;
+};
+
+TEST_F(CommitAppendRaceTest, AMessageAfterTheCountOnceTheCommitIsCertainIsNotWrittenAndSaysSo) {
+  const Rows rows = RandomRows(12, 21);
+  grpc::ClientContext ctx;
+  v1::AppendResponse streamed;
+  auto writer = stub().Append(&ctx, &streamed);
+  ASSERT_TRUE(writer->Write(Message("s", rows, 0, "certain")));
+  ASSERT_TRUE(writer->Write(Message("s", rows, 1)));
+  v1::AppendResponse committed;
+  std::future<grpc::Status> commit = CommitLater("certain", 2, &committed);
+  ASSERT_NO_FATAL_FAILURE(HoldFirstCommitThen([&] { writer->Write(Message("s", rows, 2)); }));
+  const grpc::Status s = commit.get();
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  EXPECT_EQ(committed.sequence().length(), 8u);
+  writer->WritesDone();
+  const grpc::Status end = writer->Finish();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(end);
+  EXPECT_TRUE(absl::StrContains(end.error_message(), "was not written")) << Describe(end);
+  ExpectCommitted("s", rows, 8);
+  Free("s");
+}
+
+TEST_F(CommitAppendRaceTest, ACommitNamingAnotherCountOnceTheHalfClosesCommitIsCertainIsRefused) {
+  const Rows rows = RandomRows(8, 22);
+  grpc::ClientContext ctx;
+  v1::AppendResponse streamed;
+  auto writer = stub().Append(&ctx, &streamed);
+  ASSERT_TRUE(writer->Write(Message("s", rows, 0, "half-closed")));
+  ASSERT_TRUE(writer->Write(Message("s", rows, 1)));
+  // The half-close's commit on the pool's worker (queued behind a blocker),
+  // not in place on the completion-queue thread that read the half-close:
+  // held there, it would hold the queue's polling turn too, and CommitAppend
+  // would not be read until it ended.
+  ASSERT_NO_FATAL_FAILURE(WaitForPages(2));  // both messages staged: 8 tokens, 4 per page
+  auto blocker = BlockWorker();
+  writer->WritesDone();
+  for (int i = 0; i < 1000 && pool().worker().pending() < 2; ++i) absl::SleepFor(absl::Milliseconds(10));
+  const size_t queued = pool().worker().pending();
+  blocker->Notify();  // the commit runs, and is held after its last check
+  ASSERT_EQ(queued, 2u) << "the blocker and the half-close's commit";
+  std::future<grpc::Status> commit;
+  ASSERT_NO_FATAL_FAILURE(HoldFirstCommitThen([&] {
+    commit = CommitLater("half-closed", 1, nullptr);
+    // The call has reached the stream once it took the token from the registry.
+    for (int i = 0; i < 1000 && server().service().open_appends().size() != 0; ++i) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_EQ(server().service().open_appends().size(), 0u) << "CommitAppend never reached the stream";
+  }));
+  const grpc::Status s = commit.get();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "named 1 messages")) << Describe(s);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "that commit stands")) << Describe(s);
+  const grpc::Status end = writer->Finish();
+  ASSERT_TRUE(end.ok()) << Describe(end);
+  EXPECT_EQ(streamed.sequence().length(), 8u);
+  ExpectCommitted("s", rows, 8);
+  Free("s");
 }
 
 TEST_F(CommitAppendTest, AStreamThatEndsBeforeTheNamedMessagesRollsBack) {

@@ -97,6 +97,29 @@ TEST_F(ServiceFaults, IdleStreamIsEndedAndItsReservationReturned) {
   ExpectNothingLeft("idle");
 }
 
+// No first message at all: nothing staged, nothing queued -- the watchdog
+// itself must end the call (it once only marked it finishing, and the
+// client waited forever; a graceful shutdown then waited for it too).
+TEST_F(ServiceFaults, AStreamThatNeverSendsAMessageIsEndedAtTheIdleTimeout) {
+  Start("num_layers: 2 page_size: 4 num_pages: 64", "append_idle_timeout_seconds: 1");
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  v1::AppendResponse resp;
+  const auto started = std::chrono::steady_clock::now();
+  auto writer = stub().Append(&ctx, &resp);
+  const grpc::Status status = writer->Finish();  // nothing written, never half-closed
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << Describe(status);
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "append_idle_timeout_seconds")) << Describe(status);
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "after message 0")) << Describe(status);
+  EXPECT_LT(waited, 4.0);
+  // What a drain waits for before the server shuts down.
+  for (int i = 0; i < 100 && server().service().appends_in_flight() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(server().service().appends_in_flight(), 0);
+  EXPECT_EQ(server().service().watchdog().size(), 0u);
+  EXPECT_EQ(GetPool().pages_used(), 0u);
+}
+
 TEST_F(ServiceFaults, AStreamThatSendsSteadilyIsNotIdle) {
   Start("num_layers: 2 page_size: 4 num_pages: 64", "append_idle_timeout_seconds: 1");
   const Rows rows = RandomRows(8, 4);

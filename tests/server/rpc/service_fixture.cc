@@ -15,6 +15,7 @@ void ServiceFixture::StartServer(const std::string& device, const std::string& p
   options.default_device = device;
   options.allow_ipc = allow_ipc_;
   options.server_id = "test-server";
+  options.after_last_check_for_testing = after_last_check_;
   absl::StatusOr<std::unique_ptr<KvCacheServer>> server = KvCacheServer::Create(options);
   ASSERT_TRUE(server.ok()) << server.status();
   server_ = std::move(*server);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -122,6 +123,9 @@ class ServiceFixture {
   void StopServer() { server_.reset(); }
   // Servers started from now on run with --allow_ipc (regions) or without.
   void set_allow_ipc(bool allow) { allow_ipc_ = allow; }
+  // Before StartServer: runs when an Append stream's commit passed its last
+  // check, before the pool commits it (KvCacheServer::Options).
+  void set_after_last_check(std::function<void()> hook) { after_last_check_ = std::move(hook); }
 
   v1::KvCache::Stub& stub() { return *stub_; }
   KvCacheServer& server() { return *server_; }
@@ -153,6 +157,7 @@ class ServiceFixture {
   std::unique_ptr<KvCacheServer> server_;
   std::unique_ptr<v1::KvCache::Stub> stub_;
   bool allow_ipc_ = false;
+  std::function<void()> after_last_check_;
 };
 
 }  // namespace mlakv::server::testing
