@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
@@ -191,15 +192,22 @@ class Client:
         self._opener = None  # one thread that starts saves' Append calls (_start_in_background), made on first use
         self._opener_pid = 0  # the process that made it (a forked child's copy has no thread behind it)
         self._opener_lock = threading.Lock()
+        # Layer-wise saves made by this client: close() cancels those still
+        # open (a save's stream thread waits for its layers until it ends).
+        self._saves = weakref.WeakSet()
         self.closed = False
 
     # -- lifetime ---------------------------------------------------------
 
     def close(self) -> None:
-        """Unregisters the regions this client registered (CUDA allocations,
-        ShmRows, best effort: the server may be gone) and closes the channel."""
+        """Cancels the layer-wise saves still open (nothing of them is
+        written; their wait() raises CANCELLED), unregisters the regions this
+        client registered (CUDA allocations, ShmRows, best effort: the server
+        may be gone) and closes the channel."""
         if self.closed:
             return
+        for s in list(self._saves):
+            s._close()
         for buf in list(self._shm_rows):
             try:
                 buf.close()
@@ -556,13 +564,15 @@ class Client:
         CommitAppend call from its own thread instead of ending the stream
         (faster on hosts where gRPC Python's thread hand-overs are slow; even
         on a fast GPU host; docs/client.md)."""
-        return _save.LayerwiseSave(self, sequence, start=start, pool=pool, dtype=dtype, ckv_scale=ckv_scale,
-                                   kpe_scale=kpe_scale, expect_length=expect_length,
-                                   expect_generation=expect_generation, reserve_tokens=reserve_tokens,
-                                   block_hashes=block_hashes, block_hashes_first_page=block_hashes_first_page,
-                                   pin=pin, layerwise_min_tokens=layerwise_min_tokens,
-                                   layers_per_message=layers_per_message, num_layers=num_layers, view=view,
-                                   commit_by_call=commit_by_call)
+        s = _save.LayerwiseSave(self, sequence, start=start, pool=pool, dtype=dtype, ckv_scale=ckv_scale,
+                                kpe_scale=kpe_scale, expect_length=expect_length,
+                                expect_generation=expect_generation, reserve_tokens=reserve_tokens,
+                                block_hashes=block_hashes, block_hashes_first_page=block_hashes_first_page,
+                                pin=pin, layerwise_min_tokens=layerwise_min_tokens,
+                                layers_per_message=layers_per_message, num_layers=num_layers, view=view,
+                                commit_by_call=commit_by_call)
+        self._saves.add(s)
+        return s
 
     def append_batch(self, items: Iterable[Any], pool: str = "", ckv_scale: Optional[float] = None,
                      kpe_scale: Optional[float] = None, dtype: Optional[str] = None,
@@ -963,7 +973,11 @@ class Client:
             for r in unique:
                 r.lock.acquire()
                 held.append(r.lock)
-                r.event.record(stream(r.device_index))
+                s = stream(r.device_index)
+                if r.recorded_on is not None and r.recorded_on != s:
+                    s.wait_event(r.event)  # the record below then completes after the earlier stream's too
+                r.event.record(s)
+                r.recorded_on = s
         except BaseException:
             for lock in held:
                 lock.release()

@@ -260,12 +260,45 @@ class CudaRegion:
         # the server may still wait on it, so that another thread's record on
         # another stream cannot replace it. Reentrant: several saves open in one
         # thread (a connector saving every request of a batch out of one KV
-        # cache allocation) share it; they record on that thread's current
-        # stream, and the server, waiting on the latest record, waits for all.
-        self.lock = threading.RLock()
+        # cache allocation) share it; and a save may end (wait()) on another
+        # thread than the one that gave its layers (_ThreadShared).
+        self.lock = _ThreadShared()
+        # The torch stream the event was last recorded on (Client._fence): a
+        # record on another stream first makes that stream wait for this one,
+        # so that the latest record -- all the server waits for -- also
+        # covers the writes fenced on the earlier stream.
+        self.recorded_on = None
 
     def contains(self, address, extent):
         return self.base <= address and address + extent <= self.base + self.size
+
+
+class _ThreadShared:
+    """A lock one thread holds at a time, reentrantly, whose holds any thread
+    may release: a threading.RLock's release must come from the thread that
+    acquired it, and a layer-wise save's wait() may run elsewhere."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner = None
+        self._count = 0
+
+    def acquire(self):
+        me = threading.get_ident()
+        with self._cond:
+            while self._count and self._owner != me:
+                self._cond.wait()
+            self._owner = me
+            self._count += 1
+
+    def release(self):
+        with self._cond:
+            if self._count == 0:
+                raise RuntimeError("release of a region lock that is not held")
+            self._count -= 1
+            if self._count == 0:
+                self._owner = None
+                self._cond.notify_all()
 
 
 def is_cuda_tensor(x):

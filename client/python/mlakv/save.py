@@ -124,6 +124,13 @@ class LayerwiseSave:
         self._future = None  # the Append call (a grpc future) once opened
         self._opening = None  # while the client's opener thread starts it: a concurrent.futures.Future of the call
         self._held = []  # CUDA region locks (cuda_sync="event"), released when the save ends
+        # The CUDA tensors of the layers given: the server reads them when the
+        # save ends (or once every layer's event completed), and a tensor the
+        # caller dropped meanwhile (a layer's output, freed at the next layer)
+        # would go back to torch's caching allocator, whose next block there
+        # the server would read instead.
+        self._keep = []
+        self._end_sent = False  # the commit was asked for (CommitAppend, or the stream's end queued)
         self._sent_layers = []  # message index -> the layers it carries
         self._layers = set()
         self._rows = None
@@ -167,46 +174,69 @@ class LayerwiseSave:
 
     def wait(self) -> "pb.AppendResponse":
         """Fences once and commits; returns mlakv.pb.AppendResponse. Raises
-        mlakv.Error naming the layer when anything failed (nothing is written)."""
+        mlakv.Error naming the layer when anything failed (nothing is written).
+        Interrupted (KeyboardInterrupt) or failing on the client's side (a
+        closed client), the save is cancelled and every later wait() raises
+        the same mlakv.Error; whether it had committed is then certain only
+        when the interruption came before the commit was asked for (the
+        error's message says which)."""
         if self._finished:
             if self._error is not None:
                 raise self._error
             return self._result
         self._finished = True
         try:
-            if self._error is not None:
-                self._cancel()
-                raise self._error
-            if not self._layers:
-                raise client_error("save of %r: no layer was given" % (self._sequence,))
-            if not self._opened():
-                self._open(background=False)  # wait() blocks anyway: no hop to another thread
-            try:
-                self._flush()
-            except BaseException:  # the last group's fence failed: nothing may commit
-                self._abort()
-                raise
-            try:
-                call = self._stream()
-            except BaseException:  # the call could not start (a closed channel): nothing was sent
-                self._abort()
-                raise
-            committed = self._commit_by_call()
-            self._queue.put(_END)  # the stream's end: after CommitAppend, only the half-close of a finished call
-            if committed is not None:
-                self._result = committed
-                return self._result
-            if self._poll_wait:
-                while not call.done():
-                    time.sleep(0)  # lets gRPC's threads take the GIL
-            try:
-                self._result = call.result()
-            except grpc.RpcError as err:
-                self._error = self._named(Error.from_rpc_error(err))
-                raise self._error from None
-            return self._result
+            return self._commit()
+        except Error as err:
+            if self._error is None:
+                self._error = err
+            self._cancel()
+            raise
+        except BaseException as exc:
+            self._error = self._error or self._interrupted(exc)
+            self._cancel()
+            if isinstance(exc, Exception):  # every failure of a Client call raises mlakv.Error
+                raise self._error from exc
+            raise  # KeyboardInterrupt, SystemExit: as they came
         finally:
             self._release()
+
+    def _commit(self):
+        if self._error is not None:
+            raise self._error
+        if not self._layers:
+            raise client_error("save of %r: no layer was given" % (self._sequence,))
+        if not self._opened():
+            self._open(background=False)  # wait() blocks anyway: no hop to another thread
+        self._flush()  # a fence that fails leaves the commit unasked: wait() cancels the stream
+        call = self._stream()  # a call that could not start (a closed channel) sent nothing
+        self._end_sent = True
+        committed = self._commit_by_call()
+        self._queue.put(_END)  # the stream's end: after CommitAppend, only the half-close of a finished call
+        if committed is not None:
+            self._result = committed
+            return self._result
+        if self._poll_wait:
+            while not call.done():
+                time.sleep(0)  # lets gRPC's threads take the GIL
+        try:
+            self._result = call.result()
+        except grpc.RpcError as err:
+            self._error = self._named(Error.from_rpc_error(err))
+            raise self._error from None
+        return self._result
+
+    def _interrupted(self, exc):
+        """The save's error when wait() itself was interrupted or failed."""
+        what = "%s%s" % (type(exc).__name__, ": %s" % exc if str(exc) else "")
+        outcome = ("the stream was cancelled after its commit was asked for: it may have committed just before "
+                   "(GetSequence shows the sequence's length)" if self._end_sent else
+                   "the stream was cancelled before its commit was asked for: nothing was written")
+        if isinstance(exc, Exception):
+            return Error(grpc.StatusCode.UNKNOWN, "save of %r: wait() failed on the client's side (%s); %s"
+                         % (self._sequence, what, outcome))
+        return Error(grpc.StatusCode.CANCELLED, "save of %r: wait() was interrupted by %s; %s"
+                     % (self._sequence, what, outcome))
 
     def done(self) -> bool:
         """True once the save has ended (committed or failed); never blocks."""
@@ -233,6 +263,8 @@ class LayerwiseSave:
     # -- internals ----------------------------------------------------------
 
     def _add(self, layer, ckv, kpe, ckv_scale, kpe_scale):
+        if not 0 <= layer < 2**32:
+            raise client_error("layer %d is out of range: layers are numbered from 0" % layer)
         if layer in self._layers:
             raise client_error("layer %d given twice" % layer)
         prepared, self._like = self._client._prepare_layer(self._like, ckv, kpe, dtype=self._dtype)
@@ -241,9 +273,11 @@ class LayerwiseSave:
         elif prepared.rows != self._rows or prepared.dtype != self._row_dtype:
             raise client_error("%d %s rows; earlier layers have %d %s rows" % (
                 prepared.rows, pb.RowDType.Name(prepared.dtype), self._rows, pb.RowDType.Name(self._row_dtype)))
-        if ckv_scale is not None or kpe_scale is not None:
-            prepared.scales = (_scale(ckv_scale), _scale(kpe_scale))
+        if ckv_scale is not None or kpe_scale is not None:  # this layer's, else the save's
+            prepared.scales = (self._scales[0] if ckv_scale is None else _scale(ckv_scale),
+                               self._scales[1] if kpe_scale is None else _scale(kpe_scale))
         if prepared.cuda:
+            self._keep.append((ckv, kpe))
             streams = self._client._producer_streams(prepared.cuda)
             if self._pending and streams != self._pending_streams:
                 self._flush()  # the waiting layers' fence goes on their own stream
@@ -253,6 +287,7 @@ class LayerwiseSave:
         if not self._opened() and prepared.rows < self._min_tokens:
             return
         if not self._opened():
+            self._check_client_open()
             if self._num_layers is None:
                 self._num_layers = self._client._layer_count(self._pool)
             self._open(background=True)
@@ -306,6 +341,10 @@ class LayerwiseSave:
         self.committed_by_call = True
         return resp
 
+    def _check_client_open(self):
+        if self._client.closed:
+            raise Error(grpc.StatusCode.FAILED_PRECONDITION, "client: the Client was closed; no call can start")
+
     def _opened(self):
         return self._future is not None or self._opening is not None
 
@@ -320,6 +359,7 @@ class LayerwiseSave:
         caller's thread"). The messages the caller queues meanwhile wait in
         the save's queue until the call's thread reads them."""
         c = self._client
+        self._check_client_open()
 
         def start():
             return c._stub.Append.future(self._messages(), timeout=c.timeout, metadata=c._metadata)
@@ -441,7 +481,10 @@ class LayerwiseSave:
             self._queue.put(_END)
 
     def _abort(self):
-        """The caller's block raised: cancel, release, never commit."""
+        """The caller's block raised: cancel, release, never commit. A save
+        that has committed already (wait() inside the block) stays committed."""
+        if self._result is not None:
+            return
         self._finished = True
         if self._error is None:
             self._error = Error(grpc.StatusCode.CANCELLED, "save of %r: cancelled by the caller's exception"
@@ -453,3 +496,12 @@ class LayerwiseSave:
         held, self._held = self._held, []
         for lock in held:
             lock.release()
+        self._keep = []
+
+    def _close(self):
+        """Client.close() with the save still open: cancelled, never committed."""
+        if self._finished:
+            return
+        self._error = Error(grpc.StatusCode.CANCELLED, "save of %r: the client was closed before the save ended; "
+                            "nothing was written" % (self._sequence,))
+        self._abort()

@@ -170,6 +170,90 @@ class CudaRegionTest(RegionServerTestCase):
             self.client.append("views-bytes", l, sources[l][0].cpu(), sources[l][1].cpu(), start=0, **SCALES)
             self.assert_same_bytes("views", "views-bytes", l)
 
+    def test_save_of_layers_whose_tensors_are_dropped_at_once(self):
+        # A forward pass's layer outputs are temporaries: each layer's pair is
+        # dropped right after s.layer, and the caching allocator may hand its
+        # block to the next layer's; the server reads the rows only when the
+        # save ends. The save keeps them alive until then.
+        t = self.torch
+        for sync in ("event", "stream"):
+            with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, cuda_sync=sync) as c:
+                host = []
+                with c.save("dropped-" + sync, **SCALES) as s:
+                    for l in range(61):
+                        h = t.randn(300, 640, device="cuda:0", generator=self.gen) * (l + 1) / 8
+                        ckv, kpe = h[:, :512].to(t.bfloat16).contiguous(), h[:, 512:576].to(t.bfloat16).contiguous()
+                        host.append((ckv.cpu(), kpe.cpu()))
+                        s.layer(l, ckv, kpe)
+                        del h, ckv, kpe
+                for l in range(61):
+                    self.client.append("dropped-bytes-" + sync, l, *host[l], start=0, **SCALES)
+                    self.assert_same_bytes("dropped-" + sync, "dropped-bytes-" + sync, l)
+
+    def test_save_with_layers_on_two_streams_of_one_allocation(self):
+        # Layer 0 ends a long chain on stream A, layer 1 is written at once on
+        # stream B, both in one buffer: one interprocess event per allocation,
+        # recorded last on B, must still cover A's writes (B waits on A's
+        # record first).
+        t = self.torch
+        n = 300
+        w = t.randn(4096, 4096, device="cuda:0", generator=self.gen).to(t.bfloat16) / 64
+        a, b = t.cuda.Stream(), t.cuda.Stream()
+        with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, cuda_sync="event") as c:
+            for k in range(3):
+                buf = t.zeros(2, n, 576, device="cuda:0", dtype=t.bfloat16)
+                t.cuda.synchronize()
+                s = c.save("streams-%d" % k, num_layers=2, **SCALES)
+                with t.cuda.stream(a):
+                    x = t.randn(4096, 4096, device="cuda:0", generator=self.gen).to(t.bfloat16)
+                    for _ in range(40):
+                        x = (x @ w).clamp_(-4, 4)
+                    buf[0].copy_(x[:n, :576])
+                    s.layer(0, buf[0, :, :512], buf[0, :, 512:])
+                with t.cuda.stream(b):
+                    buf[1].fill_(1.5)
+                    s.layer(1, buf[1, :, :512], buf[1, :, 512:])
+                s.wait()
+                t.cuda.synchronize()
+                for l in range(2):
+                    self.client.append("streams-bytes-%d" % k, l, buf[l, :, :512].cpu(), buf[l, :, 512:].cpu(),
+                                       start=0, **SCALES)
+                    self.assert_same_bytes("streams-%d" % k, "streams-bytes-%d" % k, l)
+
+    def test_save_waited_for_on_another_thread(self):
+        # The region locks a save holds (event mode) are released by wait()
+        # on whichever thread calls it; another thread's append on the same
+        # allocation then goes ahead.
+        import threading
+
+        ckv, kpe = self.rows(300, lead=(2,))
+        with mlakv.Client(self.server.target, timeout=CALL_TIMEOUT_S, cuda_sync="event") as c:
+            s = c.save("other-thread", num_layers=2, **SCALES)
+            for l in range(2):
+                s.layer(l, ckv[l], kpe[l])
+            out = {}
+
+            def run(key, f):
+                try:
+                    out[key] = f()
+                except BaseException as e:  # noqa: BLE001 -- reported by the assertion below
+                    out[key] = e
+
+            waiter = threading.Thread(target=run, args=("wait", s.wait))
+            waiter.start()
+            waiter.join(60)
+            self.assertFalse(isinstance(out.get("wait"), BaseException), out)
+            self.assertEqual(list(out["wait"].sequence.layer_lengths)[:2], [300, 300])
+            appender = threading.Thread(target=run, args=("append", lambda: c.append(
+                "other-thread-2", 0, ckv[0], kpe[0], start=0, **SCALES)), daemon=True)
+            appender.start()
+            appender.join(30)
+            self.assertFalse(appender.is_alive(), "an append on the save's allocation waits for ever")
+            self.assertFalse(isinstance(out.get("append"), BaseException), out)
+        for l in range(2):
+            self.client.append("other-thread-bytes", l, ckv[l].cpu(), kpe[l].cpu(), start=0, **SCALES)
+            self.assert_same_bytes("other-thread", "other-thread-bytes", l)
+
     def test_client_side_refusals(self):
         t = self.torch
         ckv, kpe = self.rows(4)

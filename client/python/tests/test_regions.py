@@ -8,6 +8,7 @@ their codes, and a server without --allow_ipc.
 CUDA tensors are covered by cuda_region_test.py (ctest label gpu).
 """
 
+import threading
 import unittest
 from multiprocessing import shared_memory
 
@@ -311,6 +312,36 @@ class RegionRowsTest(RegionTestCase):
             shm.close()
             shm.unlink()
         self.assertCode(grpc.StatusCode.NOT_FOUND, self.client.sequence, "s")
+
+
+class RegionLockTest(unittest.TestCase):
+    """The lock a CUDA region's event record is held under (event mode):
+    reentrant on the thread that holds it, exclusive against other threads,
+    and released by whichever thread ends the save."""
+
+    def test_reentrant_exclusive_and_released_from_another_thread(self):
+        from mlakv.regions import _ThreadShared
+
+        lock = _ThreadShared()
+        lock.acquire()
+        lock.acquire()  # a second save of the same thread
+        got = threading.Event()
+
+        def other():
+            lock.acquire()
+            got.set()
+            lock.release()
+
+        t = threading.Thread(target=other)
+        t.start()
+        self.assertFalse(got.wait(0.2), "another thread took a held lock")
+        released = threading.Thread(target=lambda: (lock.release(), lock.release()))  # wait() on a third thread
+        released.start()
+        released.join(5)
+        self.assertTrue(got.wait(5), "the lock released from another thread was not handed on")
+        t.join(5)
+        with self.assertRaises(RuntimeError):
+            lock.release()  # not held
 
 
 class WithoutAllowIpcTest(ServerTestCase):

@@ -292,11 +292,15 @@ class LayerwiseSaveTest(ServerTestCase):
             while not s.done() and time.monotonic() < deadline:
                 time.sleep(0.001)
             self.assertTrue(s.done(), "a save whose call failed to start has ended")
-            with self.assertRaises(ValueError):
+            with self.assertRaises(mlakv.Error) as ctx:  # as every failure of a Client call
                 s.wait()
-            with self.assertRaises(mlakv.Error) as ctx:  # and stays failed
+            self.assertEqual(ctx.exception.code, grpc.StatusCode.UNKNOWN, str(ctx.exception))
+            self.assertIn("ValueError: Cannot invoke RPC on closed channel!", ctx.exception.message)
+            self.assertIn("nothing was written", ctx.exception.message)
+            self.assertIsInstance(ctx.exception.__cause__, ValueError)
+            with self.assertRaises(mlakv.Error) as again:  # and stays failed
                 s.wait()
-            self.assertEqual(ctx.exception.code, grpc.StatusCode.CANCELLED)
+            self.assertIs(again.exception, ctx.exception)
         finally:
             self.client._stub.Append = real
         self.assertNotStored("never-started")
@@ -317,6 +321,147 @@ class LayerwiseSaveTest(ServerTestCase):
             self.assertEqual(ctx.exception.code, grpc.StatusCode.CANCELLED, str(ctx.exception))
             self.assertNotStored("closed-%d" % given)
         self.assertPagesBack()
+
+    def test_a_save_on_a_closed_client_fails_at_wait(self):
+        """The layer that would open the stream returns (as every s.layer);
+        wait() raises why, as an mlakv.Error."""
+        client = mlakv.Client(self.server.target, timeout=30)
+        client.close()
+        s = client.save("after-close", **SCALES)
+        rows = prompt(17, 300)
+        s.layer(0, *rows[0])
+        s.layer(1, *rows[1])
+        with self.assertRaises(mlakv.Error) as ctx:
+            s.wait()
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.FAILED_PRECONDITION, str(ctx.exception))
+        self.assertIn("layer 0", ctx.exception.message)
+        self.assertIn("closed", ctx.exception.message)
+        self.assertNotStored("after-close")
+
+    def test_closing_the_client_ends_a_save_never_waited_for(self):
+        """A save dropped without wait(): close() cancels it -- its pages come
+        back and its stream's thread (blocked on the save's queue) ends."""
+        before = threading.active_count()
+        client = mlakv.Client(self.server.target, timeout=30)
+        rows = prompt(18, 300)
+        s = client.save("dropped", **SCALES)
+        for layer in range(30):
+            s.layer(layer, *rows[layer])
+        deadline = time.monotonic() + 10
+        while self.client.pool().pages_used == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.assertGreater(self.client.pool().pages_used, 0, "the save's stream is open")
+        client.close()
+        self.assertTrue(s.done())
+        with self.assertRaises(mlakv.Error) as ctx:
+            s.wait()
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.CANCELLED, str(ctx.exception))
+        self.assertIn("client was closed", ctx.exception.message)
+        self.assertNotStored("dropped")
+        self.assertPagesBack()
+        del s
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertLessEqual(threading.active_count(), before,
+                             [t.name for t in threading.enumerate()])
+
+    def test_an_interrupted_wait_cancels_the_save_and_says_what_is_known(self):
+        """KeyboardInterrupt inside wait(): raised as it came, the save
+        cancelled, and every later wait() raises CANCELLED saying whether the
+        commit had been asked for."""
+        rows = prompt(19, 300)
+
+        class Interrupting:
+            def __init__(self, call):
+                self.call = call
+
+            def result(self, *args, **kwargs):
+                raise KeyboardInterrupt()
+
+            def __getattr__(self, name):
+                return getattr(self.call, name)
+
+        # Before the commit is asked for: CommitAppend interrupted on its way out.
+        real = self.client._stub.CommitAppend
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt()
+
+        self.client._stub.CommitAppend = interrupted
+        try:
+            s = self.client.save("ctrl-c-early", commit_by_call=True, **SCALES)
+            for layer in range(LAYERS):
+                s.layer(layer, *rows[layer])
+            with self.assertRaises(KeyboardInterrupt):
+                s.wait()
+        finally:
+            self.client._stub.CommitAppend = real
+        self.assertTrue(s.done())
+        with self.assertRaises(mlakv.Error) as ctx:
+            s.wait()
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.CANCELLED, str(ctx.exception))
+        self.assertIn("KeyboardInterrupt", ctx.exception.message)
+        # The commit call was made from wait(), so the message cannot say "nothing".
+        self.assertIn("may have committed", ctx.exception.message)
+        self.assertNotStored("ctrl-c-early")  # it never reached the server: the stream was cancelled
+        self.assertPagesBack()
+        # While waiting for the stream's answer, its end sent.
+        s = self.client.save("ctrl-c-late", **SCALES)
+        for layer in range(LAYERS):
+            s.layer(layer, *rows[layer])
+        s._stream()
+        s._future = Interrupting(s._future)
+        with self.assertRaises(KeyboardInterrupt):
+            s.wait()
+        with self.assertRaises(mlakv.Error) as ctx:
+            s.wait()
+        self.assertEqual(ctx.exception.code, grpc.StatusCode.CANCELLED, str(ctx.exception))
+        self.assertIn("may have committed", ctx.exception.message)
+        self.assertTrue(s.done())
+        try:  # either outcome is allowed; whichever it is, the pool's books balance
+            self.client.free("ctrl-c-late")
+        except mlakv.Error as err:
+            self.assertEqual(err.code, grpc.StatusCode.NOT_FOUND, str(err))
+        self.assertPagesBack()
+
+    def test_a_negative_layer_is_named_and_nothing_is_written(self):
+        rows = prompt(20, 300)
+        for bad in (-1, 2**32):
+            s = self.client.save("negative", **SCALES)
+            s.layer(0, *rows[0])
+            s.layer(bad, *rows[1])
+            with self.assertRaises(mlakv.Error) as ctx:
+                s.wait()
+            self.assertEqual(ctx.exception.code, grpc.StatusCode.INVALID_ARGUMENT, str(ctx.exception))
+            self.assertIn("layer %d" % bad, ctx.exception.message)
+            self.assertNotStored("negative")
+        self.assertPagesBack()
+
+    def test_a_layers_own_scale_falls_back_to_the_saves_for_the_other(self):
+        rows = prompt(21, 300)
+        with self.client.save("own-scale", **SCALES) as s:
+            for layer in range(LAYERS):
+                s.layer(layer, *rows[layer], ckv_scale=0.002 if layer == 3 else None)
+        for layer in range(LAYERS):
+            scales = dict(SCALES, ckv_scale=0.002) if layer == 3 else SCALES
+            self.client.append("own-scale-blocking", layer, *rows[layer], start=0, **scales)
+        self.assertSameStored("own-scale", "own-scale-blocking")
+        self.assertEqual(self.client.export("own-scale", 3)["ckv_scale"], np.float32(0.002))
+        self.client.free("own-scale")
+        self.client.free("own-scale-blocking")
+
+    def test_a_save_waited_for_inside_its_block_stays_committed_when_the_block_raises(self):
+        rows = prompt(22, 300)
+        with self.assertRaises(RuntimeError):
+            with self.client.save("waited-inside", **SCALES) as s:
+                for layer in range(LAYERS):
+                    s.layer(layer, *rows[layer])
+                first = s.wait()
+                raise RuntimeError("after the commit")
+        self.assertEqual(self.client.sequence("waited-inside").length, 300)
+        self.assertIs(s.wait(), first)
+        self.client.free("waited-inside")
 
     def test_a_save_to_a_pool_that_does_not_exist_fails_naming_the_pool(self):
         s = self.client.save("nowhere", pool="no-such-pool", **SCALES)
