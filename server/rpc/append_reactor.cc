@@ -474,6 +474,10 @@ absl::Status AppendReactor::ProcessMessage(const ReceivedAppend& received, int i
   const v1::AppendRequest& req = received.message;
   messages_processed_.store(index);
   absl::Status status = [&]() -> absl::Status {
+    // Queued behind other work, a message whose client has gone is not
+    // staged: its pages (maybe another sequence's, evicted for it) would
+    // only come back at the rollback.
+    MLAKV_RETURN_IF_ERROR(CheckCallAlive(&ctx_, absl::StrCat("message ", index, " was not staged")));
     if (index > 1) {
       if (!req.pool().empty() && req.pool() != pool_field_) {
         return absl::InvalidArgumentError(absl::StrCat("message ", index, " names pool ", Quote(req.pool()),

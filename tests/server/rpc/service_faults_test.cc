@@ -227,6 +227,35 @@ void Build(ServiceFixture& f, const std::string& id, int pages) {
   }
 }
 
+// Messages queued on a busy worker when the client cancels are not staged:
+// staging them would take pages -- evicting an idle sequence for them --
+// only for the rollback to give the pages back.
+TEST_F(ServiceFaults, ACancelledStreamsQueuedMessagesEvictNothing) {
+  Start("num_layers: 2 page_size: 4 num_pages: 8 eviction { policy: 'lru' }");
+  const Rows rows = RandomRows(32, 8);
+  ASSERT_TRUE(AppendRows("victim", 0, RandomRows(16, 9), {0, 1}, kCkv, kKpe).ok());  // 4 pages, idle from now on
+  std::unique_ptr<absl::Notification> release = BlockWorker();
+  grpc::ClientContext ctx;
+  v1::AppendResponse resp;
+  auto writer = stub().Append(&ctx, &resp);
+  ASSERT_TRUE(writer->Write(AppendMessage("cancelled", 0, rows, 0, 16, {0, 1}, kCkv, kKpe)));  // the 4 free pages
+  ASSERT_TRUE(writer->Write(AppendMessage("", 16, rows, 16, 16, {0, 1})));  // 4 more: the victim's
+  absl::SleepFor(absl::Milliseconds(200));  // both read and queued behind the blocker
+  ctx.TryCancel();
+  absl::SleepFor(absl::Milliseconds(100));  // the cancel read too
+  release->Notify();
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  absl::Notification drained;
+  pool().worker().Post([&] { drained.Notify(); });
+  drained.WaitForNotification();
+  v1::Sequence victim;
+  ASSERT_TRUE(GetSequence("victim", &victim).ok()) << "evicted for a cancelled stream's message";
+  EXPECT_EQ(victim.length(), 16u);
+  EXPECT_EQ(GetPool().evictions(), 0u);
+  EXPECT_EQ(GetPool().pages_used(), 4u);
+  EXPECT_TRUE(pool().CheckInvariants().ok()) << pool().CheckInvariants();
+}
+
 TEST_F(ServiceFaults, AResponseOverTheSendLimitIsRefusedBeforeTheCommit) {
   // 25,000 page ids below 30,000 take 3 bytes each in a FULL response:
   // 75 KB, over a 64 KiB limit.
