@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/quote.h"
 #include "server/core/pool.h"
 #include "spdlog/spdlog.h"
 
@@ -55,8 +56,8 @@ void AppendTransaction::StageLayer(int32_t layer, uint32_t end) {
 
 AppendTransaction::~AppendTransaction() {
   if (!finished_) {
-    spdlog::error("append to sequence '{}' of pool '{}' was neither committed nor aborted; aborting it now", id_,
-                  pool_->name());
+    spdlog::error("append to sequence {} of pool {} was neither committed nor aborted; aborting it now", Quote(id_),
+                  Quote(pool_->name()));
     pool_->Abort(*this);
   }
 }
