@@ -442,7 +442,7 @@ absl::StatusOr<SequenceSnapshot> Pool::TruncateSequence(const SequenceRef& ref, 
 // ---- reads ---------------------------------------------------------------------
 
 absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const SequenceRef& ref, std::span<const uint32_t> layers,
-                                                    uint32_t start, uint32_t* count) {
+                                                    uint32_t start, uint32_t* count, uint64_t* generation) {
   const std::string& id = ref.id;
   absl::MutexLock lock(&mu_);
   ReapExpiredLeases();
@@ -484,6 +484,7 @@ absl::StatusOr<std::vector<int32_t>> Pool::PlanRead(const SequenceRef& ref, std:
     }
   }
   if (!found->retained()) sequences_.Touch(found, NowNs());
+  if (generation != nullptr) *generation = found->generation();
   return out;
 }
 

@@ -462,9 +462,11 @@ class Pool {
 
   // Checks a read of [start, start + count) of `layers` (empty: all; a layer
   // named twice is INVALID_ARGUMENT) and resolves count 0 to "up to the
-  // shortest requested layer". Returns the layers to read and sets *count.
+  // shortest requested layer". Returns the layers to read and sets *count,
+  // and *generation (if not null) to the incarnation found: a read in
+  // several steps names it in each, so that it never mixes two.
   absl::StatusOr<std::vector<int32_t>> PlanRead(const SequenceRef& ref, std::span<const uint32_t> layers,
-                                                uint32_t start, uint32_t* count);
+                                                uint32_t start, uint32_t* count, uint64_t* generation = nullptr);
   // Copies the stored bytes of [start, start + count) of one layer into
   // `out` ([count, 256] / [count, 32] / [count, 64]) and reports the layer's
   // scales. Fails if the sequence was freed or cut below the range meanwhile.

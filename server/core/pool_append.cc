@@ -294,14 +294,22 @@ absl::Status Pool::CheckScales(size_t index, const AppendTransaction& txn, const
       }
     } else if (st.scales_set) {
       if (named && (!SameBits(lr.ckv_scale, st.ckv_scale) || !SameBits(lr.kpe_scale, st.kpe_scale))) {
-        const bool replaceable = !st.scales_from_config && st.tokens == 0 && st.staged_users == 0;
+        // Empty means nothing readable under the old scales either: a freed
+        // sequence kept for its lease, or pages a MatchPrefix lease holds (a
+        // fork by hash can take them), are not in st.tokens but still read
+        // with the layer's scales. So no lease at all, however conservative.
+        const bool replaceable =
+            !st.scales_from_config && st.tokens == 0 && st.staged_users == 0 && leases_.size() == 0;
         if (!replaceable) {
           return absl::FailedPreconditionError(absl::StrCat(
               who(), " layer ", layer, ": names ckv_scale ", lr.ckv_scale, " kpe_scale ", lr.kpe_scale, " but layer ",
               layer, " of pool ", Quote(name()), " has ckv_scale ", st.ckv_scale, " kpe_scale ", st.kpe_scale,
-              st.scales_from_config
-                  ? " fixed by configuration"
-                  : absl::StrCat(" and stores ", st.tokens, " tokens (scales change only while a layer is empty)"),
+              st.scales_from_config ? " fixed by configuration"
+              : st.tokens > 0 || st.staged_users > 0
+                  ? absl::StrCat(" and stores ", st.tokens, " tokens (scales change only while a layer is empty)")
+                  : absl::StrCat(" and ", leases_.size(),
+                                 " leases may hold rows stored with them (scales change only while a layer is empty "
+                                 "and the pool holds no lease)"),
               "; append with the layer's scales or leave them unset"));
         }
         plan.new_scales[layer] = StagePlan::NewScales{lr.ckv_scale, lr.kpe_scale, index};

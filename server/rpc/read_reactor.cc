@@ -63,7 +63,13 @@ absl::Status ReadReactor::Plan(KvCacheService* service, const v1::ReadSequenceRe
   std::vector<uint32_t> layers(req->layers().begin(), req->layers().end());
   if (req->has_expect_generation()) sequence_.expect_generation = req->expect_generation();
   sequence_.lease_id = req->lease_id();
-  MLAKV_ASSIGN_OR_RETURN(layers_, pool_->PlanRead(sequence_, layers, req->start(), &count));
+  uint64_t generation = 0;
+  MLAKV_ASSIGN_OR_RETURN(layers_, pool_->PlanRead(sequence_, layers, req->start(), &count, &generation));
+  // Every chunk reads the incarnation planned: freed (or evicted) and
+  // appended again between two chunks, the id names another one, whose rows
+  // must not follow this one's in the same stream.
+  generation_pinned_ = !sequence_.expect_generation.has_value();
+  sequence_.expect_generation = generation;
   const uint64_t per_token =
       dequantize_ ? (kCkvDim + kKpeDim) * sizeof(float) : format::kEntryBytes;
   const uint64_t per_message = req->tokens_per_message() != 0
@@ -123,11 +129,19 @@ absl::Status ReadReactor::Produce(const Chunk& c) {
   sf->resize(static_cast<size_t>(c.count) * kCkvSfBytes);
   kpe->resize(static_cast<size_t>(c.count) * kKpeBytes);
   LayerSnapshot layer;
-  MLAKV_RETURN_IF_ERROR(pool_->ReadRows(sequence_, c.layer, c.start, c.count,
-                                        {reinterpret_cast<uint8_t*>(ckv->data()),
-                                         reinterpret_cast<uint8_t*>(sf->data()),
-                                         reinterpret_cast<uint8_t*>(kpe->data())},
-                                        &layer));
+  if (absl::Status read = pool_->ReadRows(sequence_, c.layer, c.start, c.count,
+                                          {reinterpret_cast<uint8_t*>(ckv->data()),
+                                           reinterpret_cast<uint8_t*>(sf->data()),
+                                           reinterpret_cast<uint8_t*>(kpe->data())},
+                                          &layer);
+      !read.ok()) {
+    if (generation_pinned_ && absl::IsFailedPrecondition(read)) {
+      return absl::AbortedError(absl::StrCat("the sequence was freed and created again while this ReadSequence "
+                                             "read it (", sent_ - 1, " messages were of generation ",
+                                             *sequence_.expect_generation, "); read it again: ", read.message()));
+    }
+    return read;
+  }
   resp_.set_ckv_scale(layer.ckv_scale);
   resp_.set_kpe_scale(layer.kpe_scale);
   if (dequantize_) {

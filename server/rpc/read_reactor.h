@@ -51,6 +51,8 @@ class ReadReactor final : public cq::WriterCall<v1::ReadSequenceRequest, v1::Rea
 
   KvCacheService* const service_;
   SequenceRef sequence_;  // the id, its expected generation, or the lease to read through
+  // The generation in sequence_ is the one the plan found, not the client's.
+  bool generation_pinned_ = false;
   std::string detail_;
   Pool* pool_ = nullptr;
   bool dequantize_ = false;

@@ -3,7 +3,9 @@
 #include "server/regions/mapping_fault_guard.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -90,6 +92,35 @@ TEST(MappingFaultGuard, UnregisteredRangesStillDie) {
         volatile char c = file.base()[kPage];  // outside the guarded range
         (void)c;
         std::exit(0);
+      },
+      "");
+}
+
+// A SIGBUS another process sends (kill -BUS) is not a fault: it kills as
+// it would have, and is never taken for a read of a guarded range -- its
+// si_addr holds the sender's pid and uid, which may look like one. (It
+// was absorbed once, leaving the guard uninstalled; or, crafted, it had a
+// live mapping replaced by zeros.)
+TEST(MappingFaultGuard, ASentSigbusStillKills) {
+  EXPECT_DEATH(
+      {
+        MappedFile file(kPage);
+        auto guard = MappingFaultGuard::Register(const_cast<const char*>(file.base()), kPage);
+        raise(SIGBUS);
+        std::exit(0);
+      },
+      "");
+  EXPECT_DEATH(
+      {
+        MappedFile file(kPage);
+        auto guard = MappingFaultGuard::Register(const_cast<const char*>(file.base()), kPage);
+        siginfo_t info;
+        std::memset(&info, 0, sizeof(info));
+        info.si_signo = SIGBUS;
+        info.si_code = SI_QUEUE;
+        info.si_addr = const_cast<char*>(file.base());  // inside the guarded range
+        syscall(SYS_rt_tgsigqueueinfo, getpid(), gettid(), SIGBUS, &info);
+        std::exit(0);  // survived: the sent signal was taken for a fault
       },
       "");
 }

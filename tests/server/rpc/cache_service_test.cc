@@ -285,6 +285,121 @@ TEST_F(CacheServiceTest, PrefixMatchFindsIndexedPagesAndLeasesThem) {
   EXPECT_TRUE(absl::StrContains(s.error_message(), "1..64")) << s.error_message();
 }
 
+// A layer's scales change only while nothing is readable under the old
+// ones: a freed sequence kept for its reader's lease, or pages a prefix
+// match leased (which a fork by hash can take), are outside the layer's
+// token count but still read with its scales.
+TEST_F(CacheServiceTest, ScalesDoNotChangeWhileALeaseHoldsRowsStoredWithThem) {
+  const auto append_other_scales = [&](const std::string& seq) {
+    return Append({AppendMessage(seq, 0, RandomRows(16, 9), 0, 16, {0, 1}, 2 * kCkv, 2 * kKpe)});
+  };
+  const auto free = [&](const std::string& seq) {
+    v1::FreeSequenceRequest req;
+    req.set_sequence(seq);
+    v1::FreeSequenceResponse resp;
+    ASSERT_TRUE(Call(&v1::KvCache::Stub::FreeSequence, req, &resp).ok());
+  };
+  const auto release = [&](uint64_t lease) {
+    v1::ReleaseLeaseRequest req;
+    req.set_lease_id(lease);
+    v1::ReleaseLeaseResponse resp;
+    ASSERT_TRUE(Call(&v1::KvCache::Stub::ReleaseLease, req, &resp).ok());
+  };
+  // A reader's lease on a freed sequence.
+  MustAppend("read", 0, RandomRows(16, 1));
+  v1::GetSequenceRequest get;
+  get.set_sequence("read");
+  get.mutable_lease()->set_holder("decode");
+  v1::Sequence leased;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::GetSequence, get, &leased).ok());
+  std::string before, after;
+  ASSERT_TRUE(ReadAll("", leased.lease().lease_id(), 16, &before).ok());
+  ASSERT_NO_FATAL_FAILURE(free("read"));
+  grpc::Status s = append_other_scales("other");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "1 leases may hold rows stored with them")) << Describe(s);
+  ASSERT_TRUE(ReadAll("", leased.lease().lease_id(), 16, &after).ok());
+  EXPECT_EQ(after, before);
+  ASSERT_NO_FATAL_FAILURE(release(leased.lease().lease_id()));
+  ASSERT_TRUE(append_other_scales("other").ok()) << "the layer is empty and no lease is held: scales may change";
+  ASSERT_NO_FATAL_FAILURE(free("other"));
+  // A prefix match's page lease, then a fork by hash of those pages.
+  MustAppend("a", 0, RandomRows(32, 2), [](v1::AppendRequest& m) {
+    m.add_block_hashes("h0");
+    m.add_block_hashes("h1");
+  });
+  ASSERT_TRUE(ReadAll("a", 0, 32, &before).ok());
+  v1::MatchPrefixRequest match;
+  for (const char* h : {"h0", "h1"}) match.add_block_hashes(h);
+  match.mutable_lease()->set_holder("router");
+  v1::MatchPrefixResponse matched;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::MatchPrefix, match, &matched).ok());
+  ASSERT_EQ(matched.matched_pages(), 2u);
+  ASSERT_NO_FATAL_FAILURE(free("a"));
+  s = append_other_scales("b");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
+  v1::ForkSequenceRequest fork;
+  fork.set_target("c");
+  for (const char* h : {"h0", "h1"}) fork.add_block_hashes(h);
+  v1::ForkSequenceResponse forked;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::ForkSequence, fork, &forked).ok());
+  ASSERT_TRUE(ReadAll("c", 0, 32, &after).ok());
+  EXPECT_EQ(after, before);
+  v1::ReadSequenceRequest deq;
+  deq.set_sequence("c");
+  deq.add_layers(0);
+  deq.set_format(v1::READ_FORMAT_DEQUANTIZED);
+  grpc::ClientContext ctx;
+  auto reader = stub().ReadSequence(&ctx, deq);
+  v1::ReadSequenceResponse chunk;
+  ASSERT_TRUE(reader->Read(&chunk));
+  EXPECT_EQ(chunk.ckv_scale(), kCkv) << "the fork reads with the scales its bytes were stored with";
+  while (reader->Read(&chunk)) {
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+  ASSERT_NO_FATAL_FAILURE(release(matched.lease().lease_id()));
+}
+
+// A ReadSequence stream reads one incarnation: freed and appended again
+// while the client reads slowly, the id names another, whose rows must not
+// follow the first's in an OK stream.
+TEST_F(CacheServiceTest, AReadStreamNeverMixesTwoIncarnations) {
+  StopServer();
+  Start("num_layers: 2 page_size: 16 num_pages: 512");
+  MustAppend("s", 0, RandomRows(2048, 1));
+  std::string first;
+  ASSERT_TRUE(ReadAll("s", 0, 2048, &first).ok());
+  v1::ReadSequenceRequest req;
+  req.set_sequence("s");
+  req.add_layers(0);
+  req.set_tokens_per_message(32);  // 64 messages of ~11 KB: more than the stream's flow-control window
+  grpc::ClientContext ctx;
+  auto reader = stub().ReadSequence(&ctx, req);
+  v1::ReadSequenceResponse chunk;
+  ASSERT_TRUE(reader->Read(&chunk));
+  v1::FreeSequenceRequest free_req;
+  free_req.set_sequence("s");
+  v1::FreeSequenceResponse freed;
+  ASSERT_TRUE(Call(&v1::KvCache::Stub::FreeSequence, free_req, &freed).ok());
+  MustAppend("s", 0, RandomRows(2048, 2));
+  std::string second;
+  ASSERT_TRUE(ReadAll("s", 0, 2048, &second).ok());
+  ASSERT_NE(first, second);
+  // ReadAll's layout (one message a layer here): "0:", then layer 0's ckv_packed, 256 bytes a token, ...
+  const auto of = [](const std::string& all, uint32_t token) { return all.substr(2 + token * 256, 256); };
+  int messages = 1, from_second = 0;
+  do {
+    if (of(second, chunk.start()) == chunk.ckv_packed().substr(0, 256) &&
+        of(first, chunk.start()) != chunk.ckv_packed().substr(0, 256)) {
+      ++from_second;
+    }
+  } while (reader->Read(&chunk) && ++messages);
+  const grpc::Status end = reader->Finish();
+  EXPECT_EQ(from_second, 0) << "rows of the second incarnation in the first's stream";
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::ABORTED) << Describe(end) << " after " << messages << " messages";
+  EXPECT_TRUE(absl::StrContains(end.error_message(), "freed and created again")) << Describe(end);
+}
+
 TEST_F(CacheServiceTest, LeaseCallsAndTheirErrors) {
   MustAppend("s", 0, RandomRows(20, 1));
   v1::AcquireLeaseRequest acquire;
