@@ -13,7 +13,12 @@
 // but still held by an append (each holds a descriptor or a CUDA mapping
 // until released). Opening a region (shm_open, mmap, cudaIpcOpenMemHandle)
 // may take time, so the service runs Register* and the releases that
-// Unregister triggers on worker() rather than on a gRPC thread.
+// Unregister triggers on worker() rather than on a gRPC thread -- except
+// that a region an append still holds when it is unregistered is released
+// where that append lets it go: its pool's worker, or a completion-queue
+// thread when the stream ends (munmap, or cudaIpcCloseMemHandle and
+// cudaEventDestroy there; not moved to worker() yet, which would have to
+// outlive the registry for holds that do).
 // Plain types only (no protobuf): server/rpc converts. Thread-safe.
 #pragma once
 
