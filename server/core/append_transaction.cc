@@ -54,6 +54,12 @@ void AppendTransaction::StageLayer(int32_t layer, uint32_t end) {
   staged_end_[layer] = std::max(staged_end_[layer], end);
 }
 
+size_t AppendTransaction::first_changed_page() const {
+  size_t first = original_pages_;
+  for (const CopyOnWrite& c : cows_) first = std::min<size_t>(first, c.index);
+  return first;
+}
+
 AppendTransaction::~AppendTransaction() {
   if (!finished_) {
     spdlog::error("append to sequence {} of pool {} was neither committed nor aborted; aborting it now", Quote(id_),

@@ -50,6 +50,10 @@ class AppendTransaction {
   // Pages the sequence held before the append (its new pages follow them in
   // the page table).
   size_t original_pages() const { return original_pages_; }
+  // The first page-table entry the append changed: its first new page, or
+  // an earlier shared page it replaced by a private copy (copy-on-write).
+  // The views that carry "the pages this call changed" start here.
+  size_t first_changed_page() const;
   bool finished() const { return finished_; }
 
  private:

@@ -760,7 +760,7 @@ SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns, Laye
   }
   SequenceSnapshot snapshot =
       SnapshotOf(seq, /*count_shared=*/false,
-                 pages == SnapshotPages::kNew    ? std::optional<size_t>(txn.original_pages_)
+                 pages == SnapshotPages::kNew    ? std::optional<size_t>(txn.first_changed_page())
                  : pages == SnapshotPages::kNone ? std::optional<size_t>(seq.pages().size())
                                                  : std::nullopt);
   if (txn.created_ && seq.empty()) {

@@ -613,7 +613,7 @@ absl::Status AppendReactor::CommitStream() {
   if (append_ == nullptr || append_->size() != 1) return absl::InternalError("Append ended without a transaction");
   const AppendTransaction& txn = append_->transaction(0);
   const size_t pages = txn.original_pages() + txn.pages_allocated();
-  const size_t first_new = txn.original_pages();
+  const size_t first_new = txn.first_changed_page();
   const uint32_t max_bytes = service_->options().max_message_bytes;
   auto last_check = [&]() -> absl::Status {
     MLAKV_RETURN_IF_ERROR(regions_held_.CheckNoFaults(absl::StrCat("sequence ", Quote(sequence_))));

@@ -435,9 +435,10 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
       for (size_t i = 0; i < append.size(); ++i) {
         const AppendTransaction& txn = append.transaction(i);
         const size_t pages = txn.original_pages() + txn.pages_allocated();
-        bound += packed ? PackedSequenceBytesBound(txn.pages_allocated(), p->num_pages())
+        const size_t changed = pages - txn.first_changed_page();  // new pages and copies, and any between
+        bound += packed ? PackedSequenceBytesBound(changed, p->num_pages())
                         : SequenceProtoBytesBound(txn.sequence_id().size(), p->name().size(),
-                                                  PagesDescribed(c.view, pages, txn.pages_allocated()),
+                                                  PagesDescribed(c.view, pages, changed),
                                                   p->num_pages(), OnlyNewPages(c.view) ? 0 : p->num_layers());
       }
       auto last_check = [&]() -> absl::Status {
@@ -453,7 +454,7 @@ void KvCacheService::AppendBatch(AppendBatchCall* call) {
         return absl::OkStatus();
       };
       std::vector<size_t> first_new;
-      for (size_t i = 0; i < append.size(); ++i) first_new.push_back(append.transaction(i).original_pages());
+      for (size_t i = 0; i < append.size(); ++i) first_new.push_back(append.transaction(i).first_changed_page());
       const uint64_t rows_written = append.rows_written();
       const uint32_t pages = append.pages_allocated();
       MLAKV_ASSIGN_OR_RETURN(std::vector<SequenceSnapshot> after, append.Commit(last_check, SnapshotPagesFor(c.view)));

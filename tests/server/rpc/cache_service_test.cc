@@ -400,6 +400,73 @@ TEST_F(CacheServiceTest, AReadStreamNeverMixesTwoIncarnations) {
   EXPECT_TRUE(absl::StrContains(end.error_message(), "freed and created again")) << Describe(end);
 }
 
+// The views that carry only the pages a call changed (BASIC, COMPACT,
+// PACKED) must carry a shared page's private copy too: a decode worker
+// keeping its page table from them would go on reading the page it shares
+// with the fork's source -- here the source's page, which the append did
+// not change and which the pool may free and reuse once the source goes.
+TEST_F(CacheServiceTest, TheNewPagesViewsCarryACopiedSharedPage) {
+  MustAppend("a", 0, RandomRows(32, 1));  // 2 full pages of 16
+  const Rows one = RandomRows(1, 2);
+  for (v1::SequenceView view : {v1::SEQUENCE_VIEW_BASIC, v1::SEQUENCE_VIEW_COMPACT, v1::SEQUENCE_VIEW_PACKED}) {
+    SCOPED_TRACE(v1::SequenceView_Name(view));
+    v1::ForkSequenceRequest fork;
+    fork.set_source("a");
+    fork.set_target("b");
+    v1::ForkSequenceResponse forked;
+    ASSERT_TRUE(Call(&v1::KvCache::Stub::ForkSequence, fork, &forked).ok());
+    v1::TruncateSequenceRequest cut;
+    cut.set_sequence("b");
+    cut.set_length(24);  // into the shared second page: the next append there copies it
+    v1::Sequence truncated;
+    ASSERT_TRUE(Call(&v1::KvCache::Stub::TruncateSequence, cut, &truncated).ok());
+    v1::AppendBatchRequest req;
+    req.set_view(view);
+    *req.add_sequences() = [&] {
+      v1::SequenceRows s;
+      s.set_sequence("b");
+      s.set_start(24);
+      s.set_row_count(1);
+      for (uint32_t l : {0u, 1u}) {
+        v1::LayerRows* rows = s.add_layers();
+        rows->set_layer(l);
+        rows->set_ckv(one.ckv_bytes(0, 1));
+        rows->set_kpe(one.kpe_bytes(0, 1));
+      }
+      return s;
+    }();
+    req.set_dtype(v1::ROW_DTYPE_BFLOAT16);
+    v1::AppendBatchResponse resp;
+    const grpc::Status s = Call(&v1::KvCache::Stub::AppendBatch, req, &resp);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    EXPECT_EQ(resp.pages_allocated(), 1u);
+    const v1::Sequence now = Get("b");
+    ASSERT_EQ(now.kv_indices_size(), 2);
+    EXPECT_EQ(now.kv_indices(0), Get("a").kv_indices(0));
+    EXPECT_NE(now.kv_indices(1), Get("a").kv_indices(1)) << "the shared page was copied";
+    // The response's entries from its offset on, laid over the table the
+    // worker had (the truncate's), give the table now.
+    std::vector<uint32_t> table(truncated.kv_indices().begin(), truncated.kv_indices().end());
+    uint32_t offset;
+    std::vector<uint32_t> changed;
+    if (view == v1::SEQUENCE_VIEW_PACKED) {
+      offset = resp.packed().kv_indices_offsets(0);
+      changed.assign(resp.packed().new_pages().begin(), resp.packed().new_pages().end());
+      EXPECT_EQ(resp.packed().new_page_counts(0), changed.size());
+    } else {
+      offset = resp.sequences(0).kv_indices_offset();
+      changed.assign(resp.sequences(0).kv_indices().begin(), resp.sequences(0).kv_indices().end());
+    }
+    table.resize(offset);
+    table.insert(table.end(), changed.begin(), changed.end());
+    EXPECT_EQ(table, std::vector<uint32_t>(now.kv_indices().begin(), now.kv_indices().end()));
+    v1::FreeSequenceRequest free_req;
+    free_req.set_sequence("b");
+    v1::FreeSequenceResponse freed;
+    ASSERT_TRUE(Call(&v1::KvCache::Stub::FreeSequence, free_req, &freed).ok());
+  }
+}
+
 TEST_F(CacheServiceTest, LeaseCallsAndTheirErrors) {
   MustAppend("s", 0, RandomRows(20, 1));
   v1::AcquireLeaseRequest acquire;
