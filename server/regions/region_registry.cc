@@ -212,12 +212,18 @@ absl::StatusOr<RegionRegistry::Resolved> RegionRegistry::ResolveOne(absl::Functi
     }
     region = it->second;
   }
-  const uint64_t stride = ref.row_stride_bytes == 0 ? row_bytes : ref.row_stride_bytes;
+  uint64_t stride = ref.row_stride_bytes == 0 ? row_bytes : ref.row_stride_bytes;
   if (stride < row_bytes || stride % kElementBytes != 0) {
     return absl::InvalidArgumentError(absl::StrCat(what(), ": row_stride_bytes ", ref.row_stride_bytes,
                                                    " must be 0 (packed) or a multiple of 2 that is at least the ",
                                                    row_bytes, " bytes of a row"));
   }
+  // One row never steps: its stride is the row's. (Kept as given, a stride
+  // of 2^63 or more passed the bounds check below, which never multiplies it
+  // for one row, and turned negative as a CUDA row's int64 stride -- read
+  // as host memory, a device pointer the staging copy dereferenced.) With
+  // two rows or more the check bounds it by the region's size.
+  if (row_count <= 1) stride = row_bytes;
   const uint64_t size = region->byte_size();
   // offset + (rows - 1) x stride + row_bytes <= size, without overflow.
   const bool inside = ref.offset <= size &&

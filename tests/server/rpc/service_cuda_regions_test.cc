@@ -153,6 +153,11 @@ TEST_F(CudaRegionServiceTest, ProducerRowsStoreTheSameBytesAsBytesAppend) {
     ASSERT_TRUE(one.status.ok()) << Describe(one.status);
     ExpectRowsOf(one.rows, all.rows, i * 100, 100);
   }
+  // One row whose stride is 2^63 or more (never stepped: the row's own).
+  s = Append({RegionMessage("huge-stride", 0, 1, rows.dtype, {0, 1, 2, 3}, Ref("r", 0, uint64_t{1} << 63),
+                            Ref("r", kpe_off, ~uint64_t{0} - 1))});
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ExpectSameStored("huge-stride", "bytes", {0, 1, 2, 3}, 1);
   // A cpu pool cannot read a CUDA region.
   s = Append({RegionMessage("cpu", 0, n, rows.dtype, {0}, Ref("r", 0), Ref("r", kpe_off), "host")});
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
