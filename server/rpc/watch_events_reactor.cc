@@ -116,7 +116,17 @@ void WatchEventsReactor::Run(uint64_t from, uint32_t max_batch) {
     // The events read, as responses of at most kMaxResponseBytes each (one
     // event more than that goes alone).
     for (size_t next = 0; next < events.size() && !ended();) {
+      const size_t first = next;
       next = FillResponse(events, next);
+      if (const size_t bytes = response_.ByteSizeLong(); bytes > service_->options().max_message_bytes) {
+        // One event alone (a long sequence's pages and hashes) over the send
+        // limit: every resume would fail at it the same way.
+        status = absl::ResourceExhaustedError(absl::StrCat(
+            "event ", events[first].number, " takes ", bytes, " bytes in a response, over this server's ",
+            "max_message_bytes of ", service_->options().max_message_bytes,
+            "; raise max_message_bytes, or resume with from=", events[first].number + 1, " to skip it"));
+        break;  // ended() sees the status
+      }
       cursor = events[next - 1].number + 1;
       {
         absl::MutexLock lock(&state->mu);
@@ -136,13 +146,16 @@ void WatchEventsReactor::Run(uint64_t from, uint32_t max_batch) {
 size_t WatchEventsReactor::FillResponse(const std::vector<KvEvent>& events, size_t first) {
   response_.Clear();
   response_.set_server_id(service_->options().server_id);
+  // Within the server's own send limit too (a server configured below 1 MiB
+  // failed every batch over it, at the same event on every resume).
+  const size_t limit = std::min<size_t>(kMaxResponseBytes, service_->options().max_message_bytes);
   size_t bytes = response_.ByteSizeLong();
   size_t i = first;
   for (; i < events.size(); ++i) {
     v1::KvEvent* out = response_.add_events();
     ToProto(events[i], out);
     bytes += out->ByteSizeLong() + 8;  // the field's tag and length
-    if (bytes > kMaxResponseBytes && i > first) {
+    if (bytes > limit && i > first) {
       response_.mutable_events()->RemoveLast();  // it goes first in the next response
       break;
     }

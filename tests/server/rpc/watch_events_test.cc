@@ -186,6 +186,58 @@ TEST_F(WatchEventsTest, LargeEventsComeInResponsesAClientWithDefaultLimitsAccept
   EXPECT_LE(largest, (size_t{1} << 20) + (100 << 10)) << "a response holds no more than ~1 MiB and one event";
 }
 
+// A server whose send limit is below the 1 MiB a response may hold sizes
+// its responses to that limit (it sent ~116 KB batches to a 64 KB limit,
+// failing at the same event on every resume); one event alone over it ends
+// the watch with a status that says what to do.
+TEST_F(WatchEventsTest, ResponsesStayWithinTheServersOwnSendLimit) {
+  StopServer();
+  StartServer("cpu", "name: 'default' num_layers: 1 page_size: 1 num_pages: 32768", "max_message_bytes: 65536",
+              "127.0.0.1:0");
+  for (int i = 0; i < 200; ++i) {  // events 2..201, ~580 bytes each: ~116 KB of them
+    v1::AppendRequest m = AppendMessage(absl::StrCat("s", i), 0, RandomRows(8, i), 0, 8, {0}, 0.25f, 0.5f);
+    for (int h = 0; h < 8; ++h) m.add_block_hashes(absl::StrCat(std::string(56, 'h'), 10000000 + i * 8 + h));
+    ASSERT_TRUE(ServiceFixture::Append({m}).ok());
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  v1::WatchEventsRequest req;
+  req.set_from(1);
+  auto reader = stub().WatchEvents(&ctx, req);
+  v1::WatchEventsResponse resp;
+  uint64_t last = 0;
+  int responses = 0;
+  while (last < 201 && reader->Read(&resp)) {
+    ++responses;
+    EXPECT_LE(resp.ByteSizeLong(), 65536u);
+    for (const v1::KvEvent& e : resp.events()) last = e.number();
+  }
+  ctx.TryCancel();
+  const grpc::Status end = reader->Finish();
+  EXPECT_EQ(last, 201u) << Describe(end);
+  EXPECT_GE(responses, 2);
+  // One event alone over the limit: 30,000 pages stored by one append (in
+  // messages under the limit), ~74 KB of page ids.
+  const Rows rows = RandomRows(30000, 7);
+  std::vector<v1::AppendRequest> messages;
+  for (int i = 0; i < 30000; i += 50) {
+    messages.push_back(AppendMessage(i == 0 ? "long" : "", i, rows, i, 50, {0}));
+    if (i == 0) messages.back().set_view(v1::SEQUENCE_VIEW_LENGTHS);
+  }
+  const grpc::Status appended = ServiceFixture::Append(messages);  // event 202
+  ASSERT_TRUE(appended.ok()) << Describe(appended);
+  grpc::ClientContext ctx2;
+  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  req.set_from(202);
+  auto big = stub().WatchEvents(&ctx2, req);
+  while (big->Read(&resp)) {
+  }
+  const grpc::Status refused = big->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << Describe(refused);
+  EXPECT_TRUE(absl::StrContains(refused.error_message(), "event 202 takes")) << Describe(refused);
+  EXPECT_TRUE(absl::StrContains(refused.error_message(), "from=203")) << Describe(refused);
+}
+
 // A watcher that stops reading: the server's writes stall on flow control,
 // its next event leaves the ring, and it is ended with RESOURCE_EXHAUSTED
 // naming that event; the appends meanwhile run as fast as without it.
