@@ -73,8 +73,10 @@ absl::StatusOr<std::vector<SequenceSnapshot>> AtomicAppend::Commit(absl::Functio
 void AtomicAppend::Abort() {
   if (finished_) return;
   held_.Clear();  // never written: nothing of them reached the caches
-  // Reverse order: a later transaction's changes are undone before an earlier one's.
-  for (auto it = txns_.rbegin(); it != txns_.rend(); ++it) pool_->Abort(**it);
+  std::vector<AppendTransaction*> raw;
+  raw.reserve(txns_.size());
+  for (const auto& txn : txns_) raw.push_back(txn.get());
+  pool_->Abort(raw);  // in reverse order, scales last
   finished_ = true;
 }
 

@@ -417,6 +417,9 @@ class Pool {
   // Restores rewritten rows, returns the pages the append allocated, erases a
   // sequence it created, unsets scales it set on a layer that stays empty.
   void Abort(AppendTransaction& txn);
+  // The transactions of one call (AtomicAppend), undone in reverse order,
+  // and the layers' scales any of them set restored once all have left.
+  void Abort(std::span<AppendTransaction* const> txns);
 
   // ---- queries and releases (any thread) ----------------------------------
 
@@ -526,6 +529,9 @@ class Pool {
   SequenceSnapshot CommitLocked(AppendTransaction& txn, int64_t now_ns, LayerTally& tally,
                                 SnapshotPages pages = SnapshotPages::kAll) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyLocked(const LayerTally& tally) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Abort's work for one transaction but its scales (Abort restores them
+  // once every transaction of the call is undone).
+  void AbortOne(AppendTransaction& txn);
   // ---- the steps of Stage ----
   // Shape of one sequence's rows; needs no state. The call's shared layers
   // are checked with its first sequence that names them (plan.shared).

@@ -776,6 +776,33 @@ SequenceSnapshot Pool::CommitLocked(AppendTransaction& txn, int64_t now_ns, Laye
 }
 
 void Pool::Abort(AppendTransaction& txn) {
+  AppendTransaction* one[] = {&txn};
+  Abort(one);
+}
+
+void Pool::Abort(std::span<AppendTransaction* const> txns) {
+  // Reverse order: a later transaction's changes are undone before an earlier one's.
+  for (auto it = txns.rbegin(); it != txns.rend(); ++it) AbortOne(**it);
+  // Scales last, once every transaction of the call has left the layers: the
+  // one that set a layer's scales puts the old ones back only while no
+  // append has rows staged there, and another sequence of the same call had
+  // until its own abort above (restoring in the same pass as that abort
+  // left a failed call's new scales in place).
+  absl::MutexLock lock(&mu_);
+  for (auto it = txns.rbegin(); it != txns.rend(); ++it) {
+    for (auto s = (*it)->scales_before_.rbegin(); s != (*it)->scales_before_.rend(); ++s) {
+      LayerState& st = layers_[s->layer];
+      if (st.tokens == 0 && st.staged_users == 0) {
+        st.scales_set = s->set;
+        st.ckv_scale = s->ckv_scale;
+        st.kpe_scale = s->kpe_scale;
+      }
+    }
+    (*it)->scales_before_.clear();
+  }
+}
+
+void Pool::AbortOne(AppendTransaction& txn) {
   if (txn.finished_) return;
   // Put back the bytes of rewritten committed positions. The sequence is
   // still held (busy), so its pages cannot have changed hands.
@@ -807,14 +834,6 @@ void Pool::Abort(AppendTransaction& txn) {
   seq->set_rewrite_floor(UINT32_MAX);
   std::vector<int32_t> cut = sequences_.DetachTail(seq, txn.original_pages_);
   ReleasePages(cut);
-  for (auto it = txn.scales_before_.rbegin(); it != txn.scales_before_.rend(); ++it) {
-    LayerState& st = layers_[it->layer];
-    if (st.tokens == 0 && st.staged_users == 0) {
-      st.scales_set = it->set;
-      st.ckv_scale = it->ckv_scale;
-      st.kpe_scale = it->kpe_scale;
-    }
-  }
   if (txn.created_) {
     sequences_.Erase(seq);
   } else {

@@ -71,6 +71,61 @@ TEST(AtomicAppend, CommitsEveryTransactionInBeginOrder) {
   EXPECT_TRUE(pool->CheckInvariants().ok());
 }
 
+SequenceRowsIn WithScales(SequenceRowsIn r, float ckv, float kpe) {
+  for (LayerRows& l : r.layers) {
+    l.ckv_scale = ckv;
+    l.kpe_scale = kpe;
+  }
+  return r;
+}
+
+// A call whose second sequence sets new scales on layers left empty, and
+// whose first writes them without naming any: the failed call leaves the
+// old scales (the first sequence's abort came after the second's, while it
+// still counted as a user of the layers, and the restore was skipped).
+TEST(AtomicAppend, AFailedCallLeavesTheScalesItChanged) {
+  auto pool = MakePool();
+  Bytes b(2);
+  {
+    AtomicAppend a(pool.get());
+    ASSERT_TRUE(a.Begin("old").ok());
+    const SequenceRowsIn r = Rows(b, 0, 2);
+    const SequenceRowsIn* rows[] = {&r};
+    ASSERT_TRUE(a.Stage(rows, DType::kBFloat16).ok());
+    ASSERT_TRUE(a.Commit(Ok).ok());
+  }
+  ASSERT_TRUE(pool->FreeSequence("old").ok());  // the layers are empty: their scales may change
+  for (const bool fail_in_stage : {false, true}) {
+    SCOPED_TRACE(fail_in_stage ? "fails in stage" : "fails at the last check");
+    AtomicAppend a(pool.get());
+    ASSERT_TRUE(a.Begin("x").ok());
+    ASSERT_TRUE(a.Begin("y").ok());
+    const SequenceRowsIn rx = WithScales(Rows(b, 0, 2), 0, 0), ry = WithScales(Rows(b, 0, 2), 0.25f, 1.0f);
+    // Failing in stage: a third sequence with a hole after the two.
+    const SequenceRowsIn rz = Rows(b, 7, 2);
+    std::vector<const SequenceRowsIn*> rows = {&rx, &ry};
+    if (fail_in_stage) {
+      ASSERT_TRUE(a.Begin("z").ok());
+      rows.push_back(&rz);
+      EXPECT_FALSE(a.Stage(rows, DType::kBFloat16).ok());
+      a.Abort();
+    } else {
+      ASSERT_TRUE(a.Stage(rows, DType::kBFloat16).ok());
+      EXPECT_EQ(pool->Snapshot().layers[0].ckv_scale, 0.25f);
+      EXPECT_EQ(a.Commit([] { return absl::DeadlineExceededError("late"); }).status().code(),
+                absl::StatusCode::kDeadlineExceeded);
+    }
+    const PoolSnapshot s = pool->Snapshot();
+    for (int l : {0, 1}) {
+      EXPECT_TRUE(s.layers[l].scales_set);
+      EXPECT_EQ(s.layers[l].ckv_scale, kCkv) << "layer " << l;
+      EXPECT_EQ(s.layers[l].kpe_scale, kKpe) << "layer " << l;
+      EXPECT_EQ(s.layers[l].tokens, 0u);
+    }
+    EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  }
+}
+
 TEST(AtomicAppend, AFailingLastCheckAbortsAndReturnsItsStatus) {
   auto pool = MakePool();
   AtomicAppend a(pool.get());
