@@ -217,11 +217,23 @@ ZmqEventPublisher::~ZmqEventPublisher() {
 void ZmqEventPublisher::AcceptReplayRequests(std::vector<Replay>& replays) {
   Sockets& s = *sockets_;
   while (true) {
-    std::vector<zmq::message_t> request;
-    const auto got = zmq::recv_multipart(s.replay, std::back_inserter(request), zmq::recv_flags::dontwait);
-    if (!got) return;
+    // Frame by frame, keeping the three a request has: maxmsgsize bounds
+    // each frame, not how many a message has, and a request of millions of
+    // frames read whole (recv_multipart) took ~1 GB at once.
+    std::array<zmq::message_t, 3> request;
+    size_t frames = 0;
+    zmq::message_t part;
+    if (!s.replay.recv(part, zmq::recv_flags::dontwait)) return;
+    while (true) {
+      const bool more = part.more();
+      if (frames < request.size()) request[frames] = std::move(part);
+      ++frames;
+      if (!more) break;
+      part.rebuild();
+      (void)s.replay.recv(part, zmq::recv_flags::none);  // a message's frames arrive together
+    }
     // Not [client, "", start (8 bytes)]: ignored, unanswered.
-    if (request.size() != 3 || !request[1].empty() || request[2].size() != 8) continue;
+    if (frames != 3 || !request[1].empty() || request[2].size() != 8) continue;
     Replay r{.client = request[0].to_string(), .next = SeqFromBytes(request[2]), .progress = absl::Now()};
     const auto same = std::find_if(replays.begin(), replays.end(), [&](const Replay& o) { return o.client == r.client; });
     if (same != replays.end()) {

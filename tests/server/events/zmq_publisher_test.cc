@@ -413,6 +413,16 @@ TEST(ZmqPublisherTest, MalformedReplayRequestsAreIgnored) {
     EXPECT_FALSE(zmq::recv_multipart(dealer, std::back_inserter(reply))) << "answered a request of " << frames.size()
                                                                           << " frames";
   }
+  {
+    // A request of 100,000 frames: read frame by frame (the publisher keeps
+    // three), ignored like any other of the wrong shape.
+    zmq::socket_t dealer = ReplayReader(ctx, ep.replay, 0, /*rcvtimeo_ms=*/300);
+    dealer.send(zmq::str_buffer(""), zmq::send_flags::sndmore);
+    for (int i = 0; i < 100000; ++i) dealer.send(zmq::buffer(start), zmq::send_flags::sndmore);
+    dealer.send(zmq::buffer(start), zmq::send_flags::none);
+    std::vector<zmq::message_t> reply;
+    EXPECT_FALSE(zmq::recv_multipart(dealer, std::back_inserter(reply))) << "answered a request of 100,002 frames";
+  }
   EXPECT_EQ(p.stats().replays_done + p.stats().replays_abandoned + p.stats().replays_dropped, 0u);
   const Replayed all = Replay(ctx, ep.replay, 0);
   EXPECT_TRUE(all.ended);
