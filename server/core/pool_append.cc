@@ -781,16 +781,23 @@ void Pool::Abort(AppendTransaction& txn) {
 }
 
 void Pool::Abort(std::span<AppendTransaction* const> txns) {
-  // Reverse order: a later transaction's changes are undone before an earlier one's.
-  for (auto it = txns.rbegin(); it != txns.rend(); ++it) AbortOne(**it);
+  // Reverse order: a later transaction's changes are undone before an
+  // earlier one's. (One committed or aborted before is left alone.)
+  std::vector<AppendTransaction*> undone;
+  undone.reserve(txns.size());
+  for (auto it = txns.rbegin(); it != txns.rend(); ++it) {
+    if ((*it)->finished_) continue;
+    AbortOne(**it);
+    undone.push_back(*it);
+  }
   // Scales last, once every transaction of the call has left the layers: the
   // one that set a layer's scales puts the old ones back only while no
   // append has rows staged there, and another sequence of the same call had
   // until its own abort above (restoring in the same pass as that abort
   // left a failed call's new scales in place).
   absl::MutexLock lock(&mu_);
-  for (auto it = txns.rbegin(); it != txns.rend(); ++it) {
-    for (auto s = (*it)->scales_before_.rbegin(); s != (*it)->scales_before_.rend(); ++s) {
+  for (AppendTransaction* txn : undone) {
+    for (auto s = txn->scales_before_.rbegin(); s != txn->scales_before_.rend(); ++s) {
       LayerState& st = layers_[s->layer];
       if (st.tokens == 0 && st.staged_users == 0) {
         st.scales_set = s->set;
@@ -798,12 +805,11 @@ void Pool::Abort(std::span<AppendTransaction* const> txns) {
         st.kpe_scale = s->kpe_scale;
       }
     }
-    (*it)->scales_before_.clear();
+    txn->scales_before_.clear();
   }
 }
 
 void Pool::AbortOne(AppendTransaction& txn) {
-  if (txn.finished_) return;
   // Put back the bytes of rewritten committed positions. The sequence is
   // still held (busy), so its pages cannot have changed hands.
   for (const AppendTransaction::Undo& u : txn.undo_) {
