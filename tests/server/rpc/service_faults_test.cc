@@ -113,8 +113,12 @@ TEST_F(ServiceFaults, AStreamThatNeverSendsAMessageIsEndedAtTheIdleTimeout) {
   EXPECT_TRUE(absl::StrContains(status.error_message(), "append_idle_timeout_seconds")) << Describe(status);
   EXPECT_TRUE(absl::StrContains(status.error_message(), "after message 0")) << Describe(status);
   EXPECT_LT(waited, 4.0);
-  // What a drain waits for before the server shuts down.
-  for (int i = 0; i < 100 && server().service().appends_in_flight() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  // What a drain waits for before the server shuts down; and the call's
+  // end (OnDone, after the client has its status, takes it off the watchdog).
+  for (int i = 0; i < 500 && (server().service().appends_in_flight() != 0 || server().service().watchdog().size() != 0);
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   EXPECT_EQ(server().service().appends_in_flight(), 0);
   EXPECT_EQ(server().service().watchdog().size(), 0u);
   EXPECT_EQ(GetPool().pages_used(), 0u);
