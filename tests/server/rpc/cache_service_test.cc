@@ -293,12 +293,6 @@ TEST_F(CacheServiceTest, ScalesDoNotChangeWhileALeaseHoldsRowsStoredWithThem) {
   const auto append_other_scales = [&](const std::string& seq) {
     return Append({AppendMessage(seq, 0, RandomRows(16, 9), 0, 16, {0, 1}, 2 * kCkv, 2 * kKpe)});
   };
-  const auto free = [&](const std::string& seq) {
-    v1::FreeSequenceRequest req;
-    req.set_sequence(seq);
-    v1::FreeSequenceResponse resp;
-    ASSERT_TRUE(Call(&v1::KvCache::Stub::FreeSequence, req, &resp).ok());
-  };
   const auto release = [&](uint64_t lease) {
     v1::ReleaseLeaseRequest req;
     req.set_lease_id(lease);
@@ -314,7 +308,7 @@ TEST_F(CacheServiceTest, ScalesDoNotChangeWhileALeaseHoldsRowsStoredWithThem) {
   ASSERT_TRUE(Call(&v1::KvCache::Stub::GetSequence, get, &leased).ok());
   std::string before, after;
   ASSERT_TRUE(ReadAll("", leased.lease().lease_id(), 16, &before).ok());
-  ASSERT_NO_FATAL_FAILURE(free("read"));
+  ASSERT_NO_FATAL_FAILURE(Free("read"));
   grpc::Status s = append_other_scales("other");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
   EXPECT_TRUE(absl::StrContains(s.error_message(), "1 leases may hold rows stored with them")) << Describe(s);
@@ -322,7 +316,7 @@ TEST_F(CacheServiceTest, ScalesDoNotChangeWhileALeaseHoldsRowsStoredWithThem) {
   EXPECT_EQ(after, before);
   ASSERT_NO_FATAL_FAILURE(release(leased.lease().lease_id()));
   ASSERT_TRUE(append_other_scales("other").ok()) << "the layer is empty and no lease is held: scales may change";
-  ASSERT_NO_FATAL_FAILURE(free("other"));
+  ASSERT_NO_FATAL_FAILURE(Free("other"));
   // A prefix match's page lease, then a fork by hash of those pages.
   MustAppend("a", 0, RandomRows(32, 2), [](v1::AppendRequest& m) {
     m.add_block_hashes("h0");
@@ -335,7 +329,7 @@ TEST_F(CacheServiceTest, ScalesDoNotChangeWhileALeaseHoldsRowsStoredWithThem) {
   v1::MatchPrefixResponse matched;
   ASSERT_TRUE(Call(&v1::KvCache::Stub::MatchPrefix, match, &matched).ok());
   ASSERT_EQ(matched.matched_pages(), 2u);
-  ASSERT_NO_FATAL_FAILURE(free("a"));
+  ASSERT_NO_FATAL_FAILURE(Free("a"));
   s = append_other_scales("b");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << Describe(s);
   v1::ForkSequenceRequest fork;
@@ -377,10 +371,7 @@ TEST_F(CacheServiceTest, AReadStreamNeverMixesTwoIncarnations) {
   auto reader = stub().ReadSequence(&ctx, req);
   v1::ReadSequenceResponse chunk;
   ASSERT_TRUE(reader->Read(&chunk));
-  v1::FreeSequenceRequest free_req;
-  free_req.set_sequence("s");
-  v1::FreeSequenceResponse freed;
-  ASSERT_TRUE(Call(&v1::KvCache::Stub::FreeSequence, free_req, &freed).ok());
+  ASSERT_NO_FATAL_FAILURE(Free("s"));
   MustAppend("s", 0, RandomRows(2048, 2));
   std::string second;
   ASSERT_TRUE(ReadAll("s", 0, 2048, &second).ok());
@@ -465,10 +456,7 @@ TEST_F(CacheServiceTest, TheNewPagesViewsCarryACopiedSharedPage) {
     table.resize(offset);
     table.insert(table.end(), changed.begin(), changed.end());
     EXPECT_EQ(table, std::vector<uint32_t>(now.kv_indices().begin(), now.kv_indices().end()));
-    v1::FreeSequenceRequest free_req;
-    free_req.set_sequence("b");
-    v1::FreeSequenceResponse freed;
-    ASSERT_TRUE(Call(&v1::KvCache::Stub::FreeSequence, free_req, &freed).ok());
+    ASSERT_NO_FATAL_FAILURE(Free("b"));
   }
 }
 

@@ -85,13 +85,6 @@ class CommitAppendTest : public ::testing::Test, public ServiceFixture {
     grpc::ClientContext ctx;
     ASSERT_TRUE(stub().FreeSequence(&ctx, free, &freed).ok());
   }
-  void Free(const std::string& sequence) {
-    v1::FreeSequenceRequest free;
-    free.set_sequence(sequence);
-    v1::FreeSequenceResponse freed;
-    grpc::ClientContext ctx;
-    ASSERT_TRUE(stub().FreeSequence(&ctx, free, &freed).ok());
-  }
 };
 
 TEST_F(CommitAppendTest, CommitsAfterTheNamedMessagesAndTheStreamEndsWithTheSameAnswer) {

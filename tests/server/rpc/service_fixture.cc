@@ -33,6 +33,15 @@ grpc::Status ServiceFixture::Append(const std::vector<v1::AppendRequest>& messag
   return writer->Finish();
 }
 
+void ServiceFixture::Free(const std::string& sequence) {
+  grpc::ClientContext ctx;
+  v1::FreeSequenceRequest req;
+  req.set_sequence(sequence);
+  v1::FreeSequenceResponse resp;
+  const grpc::Status s = stub_->FreeSequence(&ctx, req, &resp);
+  ASSERT_TRUE(s.ok()) << sequence << ": " << Describe(s);
+}
+
 grpc::Status ServiceFixture::AppendRows(const std::string& sequence, uint32_t start, const Rows& rows,
                                         const std::vector<uint32_t>& layers, float ckv_scale, float kpe_scale,
                                         int64_t per_message, v1::AppendResponse* resp) {

@@ -138,6 +138,8 @@ class ServiceFixture {
   grpc::Status AppendRows(const std::string& sequence, uint32_t start, const Rows& rows,
                           const std::vector<uint32_t>& layers, float ckv_scale = 0.0f, float kpe_scale = 0.0f,
                           int64_t per_message = 1 << 30, v1::AppendResponse* resp = nullptr);
+  // Frees `sequence` of the default pool; a failure fails the test.
+  void Free(const std::string& sequence);
   // `pool` empty: the default pool.
   Stored Read(const std::string& sequence, uint32_t layer, uint32_t start, uint32_t count, bool dequantize = false,
               uint32_t tokens_per_message = 0, const std::string& pool = "");

@@ -49,14 +49,6 @@ class WatchEventsTest : public ::testing::Test, public ServiceFixture {
     const grpc::Status s = ServiceFixture::Append({m});
     ASSERT_TRUE(s.ok()) << Describe(s);
   }
-
-  void Free(const std::string& id) {
-    grpc::ClientContext ctx;
-    v1::FreeSequenceRequest req;
-    req.set_sequence(id);
-    v1::FreeSequenceResponse resp;
-    ASSERT_TRUE(stub().FreeSequence(&ctx, req, &resp).ok());
-  }
 };
 
 TEST_F(WatchEventsTest, AKnownWorkloadArrivesInOrderWithHashesAndTheServersId) {
